@@ -1,0 +1,187 @@
+//! Host "device memory": memfd-backed shared mappings that a peer process can
+//! map after receiving the fd, plus host-mapped error words.
+
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::device::{DeviceBuffer, DevicePtr, ExportedHandle, HostFlags};
+use crate::error::{Error, Result};
+
+/// A shared mapping of `len` bytes (at least one page is mapped so that
+/// zero-sized buffers still have a valid, unique address).
+struct Mapping {
+    addr: usize,
+    map_len: usize,
+}
+
+impl Mapping {
+    fn new(fd: &OwnedFd, len: usize) -> Result<Mapping> {
+        let map_len = len.max(1);
+        // SAFETY: mapping a file descriptor we own with a fresh address chosen by
+        // the kernel; the result is checked before use.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(Error::io(format!("mmap of {len} bytes"), std::io::Error::last_os_error()));
+        }
+        Ok(Mapping {
+            addr: addr as usize,
+            map_len,
+        })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the region this Mapping created; no Rust
+        // references into it outlive the Mapping (only addresses in queued work,
+        // which owners drain before dropping).
+        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.map_len) };
+    }
+}
+
+fn memfd(len: usize) -> Result<OwnedFd> {
+    // SAFETY: memfd_create with a static NUL-terminated name; checked below.
+    let fd = unsafe { libc::memfd_create(c"ferrocomm".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::io("memfd_create", std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ftruncate on a descriptor we own.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len.max(1) as libc::off_t) } != 0 {
+        return Err(Error::io(
+            format!("sizing shared memory to {len} bytes"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(fd)
+}
+
+/// An allocation owned by this rank (zero-filled, shareable).
+pub struct HostBuffer {
+    map: Mapping,
+    len: usize,
+    fd: OwnedFd,
+}
+
+impl HostBuffer {
+    pub(super) fn new(len: usize) -> Result<HostBuffer> {
+        let fd = memfd(len)?;
+        let map = Mapping::new(&fd, len)?;
+        Ok(HostBuffer { map, len, fd })
+    }
+
+    pub(super) fn export(&self) -> Result<ExportedHandle> {
+        let fd = self
+            .fd
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| Error::io("duplicating a buffer fd for export", e))?;
+        Ok(ExportedHandle {
+            bytes: (self.len as u64).to_le_bytes().to_vec(),
+            fd: Some(fd),
+            size: self.len,
+        })
+    }
+}
+
+impl DeviceBuffer for HostBuffer {
+    fn ptr(&self) -> DevicePtr {
+        DevicePtr(self.map.addr as u64)
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A peer's buffer mapped into this process.
+pub struct HostPeerBuffer {
+    map: Mapping,
+    len: usize,
+}
+
+impl HostPeerBuffer {
+    pub(super) fn import(handle: ExportedHandle) -> Result<HostPeerBuffer> {
+        let fd = handle
+            .fd
+            .ok_or_else(|| Error::invalid("host IPC handle carries no file descriptor"))?;
+        // The fd's real size bounds what we may map: a peer cannot make us map
+        // past the end of its file.
+        // SAFETY: fstat on a descriptor we own into a zeroed stat struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(Error::io("fstat on an imported buffer", std::io::Error::last_os_error()));
+        }
+        if (st.st_size as usize) < handle.size.max(1) {
+            return Err(Error::invalid(format!(
+                "imported buffer is {} bytes, handle claims {}",
+                st.st_size, handle.size
+            )));
+        }
+        let map = Mapping::new(&fd, handle.size)?;
+        Ok(HostPeerBuffer { map, len: handle.size })
+    }
+}
+
+impl DeviceBuffer for HostPeerBuffer {
+    fn ptr(&self) -> DevicePtr {
+        DevicePtr(self.map.addr as u64)
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// Error words that kernels set and the host polls.
+pub struct HostErrorFlags {
+    words: Box<[AtomicU32]>,
+}
+
+impl HostErrorFlags {
+    pub(super) fn new(words: usize) -> Self {
+        HostErrorFlags {
+            words: (0..words).map(|_| AtomicU32::new(0)).collect(),
+        }
+    }
+}
+
+impl HostFlags for HostErrorFlags {
+    fn device_ptr(&self) -> DevicePtr {
+        DevicePtr(self.words.as_ptr() as u64)
+    }
+    fn load(&self, index: usize) -> u32 {
+        self.words.get(index).map_or(0, |w| w.load(Ordering::Acquire))
+    }
+    fn store(&self, index: usize, value: u32) {
+        if let Some(w) = self.words.get(index) {
+            w.store(value, Ordering::Release);
+        }
+    }
+}
+
+/// Byte fill at a host "device" address.
+///
+/// # Safety
+/// `dst..dst+len` must be a live, writable mapping.
+pub(super) unsafe fn fill(dst: DevicePtr, len: usize, value: u8) {
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::ptr::write_bytes(dst.0 as *mut u8, value, len) }
+}
+
+/// Byte copy between host "device" addresses (ranges may overlap).
+///
+/// # Safety
+/// Both ranges must be live mappings, `dst` writable.
+pub(super) unsafe fn copy(dst: DevicePtr, src: DevicePtr, len: usize) {
+    // SAFETY: guaranteed by the caller; `copy` tolerates overlap.
+    unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, len) }
+}

@@ -1,0 +1,202 @@
+//! The host (CPU) backend: always built, the reference implementation, and the
+//! default that runs anywhere.
+//!
+//! "Device memory" is a memfd mapped shared, so a peer process can map the same
+//! pages after receiving the fd (IPC). A stream is a worker thread that runs
+//! its queue in order; events are markers in that queue; graph capture
+//! records the queued work, and replay queues it again. Kernels are Rust
+//! functions in [`kernels`] that follow `docs/protocol.md` exactly.
+
+mod kernels;
+mod memory;
+mod stream;
+
+pub use memory::{HostBuffer, HostErrorFlags, HostPeerBuffer};
+pub use stream::{HostEvent, HostGraph, HostStream};
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::device::{
+    Device, DeviceBuffer, DeviceFacts, DevicePtr, ExportedHandle, KernelParams, LaunchConfig, MemKind,
+    ModuleSource, BackendKind,
+};
+use crate::error::{Error, Result};
+
+/// A loaded host "module": the Rust kernels, by entry-point name.
+pub struct HostModule {
+    kernels: HashMap<String, kernels::HostKernel>,
+}
+
+/// One host rank's device.
+pub struct HostDevice {
+    facts: DeviceFacts,
+}
+
+impl HostDevice {
+    /// A host device; `ordinal` only labels it (any number of ranks share the CPU).
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let threads = std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1);
+        Ok(HostDevice {
+            facts: DeviceFacts {
+                backend: BackendKind::Host,
+                ordinal,
+                name: "host".to_string(),
+                arch: "host".to_string(),
+                multiprocessors: threads,
+                warp_size: 1,
+                total_memory: 0,
+            },
+        })
+    }
+}
+
+fn check_range(what: &str, buf_len: usize, offset: usize, len: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= buf_len => Ok(()),
+        _ => Err(Error::invalid(format!(
+            "{what}: range {offset}+{len} is outside a buffer of {buf_len} bytes"
+        ))),
+    }
+}
+
+impl Device for HostDevice {
+    type Buffer = HostBuffer;
+    type PeerBuffer = HostPeerBuffer;
+    type Flags = HostErrorFlags;
+    type Stream = HostStream;
+    type Event = HostEvent;
+    type Graph = HostGraph;
+    type Module = HostModule;
+
+    fn facts(&self) -> &DeviceFacts {
+        &self.facts
+    }
+
+    fn alloc(&self, bytes: usize, _kind: MemKind) -> Result<HostBuffer> {
+        // Every host allocation is a fresh (zeroed) memfd, so any buffer can be shared.
+        HostBuffer::new(bytes)
+    }
+
+    fn alloc_host_flags(&self, words: usize) -> Result<HostErrorFlags> {
+        Ok(HostErrorFlags::new(words))
+    }
+
+    fn memset(&self, buf: &HostBuffer, offset: usize, len: usize, value: u8, stream: &HostStream) -> Result<()> {
+        check_range("memset", buf.len(), offset, len)?;
+        let dst = buf.ptr().offset(offset);
+        stream.submit(Arc::new(move || {
+            // SAFETY: the range was checked against the live buffer above; the
+            // buffer outlives queued work because owners synchronize before drop.
+            unsafe { memory::fill(dst, len, value) }
+        }))
+    }
+
+    fn copy_from_host(&self, buf: &HostBuffer, offset: usize, src: &[u8], stream: &HostStream) -> Result<()> {
+        check_range("copy_from_host", buf.len(), offset, src.len())?;
+        let dst = buf.ptr().offset(offset);
+        let data: Arc<[u8]> = Arc::from(src);
+        stream.submit(Arc::new(move || {
+            // SAFETY: destination range checked above; `data` is owned by the closure.
+            unsafe { memory::copy(dst, DevicePtr(data.as_ptr() as u64), data.len()) }
+        }))
+    }
+
+    fn copy_to_host(&self, buf: &HostBuffer, offset: usize, dst: &mut [u8], stream: &HostStream) -> Result<()> {
+        check_range("copy_to_host", buf.len(), offset, dst.len())?;
+        stream.synchronize()?;
+        // SAFETY: range checked; the stream is idle, so nothing writes the buffer now.
+        unsafe { memory::copy(DevicePtr(dst.as_mut_ptr() as u64), buf.ptr().offset(offset), dst.len()) };
+        Ok(())
+    }
+
+    fn copy_device(&self, dst: DevicePtr, src: DevicePtr, bytes: usize, stream: &HostStream) -> Result<()> {
+        stream.submit(Arc::new(move || {
+            // SAFETY: callers (the algorithms) pass addresses inside live buffers
+            // of this device that they keep alive until the stream drains.
+            unsafe { memory::copy(dst, src, bytes) }
+        }))
+    }
+
+    fn export(&self, buf: &HostBuffer) -> Result<ExportedHandle> {
+        buf.export()
+    }
+
+    fn import(&self, handle: ExportedHandle) -> Result<HostPeerBuffer> {
+        HostPeerBuffer::import(handle)
+    }
+
+    fn create_stream(&self) -> Result<HostStream> {
+        HostStream::new()
+    }
+
+    fn synchronize(&self, stream: &HostStream) -> Result<()> {
+        stream.synchronize()
+    }
+
+    fn create_event(&self) -> Result<HostEvent> {
+        Ok(HostEvent::new())
+    }
+
+    fn record(&self, event: &HostEvent, stream: &HostStream) -> Result<()> {
+        stream.record(event)
+    }
+
+    fn query(&self, event: &HostEvent) -> Result<bool> {
+        Ok(event.is_done())
+    }
+
+    fn wait_event(&self, stream: &HostStream, event: &HostEvent) -> Result<()> {
+        stream.wait_event(event)
+    }
+
+    fn elapsed_ms(&self, start: &HostEvent, end: &HostEvent) -> Result<f32> {
+        HostEvent::elapsed_ms(start, end)
+    }
+
+    fn begin_capture(&self, stream: &HostStream) -> Result<()> {
+        stream.begin_capture()
+    }
+
+    fn end_capture(&self, stream: &HostStream) -> Result<HostGraph> {
+        stream.end_capture()
+    }
+
+    fn is_capturing(&self, stream: &HostStream) -> Result<bool> {
+        Ok(stream.is_capturing())
+    }
+
+    fn launch_graph(&self, graph: &HostGraph, stream: &HostStream) -> Result<()> {
+        stream.launch_graph(graph)
+    }
+
+    fn load_module(&self, source: &ModuleSource) -> Result<HostModule> {
+        Ok(HostModule {
+            kernels: kernels::module_kernels(source.name)?,
+        })
+    }
+
+    fn launch(
+        &self,
+        module: &HostModule,
+        kernel: &str,
+        _config: LaunchConfig,
+        params: &KernelParams,
+        stream: &HostStream,
+    ) -> Result<()> {
+        let Some(&k) = module.kernels.get(kernel) else {
+            return Err(Error::invalid(format!("host module has no kernel named {kernel}")));
+        };
+        let params = *params;
+        stream.submit(Arc::new(move || {
+            // SAFETY: the algorithm layer built `params` from live workspaces and
+            // buffers it keeps alive until the stream drains (docs/protocol.md).
+            unsafe { k.call(&params) }
+        }))
+    }
+
+    fn collective_grid(&self, _bytes: usize) -> LaunchConfig {
+        // A host kernel is one "block": the protocol with gridDim = 1.
+        LaunchConfig { grid: 1, block: 1 }
+    }
+}

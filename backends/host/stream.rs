@@ -1,0 +1,210 @@
+//! Host streams (a worker thread running its queue in order), events (markers
+//! in that queue) and graphs (a recorded queue that can be replayed).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+
+/// Queued work. `Fn`, not `FnOnce`, so a captured graph can run it again.
+pub(super) type Op = Arc<dyn Fn() + Send + Sync>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Ops run under catch_unwind, so a poisoned lock still holds consistent data.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[derive(Default)]
+struct Progress {
+    submitted: u64,
+    completed: u64,
+    panicked: bool,
+}
+
+struct Shared {
+    progress: Mutex<Progress>,
+    cv: Condvar,
+}
+
+/// An in-order queue of work run by one worker thread.
+pub struct HostStream {
+    tx: Mutex<Option<mpsc::Sender<Op>>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+    shared: Arc<Shared>,
+    capture: Mutex<Option<Vec<Op>>>,
+}
+
+impl HostStream {
+    pub(super) fn new() -> Result<HostStream> {
+        let (tx, rx) = mpsc::channel::<Op>();
+        let shared = Arc::new(Shared {
+            progress: Mutex::new(Progress::default()),
+            cv: Condvar::new(),
+        });
+        let worker_shared = shared.clone();
+        let worker = std::thread::Builder::new()
+            .name("ferrocomm-host-stream".into())
+            .spawn(move || {
+                for op in rx {
+                    let ok = catch_unwind(AssertUnwindSafe(|| op())).is_ok();
+                    let mut p = lock(&worker_shared.progress);
+                    p.completed += 1;
+                    p.panicked |= !ok;
+                    worker_shared.cv.notify_all();
+                }
+            })
+            .map_err(|e| Error::io("spawning a host stream worker", e))?;
+        Ok(HostStream {
+            tx: Mutex::new(Some(tx)),
+            worker: Mutex::new(Some(worker)),
+            shared,
+            capture: Mutex::new(None),
+        })
+    }
+
+    /// Queue `op`, or record it if the stream is capturing.
+    pub(super) fn submit(&self, op: Op) -> Result<()> {
+        if let Some(graph) = lock(&self.capture).as_mut() {
+            graph.push(op);
+            return Ok(());
+        }
+        self.enqueue(op)
+    }
+
+    fn enqueue(&self, op: Op) -> Result<()> {
+        let tx = lock(&self.tx);
+        let tx = tx.as_ref().ok_or_else(|| Error::invalid("host stream is closed"))?;
+        lock(&self.shared.progress).submitted += 1;
+        tx.send(op).map_err(|_| Error::invalid("host stream worker has exited"))
+    }
+
+    /// Wait for everything queued so far.
+    pub(super) fn synchronize(&self) -> Result<()> {
+        let mut p = lock(&self.shared.progress);
+        let target = p.submitted;
+        while p.completed < target {
+            p = self.shared.cv.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+        if p.panicked {
+            return Err(Error::Backend {
+                backend: "host",
+                call: "stream op",
+                message: "a queued operation panicked".into(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn record(&self, event: &HostEvent) -> Result<()> {
+        if self.is_capturing() {
+            return Err(Error::Unsupported("recording a host event inside graph capture".into()));
+        }
+        let target = {
+            let mut e = lock(&event.0.state);
+            e.target += 1;
+            e.target
+        };
+        let ev = event.0.clone();
+        self.enqueue(Arc::new(move || {
+            let mut e = lock(&ev.state);
+            if e.done < target {
+                e.done = target;
+                e.at = Some(Instant::now());
+            }
+            ev.cv.notify_all();
+        }))
+    }
+
+    pub(super) fn wait_event(&self, event: &HostEvent) -> Result<()> {
+        let target = lock(&event.0.state).target;
+        let ev = event.0.clone();
+        self.submit(Arc::new(move || {
+            let mut e = lock(&ev.state);
+            while e.done < target {
+                e = ev.cv.wait(e).unwrap_or_else(|p| p.into_inner());
+            }
+        }))
+    }
+
+    pub(super) fn begin_capture(&self) -> Result<()> {
+        let mut cap = lock(&self.capture);
+        if cap.is_some() {
+            return Err(Error::invalid("stream is already capturing"));
+        }
+        *cap = Some(Vec::new());
+        Ok(())
+    }
+
+    pub(super) fn end_capture(&self) -> Result<HostGraph> {
+        let ops = lock(&self.capture)
+            .take()
+            .ok_or_else(|| Error::invalid("end_capture on a stream that is not capturing"))?;
+        Ok(HostGraph { ops })
+    }
+
+    pub(super) fn is_capturing(&self) -> bool {
+        lock(&self.capture).is_some()
+    }
+
+    pub(super) fn launch_graph(&self, graph: &HostGraph) -> Result<()> {
+        for op in &graph.ops {
+            self.submit(op.clone())?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for HostStream {
+    fn drop(&mut self) {
+        // Closing the channel lets the worker drain its queue and exit.
+        lock(&self.tx).take();
+        if let Some(worker) = lock(&self.worker).take() {
+            let _ = worker.join();
+        }
+    }
+}
+
+#[derive(Default)]
+struct EventState {
+    target: u64,
+    done: u64,
+    at: Option<Instant>,
+}
+
+struct EventShared {
+    state: Mutex<EventState>,
+    cv: Condvar,
+}
+
+/// A marker in a stream's queue; done once the queue reaches it.
+pub struct HostEvent(Arc<EventShared>);
+
+impl HostEvent {
+    pub(super) fn new() -> HostEvent {
+        HostEvent(Arc::new(EventShared {
+            state: Mutex::new(EventState::default()),
+            cv: Condvar::new(),
+        }))
+    }
+
+    pub(super) fn is_done(&self) -> bool {
+        let e = lock(&self.0.state);
+        e.done >= e.target
+    }
+
+    pub(super) fn elapsed_ms(start: &HostEvent, end: &HostEvent) -> Result<f32> {
+        let (a, b) = (lock(&start.0.state).at, lock(&end.0.state).at);
+        match (a, b, start.is_done() && end.is_done()) {
+            (Some(a), Some(b), true) => Ok(b.saturating_duration_since(a).as_secs_f32() * 1e3),
+            _ => Err(Error::invalid("elapsed_ms on an event that has not completed")),
+        }
+    }
+}
+
+/// Work recorded by graph capture.
+pub struct HostGraph {
+    ops: Vec<Op>,
+}

@@ -1,0 +1,127 @@
+//! Turning one collective call into kernel launches: chunking, fingerprints
+//! and the parameter block.
+
+use std::time::Duration;
+
+use super::kernels::{kernel_name, KernelKind};
+use super::layout::{DATA_OFFSET, FLAGS_OFFSET, FP_OFFSET};
+use super::workspace::Workspace;
+use crate::device::{Device, DeviceBuffer, DevicePtr, HostFlags, KernelParams};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::Result;
+
+/// Entry-point names, built once so the hot path does not format strings.
+pub struct KernelNames {
+    names: Vec<String>,
+}
+
+impl KernelNames {
+    const KINDS: [KernelKind; 3] = [KernelKind::OneShot, KernelKind::TwoShot, KernelKind::Broadcast];
+
+    pub fn new() -> Self {
+        let mut names = Vec::new();
+        for kind in Self::KINDS {
+            for dtype in DType::ALL {
+                for op in ReduceOp::ALL {
+                    names.push(kernel_name(kind, dtype, op));
+                }
+            }
+        }
+        KernelNames { names }
+    }
+
+    pub fn get(&self, kind: KernelKind, dtype: DType, op: ReduceOp) -> &str {
+        let k = Self::KINDS.iter().position(|&x| x == kind).unwrap_or(0);
+        &self.names[(k * DType::ALL.len() + dtype as usize) * ReduceOp::ALL.len() + op as usize]
+    }
+}
+
+impl Default for KernelNames {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// What one rank asks for; every rank of the group must ask for the same.
+#[derive(Debug, Clone, Copy)]
+pub struct CollectiveCall {
+    pub kind: KernelKind,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub count: usize,
+    pub root: usize,
+    pub input: DevicePtr,
+    pub output: DevicePtr,
+}
+
+/// 64-bit FNV-1a over what must agree across ranks for one launch.
+pub fn fingerprint(call: &CollectiveCall, chunk: usize) -> u64 {
+    let words = [
+        call.kind as u64,
+        call.dtype as u64,
+        call.op as u64,
+        call.count as u64,
+        chunk as u64,
+        call.root as u64,
+    ];
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for w in words {
+        for b in w.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+impl CollectiveCall {
+    /// Enqueue the launches for this call on `stream`, one per workspace-sized chunk.
+    #[allow(clippy::too_many_arguments)]
+    pub fn enqueue<D: Device>(
+        &self,
+        dev: &D,
+        module: &D::Module,
+        names: &KernelNames,
+        ws: &Workspace<D>,
+        flags: &D::Flags,
+        rank: usize,
+        timeout: Duration,
+        stream: &D::Stream,
+    ) -> Result<()> {
+        let elem = self.dtype.size();
+        let chunk_elems = ws.slot_bytes() / elem;
+        let name = names.get(self.kind, self.dtype, self.op);
+        let base = KernelParams {
+            peer_ws: ws.peer_ptrs(),
+            error_flags: flags.device_ptr(),
+            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            fp_offset: FP_OFFSET as u64,
+            flags_offset: FLAGS_OFFSET as u64,
+            data_offset: DATA_OFFSET as u64,
+            slot_bytes: ws.slot_bytes() as u64,
+            rank: rank as u32,
+            world: ws.world() as u32,
+            dtype: self.dtype as u32,
+            op: self.op as u32,
+            root: self.root as u32,
+            ..KernelParams::default()
+        };
+        debug_assert!(ws.own().len() >= DATA_OFFSET);
+        let mut first = 0;
+        let mut chunk = 0;
+        while first < self.count {
+            let n = chunk_elems.min(self.count - first);
+            let params = KernelParams {
+                input: self.input.offset(first * elem),
+                output: self.output.offset(first * elem),
+                count: n as u64,
+                fingerprint: fingerprint(self, chunk),
+                ..base
+            };
+            dev.launch(module, name, dev.collective_grid(n * elem), &params, stream)?;
+            first += n;
+            chunk += 1;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,13 @@
+//! Algorithms: the host-side halves of the protocols in `docs/protocol.md`
+//! (workspace, epochs, chunking, which kernel to launch) and the dispatch
+//! table that picks one per call.
+
+mod dispatch;
+pub mod kernels;
+mod launch;
+pub mod layout;
+mod workspace;
+
+pub use dispatch::{AlgoChoice, Algorithm, DispatchTable};
+pub use launch::{fingerprint, CollectiveCall, KernelNames};
+pub use workspace::Workspace;

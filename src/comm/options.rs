@@ -1,0 +1,85 @@
+//! Communicator options, with environment overrides.
+
+use std::time::Duration;
+
+use crate::algo::AlgoChoice;
+use crate::error::{Error, Result};
+
+/// How a communicator behaves. `Default` is the documented default; `from_env`
+/// applies `FERROCOMM_*` variables on top.
+#[derive(Debug, Clone)]
+pub struct CommOptions {
+    /// Bound on every wait, on the host and in kernels (`FERROCOMM_TIMEOUT_SECONDS`, default 600 s).
+    pub timeout: Duration,
+    /// Only paths that give bitwise-identical results across ranks, runs and
+    /// algorithms (`FERROCOMM_DETERMINISTIC`, default on).
+    pub deterministic: bool,
+    /// Force an algorithm (`FERROCOMM_ALGO=auto|oneshot|twoshot`).
+    pub algo: AlgoChoice,
+    /// Bytes per workspace data slot; payloads above it are chunked
+    /// (`FERROCOMM_SLOT_BYTES`, default 8 MiB).
+    pub slot_bytes: usize,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions {
+            timeout: Duration::from_secs(600),
+            deterministic: true,
+            algo: AlgoChoice::Auto,
+            slot_bytes: 8 << 20,
+        }
+    }
+}
+
+fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+impl CommOptions {
+    /// Defaults, overridden by the environment.
+    pub fn from_env() -> Result<Self> {
+        let mut o = CommOptions::default();
+        if let Some(v) = env_var("FERROCOMM_TIMEOUT_SECONDS") {
+            let secs: f64 = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|s: &f64| s.is_finite() && *s > 0.0)
+                .ok_or_else(|| Error::invalid(format!("FERROCOMM_TIMEOUT_SECONDS={v:?} is not a positive number")))?;
+            o.timeout = Duration::from_secs_f64(secs);
+        }
+        if let Some(v) = env_var("FERROCOMM_DETERMINISTIC") {
+            o.deterministic = match v.trim() {
+                "1" | "true" | "on" | "yes" => true,
+                "0" | "false" | "off" | "no" => false,
+                _ => return Err(Error::invalid(format!("FERROCOMM_DETERMINISTIC={v:?} is not 0 or 1"))),
+            };
+        }
+        if let Some(v) = env_var("FERROCOMM_ALGO") {
+            o.algo = v.parse()?;
+        }
+        if let Some(v) = env_var("FERROCOMM_SLOT_BYTES") {
+            o.slot_bytes = v
+                .trim()
+                .parse()
+                .map_err(|_| Error::invalid(format!("FERROCOMM_SLOT_BYTES={v:?} is not a byte count")))?;
+        }
+        Ok(o)
+    }
+
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    pub fn with_algo(mut self, algo: AlgoChoice) -> Self {
+        self.algo = algo;
+        self
+    }
+
+    pub fn with_slot_bytes(mut self, bytes: usize) -> Self {
+        self.slot_bytes = bytes;
+        self
+    }
+}

@@ -1,0 +1,192 @@
+//! The device trait: the only way the vendor-neutral core touches a GPU (or the
+//! host backend that stands in for one).
+//!
+//! Modelled on wgpu-hal: one trait with associated types per backend, and an
+//! always-built backend with no hardware (`backends/host`). Raw device
+//! addresses never leave a backend as Rust pointers: the core only sees
+//! [`DevicePtr`], an opaque address token it may offset and hand back to the
+//! same backend (in a [`KernelParams`] or a copy), never dereference.
+
+pub mod fd_exchange;
+mod params;
+
+pub use params::{KernelParams, KERNEL_PARAMS_BYTES, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE, ERR_CODE_TIMEOUT, ERR_WORDS, MAX_RANKS};
+
+use std::os::fd::OwnedFd;
+use std::time::Duration;
+
+use crate::error::Result;
+
+/// An address in a device's (or, for the host backend, this process's) address space.
+/// Opaque to the core: it is only offset and passed back to the backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[repr(transparent)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    pub const NULL: DevicePtr = DevicePtr(0);
+
+    /// The address `bytes` further on.
+    #[must_use]
+    pub const fn offset(self, bytes: usize) -> DevicePtr {
+        DevicePtr(self.0 + bytes as u64)
+    }
+}
+
+/// Which backend a device belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    Host,
+    Cuda,
+    Hip,
+}
+
+impl BackendKind {
+    pub const fn name(self) -> &'static str {
+        match self {
+            BackendKind::Host => "host",
+            BackendKind::Cuda => "cuda",
+            BackendKind::Hip => "hip",
+        }
+    }
+}
+
+/// What the algorithms need to know about a device.
+#[derive(Debug, Clone)]
+pub struct DeviceFacts {
+    pub backend: BackendKind,
+    /// Index of the device among the backend's devices on this host.
+    pub ordinal: usize,
+    pub name: String,
+    /// `sm_90`, `gfx942`, or `host`.
+    pub arch: String,
+    /// SMs (CUDA), CUs (HIP), or worker threads (host).
+    pub multiprocessors: u32,
+    /// 32 on NVIDIA, 64 on CDNA, 1 on host.
+    pub warp_size: u32,
+    pub total_memory: u64,
+}
+
+/// Kinds of device memory an algorithm asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemKind {
+    /// Ordinary device memory, private to this process.
+    Plain,
+    /// Memory that can be exported to peers (cuMem VMM / hipExtMalloc / memfd).
+    /// Always returned zeroed: an exported buffer must not leak old contents.
+    Shareable,
+}
+
+/// A buffer exported for a peer. `bytes` travel through the store; `fd`, when
+/// present, travels over a Unix socket with SCM_RIGHTS (see [`fd_exchange`]).
+#[derive(Debug)]
+pub struct ExportedHandle {
+    pub bytes: Vec<u8>,
+    pub fd: Option<OwnedFd>,
+    pub size: usize,
+}
+
+/// Grid shape for a launch. Kernels are 1-D.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchConfig {
+    pub grid: u32,
+    pub block: u32,
+}
+
+/// Embedded kernel sources for one module: the same algorithm written for
+/// each vendor. The host backend runs its Rust twin, looked up by kernel name.
+#[derive(Debug, Clone, Copy)]
+pub struct ModuleSource {
+    pub name: &'static str,
+    pub cuda: &'static str,
+    pub hip: &'static str,
+}
+
+/// A device allocation the core holds (owned or imported).
+pub trait DeviceBuffer: Send + Sync {
+    fn ptr(&self) -> DevicePtr;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Host-mapped words that kernels write (error flags) and the host reads while
+/// a kernel may still be running.
+pub trait HostFlags: Send + Sync {
+    fn device_ptr(&self) -> DevicePtr;
+    fn load(&self, index: usize) -> u32;
+    fn store(&self, index: usize, value: u32);
+}
+
+/// One device. Implemented by every backend.
+///
+/// Copies and launches are stream-ordered. Methods that return data to the
+/// host (`copy_to_host`) wait for the stream first.
+pub trait Device: Send + Sync + Sized + 'static {
+    type Buffer: DeviceBuffer;
+    type PeerBuffer: DeviceBuffer;
+    type Flags: HostFlags;
+    type Stream: Send + Sync;
+    type Event: Send + Sync;
+    type Graph: Send + Sync;
+    type Module: Send + Sync;
+
+    fn facts(&self) -> &DeviceFacts;
+
+    // ---- memory ----
+    fn alloc(&self, bytes: usize, kind: MemKind) -> Result<Self::Buffer>;
+    fn alloc_host_flags(&self, words: usize) -> Result<Self::Flags>;
+    /// Stream-ordered byte fill of `buf[offset..offset+len]`.
+    fn memset(&self, buf: &Self::Buffer, offset: usize, len: usize, value: u8, stream: &Self::Stream) -> Result<()>;
+    /// Copies `src` into `buf` at `offset`; returns once `src` may be reused.
+    fn copy_from_host(&self, buf: &Self::Buffer, offset: usize, src: &[u8], stream: &Self::Stream) -> Result<()>;
+    /// Waits for `stream`, then copies `buf[offset..]` into `dst`.
+    fn copy_to_host(&self, buf: &Self::Buffer, offset: usize, dst: &mut [u8], stream: &Self::Stream) -> Result<()>;
+    /// Stream-ordered device-to-device copy between two addresses of this device.
+    fn copy_device(&self, dst: DevicePtr, src: DevicePtr, bytes: usize, stream: &Self::Stream) -> Result<()>;
+
+    // ---- IPC ----
+    /// Export a [`MemKind::Shareable`] buffer for peers on the same host.
+    fn export(&self, buf: &Self::Buffer) -> Result<ExportedHandle>;
+    /// Map a peer's exported buffer into this process.
+    fn import(&self, handle: ExportedHandle) -> Result<Self::PeerBuffer>;
+
+    // ---- streams and events ----
+    fn create_stream(&self) -> Result<Self::Stream>;
+    fn synchronize(&self, stream: &Self::Stream) -> Result<()>;
+    fn create_event(&self) -> Result<Self::Event>;
+    fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;
+    /// True once everything before the record has finished.
+    fn query(&self, event: &Self::Event) -> Result<bool>;
+    fn wait_event(&self, stream: &Self::Stream, event: &Self::Event) -> Result<()>;
+    /// Milliseconds between two completed events.
+    fn elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> Result<f32>;
+
+    // ---- graphs ----
+    fn begin_capture(&self, stream: &Self::Stream) -> Result<()>;
+    fn end_capture(&self, stream: &Self::Stream) -> Result<Self::Graph>;
+    fn is_capturing(&self, stream: &Self::Stream) -> Result<bool>;
+    fn launch_graph(&self, graph: &Self::Graph, stream: &Self::Stream) -> Result<()>;
+
+    // ---- kernels ----
+    /// Compile (or fetch from the cache) a module for this device's arch.
+    fn load_module(&self, source: &ModuleSource) -> Result<Self::Module>;
+    /// Launch `kernel` from `module` with the collective parameter block.
+    fn launch(
+        &self,
+        module: &Self::Module,
+        kernel: &str,
+        config: LaunchConfig,
+        params: &KernelParams,
+        stream: &Self::Stream,
+    ) -> Result<()>;
+
+    /// Launch shape for a collective kernel over `bytes` of payload.
+    fn collective_grid(&self, bytes: usize) -> LaunchConfig;
+
+    /// Sleep granularity for host-side polling of this device's events.
+    fn poll_interval(&self) -> Duration {
+        Duration::from_micros(20)
+    }
+}

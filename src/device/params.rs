@@ -1,0 +1,55 @@
+//! The parameter block every collective kernel receives, by value, as its one
+//! argument. Its layout is an ABI shared with `kernels-cuda/ferrocomm.cuh` and
+//! `kernels-hip/ferrocomm.hip.h`; a size test in each backend keeps them equal.
+
+use super::DevicePtr;
+
+/// Most ranks one communicator's custom kernels serve.
+pub const MAX_RANKS: usize = 8;
+
+/// Words of host-mapped error state per communicator.
+/// `[0]` code (first writer wins), `[1]` bitmask of ranks that never arrived,
+/// `[2]` 1 + the rank whose fingerprint differed, `[3]` the epoch that failed.
+pub const ERR_WORDS: usize = 4;
+pub const ERR_CODE_NONE: u32 = 0;
+pub const ERR_CODE_TIMEOUT: u32 = 1;
+pub const ERR_CODE_MISMATCH: u32 = 2;
+/// Set by the host when it aborts a communicator: queued kernels exit at once.
+pub const ERR_CODE_ABORTED: u32 = 3;
+
+/// Kernel parameter block (`struct FcParams` on the device side).
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C)]
+pub struct KernelParams {
+    /// Every rank's workspace, as mapped in this process. `[rank]` is our own.
+    pub peer_ws: [DevicePtr; MAX_RANKS],
+    /// This rank's input and output (may be equal: in place).
+    pub input: DevicePtr,
+    pub output: DevicePtr,
+    /// Host-mapped error words (see [`ERR_WORDS`]).
+    pub error_flags: DevicePtr,
+    /// Elements in this launch.
+    pub count: u64,
+    /// Hash of (collective, dtype, op, total count, chunk); peers compare it.
+    pub fingerprint: u64,
+    /// Bound on every spin wait, in nanoseconds.
+    pub timeout_ns: u64,
+    /// Byte offsets inside a workspace (see `algo::layout`).
+    pub fp_offset: u64,
+    pub flags_offset: u64,
+    pub data_offset: u64,
+    /// Bytes of one data slot.
+    pub slot_bytes: u64,
+    pub rank: u32,
+    pub world: u32,
+    pub dtype: u32,
+    pub op: u32,
+    /// Root rank for broadcast; unused elsewhere.
+    pub root: u32,
+    pub reserved: u32,
+}
+
+/// Size of the ABI struct; the device headers assert the same number.
+pub const KERNEL_PARAMS_BYTES: usize = std::mem::size_of::<KernelParams>();
+
+const _: () = assert!(KERNEL_PARAMS_BYTES == 8 * 8 + 3 * 8 + 7 * 8 + 6 * 4);

@@ -1,0 +1,39 @@
+//! # ferrocomm
+//!
+//! Fast collectives for GPUs (CUDA, ROCm) behind one vendor-neutral API, with a
+//! CPU host backend that is always built, is the reference implementation, and
+//! runs anywhere.
+//!
+//! Layers, top to bottom (each calls only the one below):
+//! 1. [`comm`]: the [`Communicator`] and its [`Work`] handles;
+//! 2. [`algo`]: dispatch and the host-side protocols (workspace, epochs);
+//! 3. [`device`]: the device trait;
+//! 4. [`backends`]: host, cuda, hip (and `ccl`, the NCCL/RCCL table);
+//! 5. `kernels-cuda/`, `kernels-hip/`: device code, compiled at run time.
+//!
+//! ```no_run
+//! use ferrocomm::{backends::host::HostDevice, bootstrap::rendezvous_from_env, Communicator, CommOptions, DType, ReduceOp};
+//! # fn main() -> ferrocomm::Result<()> {
+//! let rdv = rendezvous_from_env()?;
+//! let device = HostDevice::new(rdv.local_rank)?;
+//! let comm = Communicator::new(device, rdv.store.clone(), rdv.rank, rdv.world, CommOptions::from_env()?)?;
+//! let buf = comm.alloc(1024 * 4)?;
+//! comm.all_reduce_in_place(&buf, 1024, DType::F32, ReduceOp::Sum)?.wait(None)?;
+//! comm.finalize()?;
+//! # Ok(()) }
+//! ```
+
+pub mod algo;
+#[path = "../backends/mod.rs"]
+pub mod backends;
+pub mod bootstrap;
+pub mod comm;
+pub mod device;
+pub mod dtype;
+pub mod error;
+#[doc(hidden)]
+pub mod testing;
+
+pub use comm::{CommOptions, Communicator, Work};
+pub use dtype::{DType, ReduceOp};
+pub use error::{Error, Result};

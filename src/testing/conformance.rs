@@ -1,0 +1,353 @@
+//! The conformance suite: one body of checks that every backend runs, from
+//! every rank of a communicator. Instantiate it with [`conformance_tests!`]
+//! or call [`run_suite`] from a worker process.
+//!
+//! What it checks (the correctness method of ARCHITECTURE.md): fresh inputs
+//! from (seed, rank, index); outputs poisoned before each run; every element
+//! compared bit for bit with the exact reference rule; float sums also
+//! against fp64 with a stated bound; one-shot and two-shot bitwise equal;
+//! outputs bitwise equal across ranks; in place and out of place; graph
+//! replays with the input changed between replays.
+
+use std::time::Duration;
+
+use half::{bf16, f16};
+
+use super::data::{self, FromF64, Values};
+use crate::algo::{AlgoChoice, Algorithm};
+use crate::bootstrap::{store_all_gather, Store};
+use crate::comm::Communicator;
+use crate::device::Device;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+
+/// Poison byte: 0x7F7F... is a huge finite number or NaN in every dtype and
+/// never a valid result of the inputs used here.
+const POISON: u8 = 0x7F;
+
+/// What the suite covers.
+#[derive(Debug, Clone)]
+pub struct SuiteConfig {
+    pub seed: u64,
+    /// Largest payload of the size sweep.
+    pub max_bytes: usize,
+    /// Extra random sizes (counts drawn from the seed, same on every rank).
+    pub random_sizes: usize,
+    /// Graph replays, each with fresh input.
+    pub graph_replays: usize,
+    /// Wait bound per collective.
+    pub timeout: Duration,
+}
+
+impl Default for SuiteConfig {
+    fn default() -> Self {
+        SuiteConfig {
+            seed: 0x5eed,
+            max_bytes: 64 << 20,
+            random_sizes: 6,
+            graph_replays: 20,
+            timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// What one rank saw.
+#[derive(Debug, Default)]
+pub struct SuiteReport {
+    pub collectives: usize,
+    pub elements_checked: usize,
+    pub failures: Vec<String>,
+}
+
+impl SuiteReport {
+    pub fn is_ok(&self) -> bool {
+        self.failures.is_empty() && self.collectives > 0
+    }
+}
+
+/// Element counts every dtype and op is checked at: empty, tiny, odd, not a
+/// multiple of 16 bytes, and around vector and segment boundaries.
+const MATRIX_COUNTS: [usize; 10] = [0, 1, 2, 3, 7, 17, 255, 1000, 4099, 65_541];
+
+struct Suite<'a, D: Device> {
+    comm: &'a Communicator<D>,
+    cfg: &'a SuiteConfig,
+    report: SuiteReport,
+    /// Output hashes in case order, compared across ranks at the end.
+    hashes: Vec<u64>,
+}
+
+/// Run the whole suite on this rank. Collective: every rank calls it with the
+/// same config and store.
+pub fn run_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &SuiteConfig) -> Result<SuiteReport> {
+    let mut s = Suite {
+        comm,
+        cfg,
+        report: SuiteReport::default(),
+        hashes: Vec::new(),
+    };
+    s.matrix()?;
+    s.large()?;
+    s.random_sizes()?;
+    s.broadcasts()?;
+    s.graph_replay()?;
+    comm.barrier()?.wait(Some(cfg.timeout))?;
+    s.report.collectives += 1;
+    s.compare_across_ranks(store)?;
+    Ok(s.report)
+}
+
+impl<D: Device> Suite<'_, D> {
+    fn matrix(&mut self) -> Result<()> {
+        for dtype in DType::ALL {
+            for op in ReduceOp::ALL.into_iter().filter(|&op| dtype.supports(op)) {
+                let value_kinds: &[Values] = if dtype.is_float() && op != ReduceOp::Prod {
+                    &[Values::Exact, Values::Random]
+                } else {
+                    &[Values::Exact]
+                };
+                for &values in value_kinds {
+                    for count in MATRIX_COUNTS {
+                        for in_place in [false, true] {
+                            self.all_reduce_case(dtype, op, values, count, in_place)?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn large(&mut self) -> Result<()> {
+        // Odd byte counts that cross the default 8 MiB slot (chunking) and reach max_bytes.
+        let sizes = [(1 << 20) + 6, (9 << 20) + 2, self.cfg.max_bytes];
+        for bytes in sizes.into_iter().filter(|&b| b <= self.cfg.max_bytes) {
+            self.all_reduce_case(DType::F32, ReduceOp::Sum, Values::Random, bytes / 4, false)?;
+        }
+        self.all_reduce_case(DType::BF16, ReduceOp::Sum, Values::Random, ((9 << 20) + 2) / 2, true)?;
+        Ok(())
+    }
+
+    fn random_sizes(&mut self) -> Result<()> {
+        for i in 0..self.cfg.random_sizes {
+            let r = data::draw(self.cfg.seed, usize::MAX, i);
+            let dtype = DType::ALL[(r % 4) as usize];
+            let count = 1 + ((r >> 8) % (1 << 18)) as usize;
+            let op = if dtype.is_float() { ReduceOp::Sum } else { ReduceOp::Max };
+            self.all_reduce_case(dtype, op, Values::Random, count, r & (1 << 40) != 0)?;
+        }
+        Ok(())
+    }
+
+    fn all_reduce_case(&mut self, dtype: DType, op: ReduceOp, values: Values, count: usize, in_place: bool) -> Result<()> {
+        match dtype {
+            DType::F32 => self.all_reduce_typed::<f32>(op, values, count, in_place),
+            DType::F16 => self.all_reduce_typed::<f16>(op, values, count, in_place),
+            DType::BF16 => self.all_reduce_typed::<bf16>(op, values, count, in_place),
+            DType::I32 => self.all_reduce_typed::<i32>(op, values, count, in_place),
+        }
+    }
+
+    fn all_reduce_typed<T: FromF64>(&mut self, op: ReduceOp, values: Values, count: usize, in_place: bool) -> Result<()> {
+        let comm = self.comm;
+        let (rank, world) = (comm.rank(), comm.size());
+        let dtype = T::DTYPE;
+        let bytes = count * dtype.size();
+        let seed = self.cfg.seed ^ data::hash_bytes(format!("{dtype}{op}{values:?}{count}{in_place}").as_bytes());
+        let input = data::to_bytes(&data::make_input::<T>(seed, rank, 0, count, op, values));
+        let want = data::reference::<T>(seed, world, 0, count, op, values);
+        let inp = comm.alloc(bytes.max(1))?;
+        let out = if in_place { None } else { Some(comm.alloc(bytes.max(1))?) };
+        let mut outputs = Vec::new();
+        for algo in Algorithm::ALL {
+            let case = format!("all_reduce {dtype} {op} {values:?} count={count} in_place={in_place} {algo} world={world} rank={rank}");
+            let dst = out.as_ref().unwrap_or(&inp);
+            comm.device().memset(dst, 0, bytes.max(1), POISON, comm.stream())?;
+            comm.write(&inp, 0, &input)?;
+            comm.all_reduce_with(AlgoChoice::Fixed(algo), &inp, dst, count, dtype, op)?
+                .wait(Some(self.cfg.timeout))
+                .map_err(|e| context(e, &case))?;
+            let mut got = vec![0u8; bytes];
+            comm.read(dst, 0, &mut got)?;
+            self.check(&case, &got, &want)?;
+            if dtype.is_float() && op == ReduceOp::Sum && values == Values::Random {
+                self.check_fp64_bound::<T>(&case, seed, &got, op, values);
+            }
+            outputs.push(got);
+        }
+        if outputs.windows(2).any(|w| w[0] != w[1]) {
+            self.fail(format!("all_reduce {dtype} {op} count={count}: one-shot and two-shot differ bitwise"));
+        }
+        Ok(())
+    }
+
+    fn check<T: FromF64>(&mut self, case: &str, got: &[u8], want: &[T]) -> Result<()> {
+        let got_t: Vec<T> = data::from_bytes(got);
+        let wrong = data::count_wrong(&got_t, want);
+        self.report.collectives += 1;
+        self.report.elements_checked += want.len();
+        self.hashes.push(data::hash_bytes(got));
+        if wrong > 0 {
+            let first = got_t.iter().zip(want).position(|(g, w)| g.to_bits_u64() != w.to_bits_u64());
+            let detail = first.map(|i| format!("first at {i}: got {:?}, want {:?}", got_t[i], want[i]));
+            self.fail(format!("{case}: {wrong} wrong elements; {}", detail.unwrap_or_default()));
+        }
+        Ok(())
+    }
+
+    fn check_fp64_bound<T: FromF64>(&mut self, case: &str, seed: u64, got: &[u8], op: ReduceOp, values: Values) {
+        let world = self.comm.size();
+        let got: Vec<T> = data::from_bytes(got);
+        // The bit-exact check already covers every element; the fp64 bound is
+        // about the rule itself, so a few thousand samples suffice.
+        let step = (got.len() / 4096).max(1);
+        for (i, g) in got.iter().enumerate().step_by(step) {
+            let xs = (0..world).map(|r| T::from_f64(data::input_value(seed, r, i, op, values)).to_f64());
+            let (exact, abs) = xs.fold((0.0, 0.0), |(s, a), x| (s + x, a + f64::abs(x)));
+            let bound = data::sum_error_bound(T::DTYPE, world, abs, exact);
+            if (g.to_f64() - exact).abs() > bound {
+                self.fail(format!("{case}: element {i} = {g:?} is off the fp64 sum {exact} by more than {bound}"));
+                return;
+            }
+        }
+    }
+
+    fn broadcasts(&mut self) -> Result<()> {
+        let comm = self.comm;
+        for root in 0..comm.size() {
+            for count in [1usize, 4099, 300_001] {
+                let case = format!("broadcast f32 count={count} root={root} rank={}", comm.rank());
+                let src = data::make_input::<f32>(self.cfg.seed, root, 0, count, ReduceOp::Sum, Values::Random);
+                let inp = comm.alloc(count * 4)?;
+                let out = comm.alloc(count * 4)?;
+                comm.device().memset(&out, 0, count * 4, POISON, comm.stream())?;
+                if comm.rank() == root {
+                    comm.write(&inp, 0, &data::to_bytes(&src))?;
+                }
+                comm.broadcast(&inp, &out, count, DType::F32, root)?
+                    .wait(Some(self.cfg.timeout))
+                    .map_err(|e| context(e, &case))?;
+                let mut got = vec![0u8; count * 4];
+                comm.read(&out, 0, &mut got)?;
+                self.check(&case, &got, &src)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Capture one all-reduce on a fresh stream, then replay it with new input
+    /// each time: epochs live in device memory, so replays stay valid.
+    fn graph_replay(&mut self) -> Result<()> {
+        let comm = self.comm;
+        let dev = comm.device();
+        let (rank, world) = (comm.rank(), comm.size());
+        let count = 3000;
+        let (inp, out) = (comm.alloc(count * 2)?, comm.alloc(count * 2)?);
+        let stream = dev.create_stream()?;
+        for algo in Algorithm::ALL {
+            dev.begin_capture(&stream)?;
+            let captured = comm.all_reduce_on(&stream, AlgoChoice::Fixed(algo), &inp, &out, count, DType::BF16, ReduceOp::Sum);
+            let graph = dev.end_capture(&stream)?;
+            captured?;
+            for replay in 0..self.cfg.graph_replays {
+                let case = format!("graph replay {replay} {algo} bf16 sum count={count} rank={rank}");
+                let seed = self.cfg.seed ^ (replay as u64 + 1) * 7919 ^ algo as u64;
+                let input = data::make_input::<bf16>(seed, rank, 0, count, ReduceOp::Sum, Values::Random);
+                dev.memset(&out, 0, count * 2, POISON, &stream)?;
+                dev.copy_from_host(&inp, 0, &data::to_bytes(&input), &stream)?;
+                dev.launch_graph(&graph, &stream)?;
+                let mut got = vec![0u8; count * 2];
+                dev.copy_to_host(&out, 0, &mut got, &stream).map_err(|e| context(e, &case))?;
+                let want = data::reference::<bf16>(seed, world, 0, count, ReduceOp::Sum, Values::Random);
+                self.check(&case, &got, &want)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn compare_across_ranks(&mut self, store: &dyn Store) -> Result<()> {
+        let (rank, world) = (self.comm.rank(), self.comm.size());
+        let serial = store.add(&format!("fc/nsuite/{rank}"), 1)?;
+        let mine: Vec<u8> = self.hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
+        let all = store_all_gather(store, &format!("fc/suite{serial}/hashes"), rank, world, &mine, self.cfg.timeout)?;
+        for (peer, theirs) in all.iter().enumerate() {
+            if theirs != &mine {
+                self.fail(format!("rank {rank}: outputs differ bitwise from rank {peer}'s"));
+            }
+        }
+        Ok(())
+    }
+
+    fn fail(&mut self, msg: String) {
+        if self.report.failures.len() < 50 {
+            self.report.failures.push(msg);
+        }
+    }
+}
+
+fn context(e: Error, case: &str) -> Error {
+    match e {
+        Error::Timeout { what, after, missing } => Error::Timeout {
+            what: format!("{what} ({case})"),
+            after,
+            missing,
+        },
+        other => other,
+    }
+}
+
+/// Instantiate the conformance tests for a backend: thread ranks at worlds
+/// 2, 3, 4 and 8 sharing an in-process store. `$make` builds the device for a
+/// rank: `|rank| -> Result<D>`; `$skip` returns `Some(reason)` to skip with
+/// a printed reason (and fails instead when `FERROCOMM_REQUIRE_GPU=1`).
+#[macro_export]
+macro_rules! conformance_tests {
+    ($backend:ident, $make:expr, $skip:expr, $cfg:expr) => {
+        mod $backend {
+            #[allow(unused_imports)]
+            use super::*;
+
+            fn run(world: usize) {
+                let skip: Option<String> = $skip(world);
+                if let Some(reason) = skip {
+                    if std::env::var("FERROCOMM_REQUIRE_GPU").as_deref() == Ok("1") {
+                        panic!("FERROCOMM_REQUIRE_GPU=1 but {} cannot run: {reason}", stringify!($backend));
+                    }
+                    eprintln!("SKIPPED {} world {world}: {reason}", stringify!($backend));
+                    return;
+                }
+                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
+                let results = $crate::testing::harness::run_thread_ranks(world, |rank, world, store| {
+                    let dev = $make(rank)?;
+                    let opts = $crate::CommOptions::default().with_timeout(cfg.timeout);
+                    let comm = $crate::Communicator::new(dev, store.clone(), rank, world, opts)?;
+                    let report = $crate::testing::conformance::run_suite(&comm, store.as_ref(), &cfg)?;
+                    comm.finalize()?;
+                    Ok(report)
+                });
+                for (rank, r) in results.into_iter().enumerate() {
+                    let report = r.unwrap_or_else(|e| panic!("rank {rank} failed: {e}"));
+                    assert!(report.is_ok(), "rank {rank}: {:#?}", report.failures);
+                    assert!(report.collectives > 100, "rank {rank} ran only {} collectives", report.collectives);
+                }
+            }
+
+            #[test]
+            fn world_2() {
+                run(2)
+            }
+            #[test]
+            fn world_3() {
+                run(3)
+            }
+            #[test]
+            fn world_4() {
+                run(4)
+            }
+            #[test]
+            fn world_8() {
+                run(8)
+            }
+        }
+    };
+}

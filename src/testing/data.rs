@@ -1,0 +1,149 @@
+//! Inputs drawn from (seed, rank, index) and the exact reference: the
+//! reduction rule of `docs/protocol.md` applied on the host.
+
+use half::{bf16, f16};
+
+use crate::dtype::{DType, Element, ReduceOp};
+
+/// What kind of values a case feeds in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Values {
+    /// Small integers (sums exact in every dtype) or powers of two (products exact).
+    Exact,
+    /// Roughly Gaussian floats, so rounding and order matter.
+    Random,
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// A uniform u64 for (seed, rank, index).
+pub fn draw(seed: u64, rank: usize, index: usize) -> u64 {
+    splitmix(seed ^ splitmix((rank as u64) << 40 ^ index as u64))
+}
+
+/// The input value of `rank` at `index`, as f64 (before conversion to the dtype).
+pub fn input_value(seed: u64, rank: usize, index: usize, op: ReduceOp, values: Values) -> f64 {
+    let r = draw(seed, rank, index);
+    match (values, op) {
+        (Values::Exact, ReduceOp::Prod) => {
+            // +-2^k, k in -2..=2: any product of 8 stays exact.
+            let k = (r % 5) as i32 - 2;
+            let sign = if r & 0x100 != 0 { -1.0 } else { 1.0 };
+            sign * 2f64.powi(k)
+        }
+        (Values::Exact, _) => (r % 17) as f64 - 8.0,
+        (Values::Random, _) => {
+            // Sum of four 16-bit uniforms from one draw: cheap, roughly
+            // Gaussian, mean 0, variance 1.
+            let u = |k: u32| ((r >> (16 * k)) & 0xffff) as f64 / 65536.0;
+            (u(0) + u(1) + u(2) + u(3) - 2.0) * 3f64.sqrt()
+        }
+    }
+}
+
+/// Host element conversion from the generator's f64.
+pub trait FromF64: Element + Default {
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+}
+impl FromF64 for f32 {
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+}
+impl FromF64 for f16 {
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+}
+impl FromF64 for bf16 {
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        bf16::to_f64(self)
+    }
+}
+impl FromF64 for i32 {
+    fn from_f64(v: f64) -> Self {
+        v.round() as i32
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+}
+
+/// `rank`'s input: `count` elements starting at global index `first`.
+pub fn make_input<T: FromF64>(seed: u64, rank: usize, first: usize, count: usize, op: ReduceOp, values: Values) -> Vec<T> {
+    (first..first + count)
+        .map(|i| T::from_f64(input_value(seed, rank, i, op, values)))
+        .collect()
+}
+
+/// The exact expected output: the rule applied in rank order 0..world-1.
+pub fn reference<T: FromF64>(seed: u64, world: usize, first: usize, count: usize, op: ReduceOp, values: Values) -> Vec<T> {
+    (first..first + count)
+        .map(|i| {
+            let x = |r: usize| T::from_f64(input_value(seed, r, i, op, values)).to_acc();
+            let acc = (1..world).fold(x(0), |acc, r| T::combine(op, acc, x(r)));
+            T::from_acc(T::finish(op, acc, world))
+        })
+        .collect()
+}
+
+/// Native-endian bytes of a slice of elements.
+pub fn to_bytes<T: Copy>(v: &[T]) -> Vec<u8> {
+    let n = std::mem::size_of_val(v);
+    let mut out = vec![0u8; n];
+    // SAFETY: copying the plain bytes of `Copy` elements into a buffer of equal size.
+    unsafe { std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, out.as_mut_ptr(), n) };
+    out
+}
+
+/// Elements from native-endian bytes (length must be a multiple of the size).
+pub fn from_bytes<T: Copy + Default>(b: &[u8]) -> Vec<T> {
+    let size = std::mem::size_of::<T>();
+    let mut out = vec![T::default(); b.len() / size];
+    // SAFETY: `out` has room for exactly `b.len() / size` elements, and every bit
+    // pattern is a valid f32/f16/bf16/i32.
+    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), out.as_mut_ptr() as *mut u8, out.len() * size) };
+    out
+}
+
+/// FNV-1a of a byte slice, for comparing outputs across ranks cheaply.
+pub fn hash_bytes(b: &[u8]) -> u64 {
+    b.iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ x as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Elements whose bits differ from the reference.
+pub fn count_wrong<T: Element>(got: &[T], want: &[T]) -> usize {
+    got.iter()
+        .zip(want)
+        .filter(|(g, w)| g.to_bits_u64() != w.to_bits_u64())
+        .count()
+        + got.len().abs_diff(want.len())
+}
+
+/// For float sums: the largest |out - exact| allowed against an fp64 reference:
+/// fp32 accumulation error plus one rounding to the output type.
+pub fn sum_error_bound(dtype: DType, world: usize, abs_sum: f64, exact: f64) -> f64 {
+    let out_eps = match dtype {
+        DType::F32 => f32::EPSILON as f64,
+        DType::F16 => 2f64.powi(-10),
+        DType::BF16 => 2f64.powi(-7),
+        DType::I32 => 0.0,
+    };
+    world as f64 * f32::EPSILON as f64 * abs_sum + out_eps * exact.abs() + f64::MIN_POSITIVE
+}

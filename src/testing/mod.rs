@@ -1,0 +1,7 @@
+//! Test support shared by the test suites, the worker binary and the bench:
+//! deterministic inputs, the exact reference, rank harnesses, and the
+//! conformance suite that every backend instantiates.
+
+pub mod conformance;
+pub mod data;
+pub mod harness;
