@@ -126,32 +126,100 @@ struct Op<FC_OP_MAX> {
     FC_DEVICE fc_i32 apply(fc_i32 a, fc_i32 b) { return b > a ? b : a; }
 };
 
+// avg: acc / world, correctly rounded (as the host's f32 division), without a
+// division instruction (its slow path is a call that costs registers):
+// - world a power of two: one multiply by 1/world, which is exact scaling;
+// - otherwise in f64: y = RN(1/n), q = RN(x*y), r = x - q*n (exact with FMA),
+//   q' = RN(q + r*y) is RN64(x/n) (Markstein, no under/overflow in f64 for
+//   f32 inputs), and rounding that to f32 is RN32(x/n) since 53 >= 2*24+2.
+//   Checked exhaustively against f32 division for all 2^32 inputs, n = 1..8.
+//   r == 0 (exact, or x = +-0) and r NaN (x = +-inf or NaN) keep q.
+struct AvgDiv {
+    double y; // RN(1/n)
+    float n;  // exact
+};
+
+FC_DEVICE AvgDiv make_avg(fc_u32 world) {
+    AvgDiv d;
+    d.n = (float)world;
+    switch (world) {
+        case 3: d.y = 1.0 / 3.0; break;
+        case 5: d.y = 1.0 / 5.0; break;
+        case 6: d.y = 1.0 / 6.0; break;
+        case 7: d.y = 1.0 / 7.0; break;
+        case 2: d.y = 0.5; break;
+        case 4: d.y = 0.25; break;
+        case 8: d.y = 0.125; break;
+        default: d.y = 1.0; d.n = 1.0f; break; // world 1 (others are never launched)
+    }
+    return d;
+}
+
+FC_DEVICE float avg_div(float x, const AvgDiv& d) {
+    const double xd = fc_f32_to_f64(x);
+    const double q = fc_dmul(xd, d.y);
+    const double r = fc_dfma(-q, fc_f32_to_f64(d.n), xd);
+    const double q2 = fc_dfma(r, d.y, q);
+    return fc_f64_to_f32((r == 0.0 || r != r) ? q : q2);
+}
+
 template <int OP>
-FC_DEVICE float finish(float acc, fc_u32 world) {
-    return OP == FC_OP_AVG ? fc_fdiv(acc, (float)world) : acc;
+FC_DEVICE float finish(float acc, const AvgDiv& d) {
+    return OP == FC_OP_AVG ? avg_div(acc, d) : acc;
 }
 template <int OP>
-FC_DEVICE fc_i32 finish(fc_i32 acc, fc_u32) {
+FC_DEVICE fc_i32 finish(fc_i32 acc, const AvgDiv&) {
     return acc;
 }
 
-// Reduce the packs of ranks 0..W-1 (or 0..world-1 when GEN, W = MAX_RANKS)
-// element-wise, in rank order.
-template <class T, int OP, int W, bool GEN>
-FC_DEVICE fc_vec16 reduce_pack(const fc_vec16 (&v)[W], fc_u32 world) {
-    typename T::Acc a[T::VEC];
-    T::unpack(v[0], a);
+template <int W>
+FC_DEVICE float avg_pow2(float acc) {
+    return fc_fmul(acc, 1.0f / (float)W);
+}
+template <int W>
+FC_DEVICE fc_i32 avg_pow2(fc_i32 acc) {
+    return acc;
+}
+
+// acc[k] = combine(acc[k], pack r[k]) for the packs of ranks r0..r0+N-1 (those
+// below `world` when GEN), in rank order.
+template <class T, int OP, int N, bool GEN>
+FC_DEVICE void accumulate(typename T::Acc (&a)[T::VEC], const fc_vec16 (&v)[N], int r0, fc_u32 world) {
 #pragma unroll
-    for (int r = 1; r < W; ++r) {
-        if (GEN && (fc_u32)r >= world) break;
+    for (int j = 0; j < N; ++j) {
+        if (GEN && (fc_u32)(r0 + j) >= world) break;
         typename T::Acc x[T::VEC];
-        T::unpack(v[r], x);
+        T::unpack(v[j], x);
 #pragma unroll
         for (int k = 0; k < T::VEC; ++k) a[k] = Op<OP>::apply(a[k], x[k]);
     }
+}
+
+// The avg division (no-op for the other ops), then narrowing to storage.
+template <class T, int OP, int W, bool GEN>
+FC_DEVICE fc_vec16 finish_pack(typename T::Acc (&a)[T::VEC], const AvgDiv& avg) {
+    if (OP == FC_OP_AVG) {
+        if (!GEN && (W & (W - 1)) == 0) {
 #pragma unroll
-    for (int k = 0; k < T::VEC; ++k) a[k] = finish<OP>(a[k], GEN ? world : (fc_u32)W);
+            for (int k = 0; k < T::VEC; ++k) a[k] = avg_pow2<W>(a[k]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < T::VEC; ++k) a[k] = finish<OP>(a[k], avg);
+        }
+    }
     return T::pack(a);
+}
+
+// Reduce the packs of ranks 0..W-1 element-wise, in rank order.
+template <class T, int OP, int W>
+FC_DEVICE fc_vec16 reduce_pack(const fc_vec16 (&v)[W], const AvgDiv& avg) {
+    typename T::Acc a[T::VEC];
+    T::unpack(v[0], a);
+    fc_vec16 rest[W - 1 > 0 ? W - 1 : 1];
+#pragma unroll
+    for (int r = 1; r < W; ++r) rest[r - 1] = v[r];
+    if (W > 1) accumulate<T, OP, (W - 1 > 0 ? W - 1 : 1), false>(a, rest, 1, W);
+    return finish_pack<T, OP, W, false>(a, avg);
 }
 
 // ===========================================================================
@@ -333,28 +401,28 @@ FC_DEVICE void reduce_scalar(const FcParams& p, fc_u64 src_off, fc_u64 lo, fc_u6
     typedef typename T::Acc Acc;
     const fc_u32 nt = fc_block_threads();
     const fc_u32 world = p.world;
+    const AvgDiv avg = make_avg(world);
     for (fc_u64 e = lo + fc_thread_id(); e < hi; e += nt) {
         const fc_u64 off = src_off + e * sizeof(S);
         Acc a = T::to_acc(fc_load(fc_ptr<const S>(p.peer_ws[0] + off)));
         for (fc_u32 r = 1; r < world; ++r) a = Op<OP>::apply(a, T::to_acc(fc_load(fc_ptr<const S>(p.peer_ws[r] + off))));
-        const S s = T::from_acc(finish<OP>(a, world));
+        const S s = T::from_acc(finish<OP>(a, avg));
         fc_store(reinterpret_cast<S*>(out) + e, s);
         if (DUAL) fc_store(reinterpret_cast<S*>(out2) + e, s);
     }
 }
 
-// Vector reduce of packs [0, nvec) starting at element lo. W ranks known at
-// compile time, or (GEN) up to W = MAX_RANKS with the world given at run time.
-// Each thread issues U packs x W ranks of 16-byte loads before the first add.
-template <class T, int OP, bool DUAL, int W, bool GEN, int U>
+// Vector reduce of packs [0, nvec) starting at element lo, for W ranks known
+// at compile time: each thread issues U packs x W ranks of 16-byte loads
+// before the first add.
+template <class T, int OP, bool DUAL, int W, int U>
 FC_DEVICE void reduce_vec(const FcParams& p, fc_u64 src_off, fc_u64 lo, fc_u64 nvec, char* out, char* out2) {
     const fc_u32 nt = fc_block_threads();
-    const fc_u32 world = GEN ? p.world : (fc_u32)W;
+    const AvgDiv avg = make_avg(W);
     const fc_u64 byte0 = lo * sizeof(typename T::S);
-    const char* src[W];
-#pragma unroll
-    for (int r = 0; r < W; ++r)
-        src[r] = (!GEN || (fc_u32)r < world) ? fc_ptr<const char>(p.peer_ws[r] + src_off + byte0) : nullptr;
+    // Rank r's pack i is at p.peer_ws[r] + src0 + i*16; the bases stay in the
+    // parameter bank instead of taking 2*W registers.
+    const fc_u64 src0 = src_off + byte0;
     char* dst = out + byte0;
     char* dst2 = DUAL ? out2 + byte0 : out2;
 
@@ -366,10 +434,10 @@ FC_DEVICE void reduce_vec(const FcParams& p, fc_u64 src_off, fc_u64 lo, fc_u64 n
             for (int u = 0; u < U; ++u)
 #pragma unroll
                 for (int r = 0; r < W; ++r)
-                    if (!GEN || (fc_u32)r < world) v[u][r] = fc_load16(src[r] + (i + (fc_u64)u * nt) * 16);
+                    v[u][r] = fc_load16(fc_ptr<const char>(p.peer_ws[r] + src0 + (i + (fc_u64)u * nt) * 16));
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const fc_vec16 res = reduce_pack<T, OP, W, GEN>(v[u], world);
+                const fc_vec16 res = reduce_pack<T, OP, W>(v[u], avg);
                 fc_store16(dst + (i + (fc_u64)u * nt) * 16, res);
                 if (DUAL) fc_store16(dst2 + (i + (fc_u64)u * nt) * 16, res);
             }
@@ -378,9 +446,42 @@ FC_DEVICE void reduce_vec(const FcParams& p, fc_u64 src_off, fc_u64 lo, fc_u64 n
     for (; i < nvec; i += nt) {
         fc_vec16 v[W];
 #pragma unroll
-        for (int r = 0; r < W; ++r)
-            if (!GEN || (fc_u32)r < world) v[r] = fc_load16(src[r] + i * 16);
-        const fc_vec16 res = reduce_pack<T, OP, W, GEN>(v, world);
+        for (int r = 0; r < W; ++r) v[r] = fc_load16(fc_ptr<const char>(p.peer_ws[r] + src0 + i * 16));
+        const fc_vec16 res = reduce_pack<T, OP, W>(v, avg);
+        fc_store16(dst + i * 16, res);
+        if (DUAL) fc_store16(dst2 + i * 16, res);
+    }
+}
+
+// The same for a world known only at run time (1..MAX_RANKS; used for 3, 5,
+// 6, 7): ranks 0..3 are loaded together, then ranks 4..world-1 together.
+template <class T, int OP, bool DUAL>
+FC_DEVICE void reduce_vec_any(const FcParams& p, fc_u64 src_off, fc_u64 lo, fc_u64 nvec, char* out, char* out2) {
+    const fc_u32 nt = fc_block_threads();
+    const fc_u32 world = p.world;
+    const AvgDiv avg = make_avg(world);
+    const fc_u64 byte0 = lo * sizeof(typename T::S);
+    const fc_u64 src0 = src_off + byte0;
+    char* dst = out + byte0;
+    char* dst2 = DUAL ? out2 + byte0 : out2;
+
+    for (fc_u64 i = fc_thread_id(); i < nvec; i += nt) {
+        const fc_u64 off = src0 + i * 16;
+        fc_vec16 v[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+            if ((fc_u32)r < world) v[r] = fc_load16(fc_ptr<const char>(p.peer_ws[r] + off));
+        typename T::Acc a[T::VEC];
+        T::unpack(v[0], a);
+        fc_vec16 w3[3] = {v[1], v[2], v[3]};
+        accumulate<T, OP, 3, true>(a, w3, 1, world);
+        if (world > 4) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                if ((fc_u32)(4 + r) < world) v[r] = fc_load16(fc_ptr<const char>(p.peer_ws[4 + r] + off));
+            accumulate<T, OP, 4, true>(a, v, 4, world);
+        }
+        const fc_vec16 res = finish_pack<T, OP, FC_MAX_RANKS, true>(a, avg);
         fc_store16(dst + i * 16, res);
         if (DUAL) fc_store16(dst2 + i * 16, res);
     }
@@ -396,10 +497,10 @@ FC_DEVICE void reduce_range(const FcParams& p, fc_u64 src_off, fc_u64 lo, fc_u64
     if (out_aligned && p.world >= 2 && p.world <= FC_MAX_RANKS) {
         const fc_u64 nvec = (hi - lo) / T::VEC;
         switch (p.world) {
-            case 2: reduce_vec<T, OP, DUAL, 2, false, BW ? 2 : 1>(p, src_off, lo, nvec, out, out2); break;
-            case 4: reduce_vec<T, OP, DUAL, 4, false, BW ? 2 : 1>(p, src_off, lo, nvec, out, out2); break;
-            case 8: reduce_vec<T, OP, DUAL, 8, false, 1>(p, src_off, lo, nvec, out, out2); break;
-            default: reduce_vec<T, OP, DUAL, FC_MAX_RANKS, true, 1>(p, src_off, lo, nvec, out, out2); break;
+            case 2: reduce_vec<T, OP, DUAL, 2, BW ? 2 : 1>(p, src_off, lo, nvec, out, out2); break;
+            case 4: reduce_vec<T, OP, DUAL, 4, BW ? 2 : 1>(p, src_off, lo, nvec, out, out2); break;
+            case 8: reduce_vec<T, OP, DUAL, 8, 1>(p, src_off, lo, nvec, out, out2); break;
+            default: reduce_vec_any<T, OP, DUAL>(p, src_off, lo, nvec, out, out2); break;
         }
         tail = lo + nvec * T::VEC;
     }

@@ -199,12 +199,6 @@ FC_DEVICE float fc_fmul(float a, float b) {
     asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
-// IEEE division, correctly rounded (avg).
-FC_DEVICE float fc_fdiv(float a, float b) {
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
 // fminf / fmaxf semantics: a NaN operand loses to a number.
 FC_DEVICE float fc_fmin(float a, float b) {
     float r;
@@ -214,6 +208,28 @@ FC_DEVICE float fc_fmin(float a, float b) {
 FC_DEVICE float fc_fmax(float a, float b) {
     float r;
     asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// f64 helpers (exact division by a small integer, see collectives.cu avg_div).
+FC_DEVICE double fc_f32_to_f64(float f) {
+    double d;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(d) : "f"(f));
+    return d;
+}
+FC_DEVICE float fc_f64_to_f32(double d) {
+    float f;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(f) : "d"(d));
+    return f;
+}
+FC_DEVICE double fc_dmul(double a, double b) {
+    double r;
+    asm("mul.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(a), "d"(b));
+    return r;
+}
+FC_DEVICE double fc_dfma(double a, double b, double c) {
+    double r;
+    asm("fma.rn.f64 %0, %1, %2, %3;" : "=d"(r) : "d"(a), "d"(b), "d"(c));
     return r;
 }
 

@@ -1,1 +1,540 @@
-fn main() {}
+//! `ferrocomm-bench`: an nccl-tests-style all-reduce benchmark.
+//!
+//! Run without `RANK` set, it launches `--world` rank processes of itself
+//! (hosting their store) and prints rank 0's table. Each rank times every
+//! algorithm (and NCCL, where built and present) side by side: device events
+//! after warm-up, median over iterations, inputs rotated across buffers so
+//! the cache does not flatter small sizes; eager launches and, with
+//! `--graph`, graph replays. Every row is checked exactly (#wrong).
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferrocomm::algo::AlgoChoice;
+use ferrocomm::bootstrap::{store_all_gather, Store, TcpStore};
+use ferrocomm::device::Device;
+use ferrocomm::testing::data::{self, Values};
+use ferrocomm::testing::launch::run_process_ranks;
+use ferrocomm::{CommOptions, Communicator, DType, Error, ReduceOp, Result};
+
+const USAGE: &str = "usage: ferrocomm-bench [--backend host|cuda] [--world N] [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
+                       [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|all]
+                       [--graph] [--eager-only] [--json FILE] [--timeout-secs S]
+sizes take K, M, G suffixes (powers of 1024)";
+
+#[derive(Clone, Debug)]
+struct Args {
+    backend: String,
+    world: usize,
+    dtypes: Vec<DType>,
+    op: ReduceOp,
+    min_bytes: usize,
+    max_bytes: usize,
+    iters: usize,
+    warmup: usize,
+    algos: Vec<String>,
+    graph: bool,
+    eager: bool,
+    json: Option<PathBuf>,
+    timeout: Duration,
+}
+
+fn parse_size(s: &str) -> Result<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| Error::invalid(format!("bad size {s:?}")))
+}
+
+fn parse_args() -> Result<Args> {
+    let mut a = Args {
+        backend: "host".into(),
+        world: 2,
+        dtypes: vec![DType::BF16],
+        op: ReduceOp::Sum,
+        min_bytes: 1 << 10,
+        max_bytes: 64 << 20,
+        iters: 20,
+        warmup: 5,
+        algos: vec!["auto".into()],
+        graph: false,
+        eager: true,
+        json: None,
+        timeout: Duration::from_secs(60),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .ok_or_else(|| Error::invalid(format!("{flag} needs a value\n{USAGE}")))
+        };
+        match flag.as_str() {
+            "--backend" => a.backend = value()?,
+            "--world" => {
+                a.world = value()?
+                    .parse()
+                    .map_err(|_| Error::invalid("--world takes a number"))?
+            }
+            "--dtype" => a.dtypes = value()?.split(',').map(str::parse).collect::<Result<_>>()?,
+            "--op" => a.op = value()?.parse()?,
+            "--min-bytes" => a.min_bytes = parse_size(&value()?)?,
+            "--max-bytes" => a.max_bytes = parse_size(&value()?)?,
+            "--iters" => {
+                a.iters = value()?
+                    .parse()
+                    .map_err(|_| Error::invalid("--iters takes a number"))?
+            }
+            "--warmup" => {
+                a.warmup = value()?
+                    .parse()
+                    .map_err(|_| Error::invalid("--warmup takes a number"))?
+            }
+            "--algo" => a.algos = value()?.split(',').map(String::from).collect(),
+            "--graph" => a.graph = true,
+            "--eager-only" => a.graph = false,
+            "--json" => a.json = Some(PathBuf::from(value()?)),
+            "--timeout-secs" => {
+                a.timeout = Duration::from_secs(
+                    value()?
+                        .parse()
+                        .map_err(|_| Error::invalid("--timeout-secs takes a number"))?,
+                )
+            }
+            "-h" | "--help" => return Err(Error::invalid(USAGE)),
+            _ => return Err(Error::invalid(format!("unknown flag {flag}\n{USAGE}"))),
+        }
+    }
+    if a.iters == 0 || a.world == 0 || a.min_bytes > a.max_bytes {
+        return Err(Error::invalid(format!(
+            "need --iters > 0, --world > 0 and --min-bytes <= --max-bytes\n{USAGE}"
+        )));
+    }
+    if a.algos.iter().any(|x| x == "all") {
+        a.algos = vec![
+            "auto".into(),
+            "oneshot".into(),
+            "twoshot".into(),
+            "nccl".into(),
+        ];
+    }
+    Ok(a)
+}
+
+fn main() -> ExitCode {
+    let result = parse_args().and_then(|a| {
+        if std::env::var("RANK").is_ok() {
+            rank_main(&a)
+        } else {
+            launch(&a)
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ferrocomm-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Start one process per rank and relay rank 0's table.
+fn launch(a: &Args) -> Result<()> {
+    let exe = std::env::current_exe().map_err(|e| Error::io("locating ferrocomm-bench", e))?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let budget = a.timeout * 4 + Duration::from_secs(600);
+    let outs = run_process_ranks(&exe, &args, a.world, &[], budget)?;
+    let mut failed = Vec::new();
+    for o in &outs {
+        if o.rank == 0 {
+            print!("{}", o.stdout);
+        }
+        if o.code != Some(0) {
+            failed.push(format!(
+                "rank {} (exit {:?}, timed out {}): {}",
+                o.rank,
+                o.code,
+                o.timed_out,
+                o.stderr.trim()
+            ));
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Aborted(failed.join("\n")))
+    }
+}
+
+fn rank_main(a: &Args) -> Result<()> {
+    let addr = std::env::var("FERROCOMM_STORE_ADDR")
+        .map_err(|_| Error::invalid("FERROCOMM_STORE_ADDR is not set"))?;
+    let token = std::env::var("FERROCOMM_TOKEN")
+        .map_err(|_| Error::invalid("FERROCOMM_TOKEN is not set"))?;
+    let addr = addr
+        .parse()
+        .map_err(|_| Error::invalid(format!("FERROCOMM_STORE_ADDR={addr:?}")))?;
+    let store: Arc<dyn Store> = Arc::new(TcpStore::connect(
+        addr,
+        token.as_bytes(),
+        Duration::from_secs(30),
+    )?);
+    let rank: usize = std::env::var("RANK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| Error::invalid("RANK"))?;
+    match a.backend.as_str() {
+        "host" => bench(
+            ferrocomm::backends::host::HostDevice::new(rank)?,
+            store,
+            rank,
+            a,
+        ),
+        #[cfg(feature = "cuda")]
+        "cuda" => bench(
+            ferrocomm::backends::cuda::CudaDevice::new(rank)?,
+            store,
+            rank,
+            a,
+        ),
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => Err(Error::NotCompiled {
+            backend: "cuda",
+            feature: "cuda",
+        }),
+        other => Err(Error::invalid(format!("unknown backend {other:?}"))),
+    }
+}
+
+struct Row {
+    bytes: usize,
+    count: usize,
+    dtype: DType,
+    op: ReduceOp,
+    algo: String,
+    mode: &'static str,
+    time_us: f64,
+    cpu_us: f64,
+    wrong: usize,
+}
+
+/// Bytes of input rotated through per size, so repeated runs do not sit in
+/// L2 (50 MiB on H100/H200).
+const ROTATE_BYTES: usize = 128 << 20;
+
+fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Result<()> {
+    let world = a.world;
+    let opts = CommOptions::from_env()?.with_timeout(a.timeout);
+    let comm = Communicator::new(dev, store.clone(), rank, world, opts)?;
+    let mut rows = Vec::new();
+    let mut seq = 0usize;
+    if rank == 0 {
+        println!(
+            "# ferrocomm-bench backend={} world={world} iters={} warmup={}",
+            a.backend, a.iters, a.warmup
+        );
+        println!(
+            "{:>12} {:>12} {:>5} {:>5} {:>8} {:>6} {:>10} {:>9} {:>9} {:>8} {:>7}",
+            "size",
+            "count",
+            "dtype",
+            "op",
+            "algo",
+            "mode",
+            "time_us",
+            "algbw",
+            "busbw",
+            "cpu_us",
+            "#wrong"
+        );
+    }
+    for &dtype in &a.dtypes {
+        ferrocomm::dtype::check_supported(dtype, a.op)?;
+        let mut bytes = a.min_bytes.max(dtype.size());
+        while bytes <= a.max_bytes {
+            let count = bytes / dtype.size();
+            for algo in &a.algos {
+                let Some(choice) = algo_choice(algo) else {
+                    continue; // NCCL rows come from the vendor path, when built.
+                };
+                let modes: &[&'static str] = match (a.eager, a.graph) {
+                    (true, true) => &["eager", "graph"],
+                    (false, true) => &["graph"],
+                    _ => &["eager"],
+                };
+                for &mode in modes {
+                    seq += 1;
+                    let mut row = measure(&comm, a, dtype, count, choice, mode)?;
+                    row.algo = match choice {
+                        AlgoChoice::Auto => format!("auto:{}", comm.choose(choice, bytes)),
+                        AlgoChoice::Fixed(x) => x.to_string(),
+                    };
+                    let row = agree(&store, seq, rank, world, row, a.timeout)?;
+                    if rank == 0 {
+                        print_row(&row, world);
+                    }
+                    rows.push(row);
+                }
+            }
+            bytes *= 2;
+        }
+    }
+    comm.finalize()?;
+    if let (0, Some(path)) = (rank, &a.json) {
+        std::fs::write(path, to_json(&rows, a))
+            .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+    }
+    let wrong: usize = rows.iter().map(|r| r.wrong).sum();
+    if wrong > 0 {
+        return Err(Error::Aborted(format!("{wrong} wrong elements in total")));
+    }
+    Ok(())
+}
+
+fn algo_choice(name: &str) -> Option<AlgoChoice> {
+    match name {
+        "nccl" | "rccl" => None,
+        other => other.parse().ok(),
+    }
+}
+
+fn measure<D: Device>(
+    comm: &Communicator<D>,
+    a: &Args,
+    dtype: DType,
+    count: usize,
+    choice: AlgoChoice,
+    mode: &'static str,
+) -> Result<Row> {
+    let dev = comm.device();
+    let bytes = count * dtype.size();
+    let nbuf = (ROTATE_BYTES / bytes.max(1)).clamp(1, 8);
+    let inputs: Vec<D::Buffer> = (0..nbuf)
+        .map(|_| comm.alloc(bytes))
+        .collect::<Result<_>>()?;
+    let output = comm.alloc(bytes)?;
+    let seed = bytes as u64;
+    let input = input_bytes(dtype, seed, comm.rank(), count, a.op);
+    for buf in &inputs {
+        comm.write(buf, 0, &input)?;
+    }
+    let stream = dev.create_stream()?;
+    let run = |i: usize| {
+        comm.all_reduce_on(
+            &stream,
+            choice,
+            &inputs[i % nbuf],
+            &output,
+            count,
+            dtype,
+            a.op,
+        )
+    };
+    let graphs = if mode == "graph" {
+        let mut gs = Vec::new();
+        for i in 0..nbuf {
+            dev.begin_capture(&stream)?;
+            let r = run(i);
+            let g = dev.end_capture(&stream)?;
+            r?;
+            gs.push(g);
+        }
+        Some(gs)
+    } else {
+        None
+    };
+    let launch = |i: usize| match &graphs {
+        Some(gs) => dev.launch_graph(&gs[i % nbuf], &stream),
+        None => run(i),
+    };
+    for i in 0..a.warmup {
+        launch(i)?;
+    }
+    dev.synchronize(&stream)?;
+    let events: Vec<(D::Event, D::Event)> = (0..a.iters)
+        .map(|_| Ok((dev.create_event()?, dev.create_event()?)))
+        .collect::<Result<_>>()?;
+    let mut cpu = Vec::with_capacity(a.iters);
+    for (i, (e0, e1)) in events.iter().enumerate() {
+        dev.record(e0, &stream)?;
+        let t = Instant::now();
+        launch(i)?;
+        cpu.push(t.elapsed().as_secs_f64() * 1e6);
+        dev.record(e1, &stream)?;
+    }
+    dev.synchronize(&stream)?;
+    let mut times: Vec<f64> = events
+        .iter()
+        .map(|(e0, e1)| dev.elapsed_ms(e0, e1).map(|ms| ms as f64 * 1e3))
+        .collect::<Result<_>>()?;
+    // Check the result exactly, from a poisoned output.
+    dev.memset(&output, 0, bytes, 0x7F, &stream)?;
+    launch(0)?;
+    let mut got = vec![0u8; bytes];
+    dev.copy_to_host(&output, 0, &mut got, &stream)?;
+    let wrong = count_wrong(dtype, seed, comm.size(), count, a.op, &got);
+    Ok(Row {
+        bytes,
+        count,
+        dtype,
+        op: a.op,
+        algo: String::new(),
+        mode,
+        time_us: median(&mut times),
+        cpu_us: median(&mut cpu),
+        wrong,
+    })
+}
+
+fn input_bytes(dtype: DType, seed: u64, rank: usize, count: usize, op: ReduceOp) -> Vec<u8> {
+    use half::{bf16, f16};
+    match dtype {
+        DType::F32 => data::to_bytes(&data::make_input::<f32>(
+            seed,
+            rank,
+            0,
+            count,
+            op,
+            Values::Exact,
+        )),
+        DType::F16 => data::to_bytes(&data::make_input::<f16>(
+            seed,
+            rank,
+            0,
+            count,
+            op,
+            Values::Exact,
+        )),
+        DType::BF16 => data::to_bytes(&data::make_input::<bf16>(
+            seed,
+            rank,
+            0,
+            count,
+            op,
+            Values::Exact,
+        )),
+        DType::I32 => data::to_bytes(&data::make_input::<i32>(
+            seed,
+            rank,
+            0,
+            count,
+            op,
+            Values::Exact,
+        )),
+    }
+}
+
+fn count_wrong(
+    dtype: DType,
+    seed: u64,
+    world: usize,
+    count: usize,
+    op: ReduceOp,
+    got: &[u8],
+) -> usize {
+    use half::{bf16, f16};
+    fn typed<T: data::FromF64>(
+        seed: u64,
+        world: usize,
+        count: usize,
+        op: ReduceOp,
+        got: &[u8],
+    ) -> usize {
+        let want = data::reference::<T>(seed, world, 0, count, op, Values::Exact);
+        data::count_wrong(&data::from_bytes::<T>(got), &want)
+    }
+    match dtype {
+        DType::F32 => typed::<f32>(seed, world, count, op, got),
+        DType::F16 => typed::<f16>(seed, world, count, op, got),
+        DType::BF16 => typed::<bf16>(seed, world, count, op, got),
+        DType::I32 => typed::<i32>(seed, world, count, op, got),
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+/// Report the slowest rank's median time and the sum of wrong elements.
+fn agree(
+    store: &Arc<dyn Store>,
+    seq: usize,
+    rank: usize,
+    world: usize,
+    row: Row,
+    timeout: Duration,
+) -> Result<Row> {
+    let mine = [row.time_us.to_le_bytes(), (row.wrong as f64).to_le_bytes()].concat();
+    let all = store_all_gather(
+        store.as_ref(),
+        &format!("bench/{seq}"),
+        rank,
+        world,
+        &mine,
+        timeout,
+    )?;
+    let field = |b: &Vec<u8>, i: usize| {
+        f64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]))
+    };
+    Ok(Row {
+        time_us: all.iter().map(|b| field(b, 0)).fold(0.0, f64::max),
+        wrong: all.iter().map(|b| field(b, 1) as usize).sum(),
+        ..row
+    })
+}
+
+fn bandwidths(row: &Row, world: usize) -> (f64, f64) {
+    let algbw = row.bytes as f64 / (row.time_us * 1e-6) / 1e9;
+    (algbw, algbw * 2.0 * (world as f64 - 1.0) / world as f64)
+}
+
+fn print_row(r: &Row, world: usize) {
+    let (algbw, busbw) = bandwidths(r, world);
+    println!(
+        "{:>12} {:>12} {:>5} {:>5} {:>8} {:>6} {:>10.2} {:>9.2} {:>9.2} {:>8.2} {:>7}",
+        r.bytes, r.count, r.dtype, r.op, r.algo, r.mode, r.time_us, algbw, busbw, r.cpu_us, r.wrong
+    );
+}
+
+fn to_json(rows: &[Row], a: &Args) -> String {
+    let mut s = format!(
+        "{{\"backend\":\"{}\",\"world\":{},\"iters\":{},\"rows\":[",
+        a.backend, a.world, a.iters
+    );
+    for (i, r) in rows.iter().enumerate() {
+        let (algbw, busbw) = bandwidths(r, a.world);
+        let _ = write!(
+            s,
+            "{}{{\"size\":{},\"count\":{},\"dtype\":\"{}\",\"op\":\"{}\",\"algo\":\"{}\",\"mode\":\"{}\",\"time_us\":{:.3},\"algbw\":{:.3},\"busbw\":{:.3},\"cpu_us\":{:.3},\"wrong\":{}}}",
+            if i == 0 { "" } else { "," },
+            r.bytes,
+            r.count,
+            r.dtype,
+            r.op,
+            r.algo,
+            r.mode,
+            r.time_us,
+            algbw,
+            busbw,
+            r.cpu_us,
+            r.wrong
+        );
+    }
+    s.push_str("]}\n");
+    s
+}

@@ -1,1 +1,280 @@
-fn main() {}
+//! One rank of a multi-process test. Launched N times by the process-mode
+//! tests (and by `ci/gpu-cuda.sh`) with `RANK`/`WORLD_SIZE` and either
+//! `FERROCOMM_STORE_ADDR` (connect to a store the launcher hosts) or the
+//! torchrun variables (`MASTER_ADDR`, `MASTER_PORT`, ...).
+//!
+//! Scenarios:
+//! - `conformance`: the conformance suite; exit 0 iff it passed.
+//! - `kill`: all-reduce in a loop; the victim kills itself mid-loop; the
+//!   others must get an error within 2x the timeout.
+//! - `stall`: the victim sleeps past the timeout; the others must get a
+//!   timeout naming it.
+//! - `mismatch`: rank 0 passes a different count; every rank must get an error.
+//! - `finalize`: use after finalize, double finalize and abort return errors.
+//!
+//! Each prints one `RESULT ok ...` or `RESULT fail ...` line.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferrocomm::bootstrap::{rendezvous_from_env, Store, TcpStore};
+use ferrocomm::device::Device;
+use ferrocomm::testing::conformance::{run_suite, SuiteConfig};
+use ferrocomm::{CommOptions, Communicator, DType, Error, ReduceOp, Result};
+
+struct Args {
+    scenario: String,
+    backend: String,
+    victim: usize,
+    timeout: Duration,
+    max_bytes: usize,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut it = std::env::args().skip(1);
+    let scenario = it
+        .next()
+        .ok_or_else(|| Error::invalid("usage: ferrocomm-worker <scenario> [--backend B] [--victim R] [--timeout-secs S] [--max-bytes N]"))?;
+    let mut a = Args {
+        scenario,
+        backend: "host".into(),
+        victim: 1,
+        timeout: Duration::from_secs(3),
+        max_bytes: 64 << 20,
+    };
+    while let Some(flag) = it.next() {
+        let value = it
+            .next()
+            .ok_or_else(|| Error::invalid(format!("{flag} needs a value")))?;
+        let bad = || Error::invalid(format!("bad value {value:?} for {flag}"));
+        match flag.as_str() {
+            "--backend" => a.backend = value.clone(),
+            "--victim" => a.victim = value.parse().map_err(|_| bad())?,
+            "--timeout-secs" => {
+                a.timeout = Duration::from_secs_f64(value.parse().map_err(|_| bad())?)
+            }
+            "--max-bytes" => a.max_bytes = value.parse().map_err(|_| bad())?,
+            _ => return Err(Error::invalid(format!("unknown flag {flag}"))),
+        }
+    }
+    Ok(a)
+}
+
+fn env_usize(name: &str) -> Result<usize> {
+    let v = std::env::var(name).map_err(|_| Error::invalid(format!("{name} is not set")))?;
+    v.parse()
+        .map_err(|_| Error::invalid(format!("{name}={v:?} is not a number")))
+}
+
+/// (store, rank, world, local_rank), from a launcher-hosted store or torchrun variables.
+fn connect() -> Result<(
+    Arc<dyn Store>,
+    usize,
+    usize,
+    usize,
+    Option<ferrocomm::bootstrap::EnvRendezvous>,
+)> {
+    if let Ok(addr) = std::env::var("FERROCOMM_STORE_ADDR") {
+        let addr = addr
+            .parse()
+            .map_err(|_| Error::invalid(format!("FERROCOMM_STORE_ADDR={addr:?}")))?;
+        let token = std::env::var("FERROCOMM_TOKEN")
+            .map_err(|_| Error::invalid("FERROCOMM_TOKEN is not set"))?;
+        let store: Arc<dyn Store> = Arc::new(TcpStore::connect(
+            addr,
+            token.as_bytes(),
+            Duration::from_secs(30),
+        )?);
+        let rank = env_usize("RANK")?;
+        let local = env_usize("LOCAL_RANK").unwrap_or(rank);
+        return Ok((store, rank, env_usize("WORLD_SIZE")?, local, None));
+    }
+    let rdv = rendezvous_from_env()?;
+    Ok((
+        rdv.store.clone(),
+        rdv.rank,
+        rdv.world,
+        rdv.local_rank,
+        Some(rdv),
+    ))
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(msg) => {
+            println!("RESULT ok {msg}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("RESULT fail {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<String> {
+    let args = parse_args()?;
+    let (store, rank, world, local, _rdv) = connect()?;
+    match args.backend.as_str() {
+        "host" => scenario(
+            ferrocomm::backends::host::HostDevice::new(local)?,
+            store,
+            rank,
+            world,
+            &args,
+        ),
+        #[cfg(feature = "cuda")]
+        "cuda" => scenario(
+            ferrocomm::backends::cuda::CudaDevice::new(local)?,
+            store,
+            rank,
+            world,
+            &args,
+        ),
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => Err(Error::NotCompiled {
+            backend: "cuda",
+            feature: "cuda",
+        }),
+        other => Err(Error::invalid(format!("unknown backend {other:?}"))),
+    }
+}
+
+fn scenario<D: Device>(
+    dev: D,
+    store: Arc<dyn Store>,
+    rank: usize,
+    world: usize,
+    a: &Args,
+) -> Result<String> {
+    let opts = CommOptions::from_env()?.with_timeout(a.timeout);
+    let comm = Communicator::new(dev, store.clone(), rank, world, opts)?;
+    match a.scenario.as_str() {
+        "conformance" => {
+            let cfg = SuiteConfig {
+                max_bytes: a.max_bytes,
+                timeout: a.timeout.max(Duration::from_secs(60)),
+                ..SuiteConfig::default()
+            };
+            let report = run_suite(&comm, store.as_ref(), &cfg)?;
+            comm.finalize()?;
+            if report.is_ok() {
+                Ok(format!(
+                    "rank={rank} collectives={} elements={}",
+                    report.collectives, report.elements_checked
+                ))
+            } else {
+                Err(Error::Aborted(format!(
+                    "conformance failures on rank {rank}: {:#?}",
+                    report.failures
+                )))
+            }
+        }
+        "kill" => expect_failure(&comm, a, |i| {
+            if rank == a.victim && i == 5 {
+                // SAFETY: raising SIGKILL on ourselves; nothing runs after it.
+                unsafe { libc::raise(libc::SIGKILL) };
+            }
+        }),
+        "stall" => {
+            let out = expect_failure(&comm, a, |i| {
+                if rank == a.victim && i == 3 {
+                    std::thread::sleep(a.timeout * 3);
+                }
+            });
+            if rank == a.victim {
+                return Ok("victim woke up".into());
+            }
+            let msg = out?;
+            if !msg.contains(&format!("[{}]", a.victim)) {
+                return Err(Error::Aborted(format!(
+                    "timeout did not name rank {}: {msg}",
+                    a.victim
+                )));
+            }
+            Ok(msg)
+        }
+        "mismatch" => {
+            let buf = comm.alloc(4096 * 4)?;
+            let count = if rank == 0 { 1000 } else { 4096 };
+            let start = Instant::now();
+            match comm
+                .all_reduce_in_place(&buf, count, DType::F32, ReduceOp::Sum)?
+                .wait(None)
+            {
+                Ok(()) => Err(Error::Aborted(
+                    "mismatched counts completed silently".into(),
+                )),
+                Err(e @ (Error::Mismatch { .. } | Error::Timeout { .. })) => Ok(format!(
+                    "elapsed_ms={} error={e}",
+                    start.elapsed().as_millis()
+                )),
+                Err(e) => Err(e),
+            }
+        }
+        "finalize" => {
+            let buf = comm.alloc(64)?;
+            comm.all_reduce_in_place(&buf, 16, DType::F32, ReduceOp::Sum)?
+                .wait(None)?;
+            comm.finalize()?;
+            let after = comm
+                .all_reduce_in_place(&buf, 16, DType::F32, ReduceOp::Sum)
+                .err();
+            let twice = comm.finalize().err();
+            let abort = comm.abort().err();
+            match (after, twice, abort) {
+                (Some(Error::Finalized), Some(Error::Finalized), Some(Error::Finalized)) => {
+                    Ok("finalize errors ok".into())
+                }
+                other => Err(Error::Aborted(format!(
+                    "unexpected results after finalize: {other:?}"
+                ))),
+            }
+        }
+        other => Err(Error::invalid(format!("unknown scenario {other:?}"))),
+    }
+}
+
+/// Run all-reduces until one fails; succeed iff the failure came within 2x
+/// the timeout of the last good iteration.
+fn expect_failure<D: Device>(
+    comm: &Communicator<D>,
+    a: &Args,
+    mut before: impl FnMut(usize),
+) -> Result<String> {
+    let buf = comm.alloc(1 << 16)?;
+    let mut last_ok = Instant::now();
+    for i in 0..1000 {
+        before(i);
+        let res = comm
+            .all_reduce_in_place(&buf, 1 << 14, DType::F32, ReduceOp::Sum)
+            .and_then(|w| w.wait(None));
+        match res {
+            Ok(()) => last_ok = Instant::now(),
+            Err(e) => {
+                let elapsed = last_ok.elapsed();
+                if elapsed > a.timeout * 2 {
+                    return Err(Error::Aborted(format!(
+                        "error came after {elapsed:?} (> 2x {:?}): {e}",
+                        a.timeout
+                    )));
+                }
+                // The communicator must now refuse work instead of hanging.
+                if comm
+                    .all_reduce_in_place(&buf, 1, DType::F32, ReduceOp::Sum)
+                    .is_ok()
+                {
+                    return Err(Error::Aborted(
+                        "communicator still accepted work after a fatal error".into(),
+                    ));
+                }
+                return Ok(format!(
+                    "iteration={i} elapsed_ms={} error={e}",
+                    elapsed.as_millis()
+                ));
+            }
+        }
+    }
+    Err(Error::Aborted("no error in 1000 iterations".into()))
+}

@@ -5,3 +5,4 @@
 pub mod conformance;
 pub mod data;
 pub mod harness;
+pub mod launch;

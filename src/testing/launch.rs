@@ -1,0 +1,112 @@
+//! Launching ranks as processes: the launcher hosts the TCP store and starts
+//! `world` copies of a worker binary, then collects what each printed.
+//! Nothing here can hang: past the deadline every child is killed.
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::bootstrap::{TcpStoreConfig, TcpStoreServer};
+use crate::error::{Error, Result};
+
+/// What one rank process did.
+#[derive(Debug)]
+pub struct RankOutput {
+    pub rank: usize,
+    /// Exit code; `None` if killed by a signal (or by the launcher's deadline).
+    pub code: Option<i32>,
+    pub timed_out: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// A random hex token for a job's store.
+pub fn random_token() -> Result<String> {
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|e| Error::io("reading /dev/urandom for a store token", e))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn drain(mut pipe: impl Read + Send + 'static) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = pipe.read_to_end(&mut s);
+        String::from_utf8_lossy(&s).into_owned()
+    })
+}
+
+/// Start `world` processes of `exe args...`, one per rank, sharing a store
+/// this process hosts, and wait (at most `timeout`) for all of them.
+pub fn run_process_ranks(exe: &Path, args: &[&str], world: usize, envs: &[(&str, &str)], timeout: Duration) -> Result<Vec<RankOutput>> {
+    let token = random_token()?;
+    let server = TcpStoreServer::start(TcpStoreConfig::new(token.as_bytes().to_vec()))?;
+    let addr = server.connect_addr().to_string();
+    let mut children: Vec<(Child, JoinHandle<String>, JoinHandle<String>)> = Vec::new();
+    for rank in 0..world {
+        let mut cmd = Command::new(exe);
+        cmd.args(args)
+            .env("FERROCOMM_STORE_ADDR", &addr)
+            .env("FERROCOMM_TOKEN", &token)
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                for (mut c, ..) in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(Error::io(format!("starting rank {rank}: {}", exe.display()), e));
+            }
+        };
+        let out = drain(child.stdout.take().expect("stdout is piped"));
+        let err = drain(child.stderr.take().expect("stderr is piped"));
+        children.push((child, out, err));
+    }
+    let deadline = Instant::now() + timeout;
+    let mut codes: Vec<Option<Option<i32>>> = vec![None; world];
+    let mut timed_out = vec![false; world];
+    while codes.iter().any(Option::is_none) {
+        for (rank, (child, ..)) in children.iter_mut().enumerate() {
+            if codes[rank].is_none() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    codes[rank] = Some(status.code());
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            for (rank, (child, ..)) in children.iter_mut().enumerate() {
+                if codes[rank].is_none() {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    codes[rank] = Some(None);
+                    timed_out[rank] = true;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(server);
+    Ok(children
+        .into_iter()
+        .enumerate()
+        .map(|(rank, (_, out, err))| RankOutput {
+            rank,
+            code: codes[rank].flatten(),
+            timed_out: timed_out[rank],
+            stdout: out.join().unwrap_or_default(),
+            stderr: err.join().unwrap_or_default(),
+        })
+        .collect())
+}

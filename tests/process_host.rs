@@ -1,0 +1,119 @@
+//! Ranks as separate processes on the host backend: the conformance suite and
+//! the reliability cases (killed rank, stalled rank, mismatched counts, use
+//! after finalize).
+
+use std::path::Path;
+use std::time::Duration;
+
+use ferrocomm::testing::launch::{run_process_ranks, RankOutput};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_ferrocomm-worker");
+
+fn run(args: &[&str], world: usize, timeout_secs: u64) -> Vec<RankOutput> {
+    run_process_ranks(
+        Path::new(WORKER),
+        args,
+        world,
+        &[],
+        Duration::from_secs(timeout_secs),
+    )
+    .expect("launching ranks")
+}
+
+fn assert_all_ok(outs: &[RankOutput]) {
+    for o in outs {
+        eprint!("rank {}: {}", o.rank, o.stdout);
+        assert!(
+            o.code == Some(0) && o.stdout.contains("RESULT ok"),
+            "rank {} failed (code {:?}, timed out {}):\n{}\n{}",
+            o.rank,
+            o.code,
+            o.timed_out,
+            o.stdout,
+            o.stderr
+        );
+    }
+}
+
+fn conformance(world: usize) {
+    let outs = run(
+        &["conformance", "--backend", "host", "--timeout-secs", "60"],
+        world,
+        600,
+    );
+    assert_all_ok(&outs);
+}
+
+#[test]
+fn conformance_processes_world_2() {
+    conformance(2);
+}
+#[test]
+fn conformance_processes_world_3() {
+    conformance(3);
+}
+#[test]
+fn conformance_processes_world_4() {
+    conformance(4);
+}
+#[test]
+fn conformance_processes_world_8() {
+    conformance(8);
+}
+
+#[test]
+fn killed_rank_becomes_an_error_within_twice_the_timeout() {
+    let outs = run(&["kill", "--victim", "2", "--timeout-secs", "2"], 4, 60);
+    for o in &outs {
+        if o.rank == 2 {
+            assert_eq!(
+                o.code, None,
+                "the victim should have died by SIGKILL: {}",
+                o.stdout
+            );
+            assert!(!o.timed_out, "the victim should have killed itself");
+        } else {
+            assert!(!o.timed_out, "rank {} hung", o.rank);
+            assert_eq!(
+                o.code,
+                Some(0),
+                "rank {}: {}\n{}",
+                o.rank,
+                o.stdout,
+                o.stderr
+            );
+            assert!(
+                o.stdout.contains("missing") || o.stdout.contains("[2]"),
+                "rank {}: {}",
+                o.rank,
+                o.stdout
+            );
+        }
+    }
+}
+
+#[test]
+fn stalled_rank_is_named_in_the_timeout() {
+    let outs = run(&["stall", "--victim", "1", "--timeout-secs", "1"], 3, 60);
+    assert_all_ok(&outs);
+    for o in outs.iter().filter(|o| o.rank != 1) {
+        assert!(
+            o.stdout.contains("timed out"),
+            "rank {}: {}",
+            o.rank,
+            o.stdout
+        );
+    }
+}
+
+#[test]
+fn mismatched_counts_are_an_error_not_garbage() {
+    let outs = run(&["mismatch", "--timeout-secs", "2"], 3, 60);
+    assert_all_ok(&outs);
+}
+
+#[test]
+fn use_after_finalize_is_an_error() {
+    let outs = run(&["finalize"], 2, 60);
+    assert_all_ok(&outs);
+}
