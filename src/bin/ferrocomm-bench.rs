@@ -232,6 +232,9 @@ struct Row {
 /// L2 (50 MiB on H100/H200).
 const ROTATE_BYTES: usize = 128 << 20;
 
+/// Collectives per timed sample.
+const OPS_PER_SAMPLE: usize = 20;
+
 fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Result<()> {
     let world = a.world;
     let opts = CommOptions::from_env()?.with_timeout(a.timeout);
@@ -329,57 +332,46 @@ fn measure<D: Device>(
         comm.write(buf, 0, &input)?;
     }
     let stream = dev.create_stream()?;
-    let run = |i: usize| {
-        comm.all_reduce_on(
-            &stream,
-            choice,
-            &inputs[i % nbuf],
-            &output,
-            count,
-            dtype,
-            a.op,
-        )
-    };
-    let graphs = if mode == "graph" {
-        let mut gs = Vec::new();
-        for i in 0..nbuf {
-            dev.begin_capture(&stream)?;
-            let r = run(i);
-            let g = dev.end_capture(&stream)?;
-            r?;
-            gs.push(g);
-        }
-        Some(gs)
+    let run = |i: usize| comm.all_reduce_on(&stream, choice, &inputs[i % nbuf], &output, count, dtype, a.op);
+    // A sample is OPS_PER_SAMPLE back-to-back collectives (eager launches, or
+    // one replay of a graph holding them), timed by events and divided: the
+    // same shape as nccl-tests and the torch baseline.
+    let graph = if mode == "graph" {
+        dev.begin_capture(&stream)?;
+        let captured = (0..OPS_PER_SAMPLE).try_for_each(run);
+        let g = dev.end_capture(&stream)?;
+        captured?;
+        Some(g)
     } else {
         None
     };
-    let launch = |i: usize| match &graphs {
-        Some(gs) => dev.launch_graph(&gs[i % nbuf], &stream),
-        None => run(i),
+    let sample = || match &graph {
+        Some(g) => dev.launch_graph(g, &stream),
+        None => (0..OPS_PER_SAMPLE).try_for_each(run),
     };
-    for i in 0..a.warmup {
-        launch(i)?;
+    for _ in 0..a.warmup {
+        sample()?;
     }
     dev.synchronize(&stream)?;
     let events: Vec<(D::Event, D::Event)> = (0..a.iters)
         .map(|_| Ok((dev.create_event()?, dev.create_event()?)))
         .collect::<Result<_>>()?;
     let mut cpu = Vec::with_capacity(a.iters);
-    for (i, (e0, e1)) in events.iter().enumerate() {
+    for (e0, e1) in &events {
         dev.record(e0, &stream)?;
         let t = Instant::now();
-        launch(i)?;
-        cpu.push(t.elapsed().as_secs_f64() * 1e6);
+        sample()?;
+        cpu.push(t.elapsed().as_secs_f64() * 1e6 / OPS_PER_SAMPLE as f64);
         dev.record(e1, &stream)?;
     }
     dev.synchronize(&stream)?;
     let mut times: Vec<f64> = events
         .iter()
-        .map(|(e0, e1)| dev.elapsed_ms(e0, e1).map(|ms| ms as f64 * 1e3))
+        .map(|(e0, e1)| dev.elapsed_ms(e0, e1).map(|ms| ms as f64 * 1e3 / OPS_PER_SAMPLE as f64))
         .collect::<Result<_>>()?;
     // Check the result exactly, from a poisoned output.
     dev.memset(&output, 0, bytes, 0x7F, &stream)?;
-    launch(0)?;
+    run(0)?;
     let mut got = vec![0u8; bytes];
     dev.copy_to_host(&output, 0, &mut got, &stream)?;
     let wrong = count_wrong(dtype, seed, comm.size(), count, a.op, &got);

@@ -11,6 +11,10 @@
 //!   timeout naming it.
 //! - `mismatch`: rank 0 passes a different count; every rank must get an error.
 //! - `finalize`: use after finalize, double finalize and abort return errors.
+//! - `replay`: capture one all-reduce per algorithm into a graph and replay it
+//!   `--replays` times, changing the input before every replay and checking
+//!   every output.
+//! - `smoke`: one small launch of every kernel family (for compute-sanitizer).
 //!
 //! Each prints one `RESULT ok ...` or `RESULT fail ...` line.
 
@@ -29,6 +33,7 @@ struct Args {
     victim: usize,
     timeout: Duration,
     max_bytes: usize,
+    replays: usize,
 }
 
 fn parse_args() -> Result<Args> {
@@ -42,6 +47,7 @@ fn parse_args() -> Result<Args> {
         victim: 1,
         timeout: Duration::from_secs(3),
         max_bytes: 64 << 20,
+        replays: 10_000,
     };
     while let Some(flag) = it.next() {
         let value = it
@@ -55,6 +61,7 @@ fn parse_args() -> Result<Args> {
                 a.timeout = Duration::from_secs_f64(value.parse().map_err(|_| bad())?)
             }
             "--max-bytes" => a.max_bytes = value.parse().map_err(|_| bad())?,
+            "--replays" => a.replays = value.parse().map_err(|_| bad())?,
             _ => return Err(Error::invalid(format!("unknown flag {flag}"))),
         }
     }
@@ -232,8 +239,43 @@ fn scenario<D: Device>(
                 ))),
             }
         }
+        "replay" => replay(&comm, a),
+        "smoke" => {
+            let cfg = SuiteConfig {
+                max_bytes: 1 << 20,
+                random_sizes: 0,
+                graph_replays: 1,
+                timeout: a.timeout,
+                ..SuiteConfig::default()
+            };
+            let report = ferrocomm::testing::conformance::run_smoke(&comm, &cfg)?;
+            comm.finalize()?;
+            report_result(rank, report)
+        }
         other => Err(Error::invalid(format!("unknown scenario {other:?}"))),
     }
+}
+
+fn report_result(rank: usize, report: ferrocomm::testing::conformance::SuiteReport) -> Result<String> {
+    if report.is_ok() {
+        Ok(format!("rank={rank} collectives={} elements={}", report.collectives, report.elements_checked))
+    } else {
+        Err(Error::Aborted(format!("failures on rank {rank}: {:#?}", report.failures)))
+    }
+}
+
+/// Graph replays with fresh input each time, every output checked.
+fn replay<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
+    let cfg = SuiteConfig {
+        graph_replays: a.replays,
+        timeout: a.timeout,
+        ..SuiteConfig::default()
+    };
+    let start = Instant::now();
+    let report = ferrocomm::testing::conformance::run_graph_replays(comm, &cfg)?;
+    comm.finalize()?;
+    let msg = report_result(comm.rank(), report)?;
+    Ok(format!("{msg} replays_per_algo={} secs={:.1}", a.replays, start.elapsed().as_secs_f64()))
 }
 
 /// Run all-reduces until one fails; succeed iff the failure came within 2x

@@ -80,12 +80,7 @@ struct Suite<'a, D: Device> {
 /// Run the whole suite on this rank. Collective: every rank calls it with the
 /// same config and store.
 pub fn run_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &SuiteConfig) -> Result<SuiteReport> {
-    let mut s = Suite {
-        comm,
-        cfg,
-        report: SuiteReport::default(),
-        hashes: Vec::new(),
-    };
+    let mut s = Suite::new(comm, cfg);
     s.matrix()?;
     s.large()?;
     s.random_sizes()?;
@@ -95,6 +90,37 @@ pub fn run_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &Sui
     s.report.collectives += 1;
     s.compare_across_ranks(store)?;
     Ok(s.report)
+}
+
+/// One small launch of every kernel family and dtype (for sanitizers).
+pub fn run_smoke<D: Device>(comm: &Communicator<D>, cfg: &SuiteConfig) -> Result<SuiteReport> {
+    let mut s = Suite::new(comm, cfg);
+    for dtype in DType::ALL {
+        for op in ReduceOp::ALL.into_iter().filter(|&op| dtype.supports(op)) {
+            s.all_reduce_case(dtype, op, Values::Exact, 4099, false)?;
+        }
+    }
+    s.broadcasts()?;
+    s.graph_replay()?;
+    Ok(s.report)
+}
+
+/// Only the graph-replay check, `cfg.graph_replays` times per algorithm.
+pub fn run_graph_replays<D: Device>(comm: &Communicator<D>, cfg: &SuiteConfig) -> Result<SuiteReport> {
+    let mut s = Suite::new(comm, cfg);
+    s.graph_replay()?;
+    Ok(s.report)
+}
+
+impl<'a, D: Device> Suite<'a, D> {
+    fn new(comm: &'a Communicator<D>, cfg: &'a SuiteConfig) -> Self {
+        Suite {
+            comm,
+            cfg,
+            report: SuiteReport::default(),
+            hashes: Vec::new(),
+        }
+    }
 }
 
 impl<D: Device> Suite<'_, D> {

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Run the CUDA GPU tests and the benchmark on a GPU machine from prebuilt
+# binaries (see ci/pack-gpu.sh), writing logs under $OUT (or ./gpu-logs).
+#
+#   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
+#   STEPS: tests sanitizer bench baseline (default: all)
+#
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a
+# shared host's GPUs down. Every test runs with FERROCOMM_REQUIRE_GPU=1, so a
+# test that cannot reach its GPUs fails instead of skipping.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN="$(cd "${1:-.carry/bin}" && pwd)"
+shift || true
+STEPS="${*:-tests sanitizer bench baseline}"
+LOG="${OUT:-$PWD/gpu-logs}"
+mkdir -p "$LOG"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export FERROCOMM_REQUIRE_GPU=1 FERROCOMM_WORKER_EXE="$BIN/ferrocomm-worker"
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PATH="/usr/local/cuda/bin:$PATH"
+NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"
+failed=0
+
+step() { # name, command...
+    local name="$1"
+    shift
+    local t0=$SECONDS
+    echo "=== $name: $*"
+    "$@" >"$LOG/$name.log" 2>&1
+    local rc=$?
+    printf '%-28s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$LOG/summary.txt"
+    grep -E "^test |test result|RESULT|SKIPPED|panicked" "$LOG/$name.log" | tail -15
+    [ "$rc" = 0 ] || failed=1
+}
+
+{ date -u; nvidia-smi; nvidia-smi topo -m; } >"$LOG/machine.txt" 2>&1
+echo "GPUs: $NGPU" | tee "$LOG/summary.txt"
+
+if [[ " $STEPS " == *" tests "* ]]; then
+    step conformance_cuda_threads "$BIN/conformance_cuda" --test-threads=1
+    step process_cuda "$BIN/process_cuda" --test-threads=1
+fi
+
+if [[ " $STEPS " == *" sanitizer "* ]]; then
+    for tool in memcheck racecheck; do
+        wrapper="/tmp/ferrocomm-sanitize-$tool.sh"
+        printf '#!/bin/sh\nexec compute-sanitizer --tool %s --error-exitcode 9 "%s" "$@"\n' "$tool" "$BIN/ferrocomm-worker" >"$wrapper"
+        chmod +x "$wrapper"
+        step "sanitizer_$tool" env FERROCOMM_WORKER_EXE="$wrapper" "$BIN/process_cuda" --test-threads=1 smoke
+    done
+fi
+
+if [[ " $STEPS " == *" bench "* ]]; then
+    for w in 2 4; do
+        [ "$NGPU" -ge "$w" ] || continue
+        step "bench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --algo all --graph \
+            --dtype "${BENCH_DTYPES:-bf16}" --min-bytes 1K --max-bytes "${BENCH_MAX:-256M}" \
+            --iters 20 --warmup 5 --json "$LOG/bench_w$w.json"
+        cp "$LOG/bench_w$w.log" "$LOG/bench_w$w.txt"
+    done
+fi
+
+if [[ " $STEPS " == *" baseline "* ]] && [ -f .carry/torch_allreduce_bench.py ] && command -v torchrun >/dev/null; then
+    for w in 2 4; do
+        [ "$NGPU" -ge "$w" ] || continue
+        step "torch_baseline_w$w" torchrun --nproc_per_node="$w" .carry/torch_allreduce_bench.py
+    done
+fi
+
+cat "$LOG/summary.txt"
+exit "$failed"

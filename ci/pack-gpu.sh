@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build the CUDA binaries here (no CUDA needed) and copy what ci/gpu-cuda.sh
+# runs into .carry/ (gitignored), ready to travel to a GPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FEATURES="${FEATURES:-cuda,nccl}"
+cargo build --release --features "$FEATURES" --bins
+mkdir -p .carry/bin
+cargo test --release --features "$FEATURES" --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, shutil, sys
+want = {"conformance_cuda", "process_cuda"}
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name") in want and "test" in t.get("kind", []):
+        shutil.copy(m["executable"], ".carry/bin/" + t["name"])
+        print("packed", t["name"])
+'
+cp target/release/ferrocomm-bench target/release/ferrocomm-worker .carry/bin/
+strip .carry/bin/* 2>/dev/null || true
+if [ -f ../shared/baselines/torch_allreduce_bench.py ]; then
+    cp ../shared/baselines/torch_allreduce_bench.py .carry/
+fi
+du -sh .carry
