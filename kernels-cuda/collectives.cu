@@ -16,6 +16,15 @@
 #include "prelude.cuh"
 #endif
 
+// Tuning knobs (may be overridden with -D): 16-byte packs in flight per thread
+// in bulk copies, and per rank in the two-shot reduce for worlds of 2 and 4.
+#ifndef FC_COPY_UNROLL
+#define FC_COPY_UNROLL 4
+#endif
+#ifndef FC_REDUCE_UNROLL
+#define FC_REDUCE_UNROLL 2
+#endif
+
 namespace fc {
 
 // ===========================================================================
@@ -497,8 +506,8 @@ FC_DEVICE void reduce_range(const FcParams& p, fc_u64 src_off, fc_u64 lo, fc_u64
     if (out_aligned && p.world >= 2 && p.world <= FC_MAX_RANKS) {
         const fc_u64 nvec = (hi - lo) / T::VEC;
         switch (p.world) {
-            case 2: reduce_vec<T, OP, DUAL, 2, BW ? 2 : 1>(p, src_off, lo, nvec, out, out2); break;
-            case 4: reduce_vec<T, OP, DUAL, 4, BW ? 2 : 1>(p, src_off, lo, nvec, out, out2); break;
+            case 2: reduce_vec<T, OP, DUAL, 2, BW ? FC_REDUCE_UNROLL : 1>(p, src_off, lo, nvec, out, out2); break;
+            case 4: reduce_vec<T, OP, DUAL, 4, BW ? FC_REDUCE_UNROLL : 1>(p, src_off, lo, nvec, out, out2); break;
             case 8: reduce_vec<T, OP, DUAL, 8, 1>(p, src_off, lo, nvec, out, out2); break;
             default: reduce_vec_any<T, OP, DUAL>(p, src_off, lo, nvec, out, out2); break;
         }
@@ -550,7 +559,7 @@ FC_DEVICE void twoshot(const FcParams& p) {
 
     for (fc_u32 s = 0; s < world; ++s) {
         const Range r = sub_range(p.count, seg, per, s, b);
-        copy_range<ES, 4>(own + stage_slot, fc_ptr<const char>(p.input), r.lo, r.hi, in_aligned);
+        copy_range<ES, FC_COPY_UNROLL>(own + stage_slot, fc_ptr<const char>(p.input), r.lo, r.hi, in_aligned);
     }
     if (!arrive_wait(p, own, epoch, parity, 0, b)) return;
 
@@ -561,7 +570,7 @@ FC_DEVICE void twoshot(const FcParams& p) {
     for (fc_u32 s = 0; s < world; ++s) {
         if (s == p.rank) continue;
         const Range r = sub_range(p.count, seg, per, s, b);
-        copy_range<ES, 4>(output, fc_ptr<const char>(p.peer_ws[s] + result_slot), r.lo, r.hi, out_aligned);
+        copy_range<ES, FC_COPY_UNROLL>(output, fc_ptr<const char>(p.peer_ws[s] + result_slot), r.lo, r.hi, out_aligned);
     }
     complete(own, epoch);
 }
@@ -577,9 +586,9 @@ FC_DEVICE void broadcast(const FcParams& p) {
     const Range r = block_range(p.count, b, fc_grid_blocks());
     const fc_u64 slot = slot_offset(p, parity);
 
-    if (p.rank == p.root) copy_range<ES, 4>(own + slot, fc_ptr<const char>(p.input), r.lo, r.hi, aligned16(p.input));
+    if (p.rank == p.root) copy_range<ES, FC_COPY_UNROLL>(own + slot, fc_ptr<const char>(p.input), r.lo, r.hi, aligned16(p.input));
     if (!arrive_wait(p, own, epoch, parity, 0, b)) return;
-    copy_range<ES, 4>(fc_ptr<char>(p.output), fc_ptr<const char>(p.peer_ws[p.root] + slot), r.lo, r.hi,
+    copy_range<ES, FC_COPY_UNROLL>(fc_ptr<char>(p.output), fc_ptr<const char>(p.peer_ws[p.root] + slot), r.lo, r.hi,
                       aligned16(p.output));
     complete(own, epoch);
 }

@@ -40,8 +40,8 @@ fn need(world: usize) -> bool {
 
 ferrocomm::conformance_tests!(
     cuda_threads,
-    |rank| CudaDevice::new(rank),
-    |world: usize| skip_reason(world),
+    CudaDevice::new,
+    skip_reason,
     SuiteConfig::default()
 );
 

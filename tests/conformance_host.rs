@@ -6,7 +6,7 @@ use ferrocomm::testing::conformance::SuiteConfig;
 
 ferrocomm::conformance_tests!(
     host_threads,
-    |rank| HostDevice::new(rank),
+    HostDevice::new,
     |_world: usize| None,
     SuiteConfig::default()
 );

@@ -81,18 +81,14 @@ fn candidates() -> Vec<PathBuf> {
     if let Ok(rd) = std::fs::read_dir(&venv_lib) {
         let mut found: Vec<PathBuf> = rd
             .flatten()
-            .map(|e| {
-                e.path()
-                    .join("site-packages/nvidia/cu13/lib/libnvrtc.so.13")
-            })
+            .map(|e| e.path().join("site-packages/nvidia/cu13/lib/libnvrtc.so.13"))
             .filter(|p| p.is_file())
             .collect();
         found.sort();
         out.extend(found);
     }
     // Its fallback when venv is unavailable: pip install --target .ci-cache/nvrtc-pip.
-    let target_lib = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join(".ci-cache/nvrtc-pip/nvidia/cu13/lib/libnvrtc.so.13");
+    let target_lib = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci-cache/nvrtc-pip/nvidia/cu13/lib/libnvrtc.so.13");
     if target_lib.is_file() {
         out.push(target_lib);
     }
@@ -145,8 +141,7 @@ fn preload_builtins(nvrtc: &Path) -> Vec<libloading::Library> {
 fn load_from(path: &Path) -> Result<Nvrtc, String> {
     let mut libs = preload_builtins(path);
     // SAFETY: libnvrtc has no initialisers with preconditions.
-    let lib = unsafe { libloading::Library::new(path) }
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let lib = unsafe { libloading::Library::new(path) }.map_err(|e| format!("{}: {e}", path.display()))?;
     macro_rules! sym {
         ($name:literal) => {
             // SAFETY: the type matches the documented NVRTC prototype of this symbol.
@@ -154,8 +149,7 @@ fn load_from(path: &Path) -> Result<Nvrtc, String> {
                 .map_err(|e| format!("{}: {}: {e}", path.display(), $name))?
         };
     }
-    let version_fn: unsafe extern "C" fn(*mut c_int, *mut c_int) -> NvrtcResult =
-        sym!("nvrtcVersion");
+    let version_fn: unsafe extern "C" fn(*mut c_int, *mut c_int) -> NvrtcResult = sym!("nvrtcVersion");
     let mut version = (0, 0);
     // SAFETY: two valid out-pointers.
     let rc = unsafe { version_fn(&mut version.0, &mut version.1) };
@@ -245,10 +239,7 @@ impl Nvrtc {
     fn compile(&self, src: &str, name: &str, options: &[String]) -> Result<Compiled, String> {
         let src_c = CString::new(src).map_err(|_| "source contains a NUL byte".to_string())?;
         let name_c = CString::new(name).unwrap();
-        let opts_c: Vec<CString> = options
-            .iter()
-            .map(|o| CString::new(o.as_str()).unwrap())
-            .collect();
+        let opts_c: Vec<CString> = options.iter().map(|o| CString::new(o.as_str()).unwrap()).collect();
         let opt_ptrs: Vec<*const c_char> = opts_c.iter().map(|o| o.as_ptr()).collect();
 
         let mut prog: NvrtcProgram = std::ptr::null_mut();
@@ -275,8 +266,7 @@ impl Nvrtc {
         let guard = Guard(self, prog);
 
         // SAFETY: `opt_ptrs` points at live NUL-terminated strings.
-        let compile_rc =
-            unsafe { (self.compile_program)(guard.1, opt_ptrs.len() as c_int, opt_ptrs.as_ptr()) };
+        let compile_rc = unsafe { (self.compile_program)(guard.1, opt_ptrs.len() as c_int, opt_ptrs.as_ptr()) };
 
         let mut log_size = 0usize;
         // SAFETY: valid program and out-pointer.
@@ -290,15 +280,10 @@ impl Nvrtc {
             unsafe { (self.get_program_log)(guard.1, log_buf.as_mut_ptr().cast()) },
             "nvrtcGetProgramLog",
         )?;
-        let log = String::from_utf8_lossy(&log_buf)
-            .trim_end_matches('\0')
-            .to_string();
+        let log = String::from_utf8_lossy(&log_buf).trim_end_matches('\0').to_string();
 
         if compile_rc != NVRTC_SUCCESS {
-            return Err(format!(
-                "nvrtcCompileProgram: {}\n{log}",
-                self.error_string(compile_rc)
-            ));
+            return Err(format!("nvrtcCompileProgram: {}\n{log}", self.error_string(compile_rc)));
         }
 
         let mut size = 0usize;
@@ -341,10 +326,7 @@ fn c_str_at(b: &[u8], o: usize) -> Option<&str> {
 /// Kernel entry points in a cubin: GLOBAL FUNC symbols defined in `.text.*`.
 fn cubin_entry_points(elf: &[u8]) -> Result<BTreeSet<String>, String> {
     let bad = || "cubin is not a little-endian ELF64 file this reader understands".to_string();
-    if elf.get(0..4) != Some(b"\x7fELF".as_slice())
-        || elf.get(4) != Some(&2)
-        || elf.get(5) != Some(&1)
-    {
+    if elf.get(0..4) != Some(b"\x7fELF".as_slice()) || elf.get(4) != Some(&2) || elf.get(5) != Some(&1) {
         return Err(bad());
     }
     let shoff = rd_u64(elf, 0x28).ok_or_else(bad)? as usize;
@@ -455,10 +437,7 @@ fn ptxas_usage(log: &str) -> Usage {
 
 fn compile_all_for(arch: &str) {
     let Some(nvrtc) = nvrtc_or_skip() else { return };
-    println!(
-        "NVRTC {}.{} from {}",
-        nvrtc.version.0, nvrtc.version.1, nvrtc.origin
-    );
+    println!("NVRTC {}.{} from {}", nvrtc.version.0, nvrtc.version.1, nvrtc.origin);
 
     let options: Vec<String> = vec![
         format!("--gpu-architecture={arch}"),
@@ -474,10 +453,7 @@ fn compile_all_for(arch: &str) {
         let compiled = match nvrtc.compile(module.cuda, &format!("{}.cu", module.name), &options) {
             Ok(c) => c,
             Err(e) => {
-                failures.push(format!(
-                    "module {} for {arch} failed to compile:\n{e}",
-                    module.name
-                ));
+                failures.push(format!("module {} for {arch} failed to compile:\n{e}", module.name));
                 continue;
             }
         };

@@ -85,7 +85,8 @@ pub struct CclLibrary {
     _lib: libloading::Library,
 }
 
-static LIBRARIES: OnceLock<Mutex<HashMap<(CclFlavor, PathBuf), Arc<CclLibrary>>>> = OnceLock::new();
+type LibraryCache = Mutex<HashMap<(CclFlavor, PathBuf), Arc<CclLibrary>>>;
+static LIBRARIES: OnceLock<LibraryCache> = OnceLock::new();
 
 impl CclLibrary {
     /// Load the flavor's library: `$FERROCOMM_NCCL_PATH` when set (a path or a

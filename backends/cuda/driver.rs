@@ -237,9 +237,9 @@ fn init_nvrtc() -> Result<(i32, i32), LoadFailure> {
         }
     }
     if !present {
-        let mut reason = format!(
+        let mut reason =
             "not found on the library search path, in $FERROCOMM_NVRTC_PATH, $CUDA_HOME/lib64 or /usr/local/cuda/lib64"
-        );
+                .to_string();
         if !tried.is_empty() {
             reason.push_str(&format!(" (failed: {})", tried.join("; ")));
         }

@@ -74,37 +74,39 @@ fn env_usize(name: &str) -> Result<usize> {
         .map_err(|_| Error::invalid(format!("{name}={v:?} is not a number")))
 }
 
-/// (store, rank, world, local_rank), from a launcher-hosted store or torchrun variables.
-fn connect() -> Result<(
-    Arc<dyn Store>,
-    usize,
-    usize,
-    usize,
-    Option<ferrocomm::bootstrap::EnvRendezvous>,
-)> {
+/// This rank's place in the job.
+struct Job {
+    store: Arc<dyn Store>,
+    rank: usize,
+    world: usize,
+    local_rank: usize,
+    /// Keeps the store server alive when this rank hosts it.
+    _rdv: Option<ferrocomm::bootstrap::EnvRendezvous>,
+}
+
+/// Join the job through a launcher-hosted store, or through torchrun variables.
+fn connect() -> Result<Job> {
     if let Ok(addr) = std::env::var("FERROCOMM_STORE_ADDR") {
-        let addr = addr
-            .parse()
-            .map_err(|_| Error::invalid(format!("FERROCOMM_STORE_ADDR={addr:?}")))?;
-        let token = std::env::var("FERROCOMM_TOKEN")
-            .map_err(|_| Error::invalid("FERROCOMM_TOKEN is not set"))?;
-        let store: Arc<dyn Store> = Arc::new(TcpStore::connect(
-            addr,
-            token.as_bytes(),
-            Duration::from_secs(30),
-        )?);
+        let addr = addr.parse().map_err(|_| Error::invalid(format!("FERROCOMM_STORE_ADDR={addr:?}")))?;
+        let token = std::env::var("FERROCOMM_TOKEN").map_err(|_| Error::invalid("FERROCOMM_TOKEN is not set"))?;
+        let store: Arc<dyn Store> = Arc::new(TcpStore::connect(addr, token.as_bytes(), Duration::from_secs(30))?);
         let rank = env_usize("RANK")?;
-        let local = env_usize("LOCAL_RANK").unwrap_or(rank);
-        return Ok((store, rank, env_usize("WORLD_SIZE")?, local, None));
+        return Ok(Job {
+            store,
+            rank,
+            world: env_usize("WORLD_SIZE")?,
+            local_rank: env_usize("LOCAL_RANK").unwrap_or(rank),
+            _rdv: None,
+        });
     }
     let rdv = rendezvous_from_env()?;
-    Ok((
-        rdv.store.clone(),
-        rdv.rank,
-        rdv.world,
-        rdv.local_rank,
-        Some(rdv),
-    ))
+    Ok(Job {
+        store: rdv.store.clone(),
+        rank: rdv.rank,
+        world: rdv.world,
+        local_rank: rdv.local_rank,
+        _rdv: Some(rdv),
+    })
 }
 
 fn main() -> ExitCode {
@@ -122,7 +124,8 @@ fn main() -> ExitCode {
 
 fn run() -> Result<String> {
     let args = parse_args()?;
-    let (store, rank, world, local, _rdv) = connect()?;
+    let job = connect()?;
+    let (store, rank, world, local) = (job.store.clone(), job.rank, job.world, job.local_rank);
     match args.backend.as_str() {
         "host" => scenario(
             ferrocomm::backends::host::HostDevice::new(local)?,

@@ -222,7 +222,8 @@ impl<D: Device> Communicator<D> {
         op: ReduceOp,
     ) -> Result<()> {
         check_supported(dtype, op)?;
-        let kind = match self.choose(algo, count * dtype.size()) {
+        // Saturating: an overflowing count is rejected by `submit`'s size check.
+        let kind = match self.choose(algo, count.saturating_mul(dtype.size())) {
             Algorithm::OneShot => KernelKind::OneShot,
             Algorithm::TwoShot => KernelKind::TwoShot,
         };

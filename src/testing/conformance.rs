@@ -277,7 +277,7 @@ impl<D: Device> Suite<'_, D> {
             captured?;
             for replay in 0..self.cfg.graph_replays {
                 let case = format!("graph replay {replay} {algo} bf16 sum count={count} rank={rank}");
-                let seed = self.cfg.seed ^ (replay as u64 + 1) * 7919 ^ algo as u64;
+                let seed = self.cfg.seed ^ ((replay as u64 + 1) * 7919) ^ algo as u64;
                 let input = data::make_input::<bf16>(seed, rank, 0, count, ReduceOp::Sum, Values::Random);
                 dev.memset(&out, 0, count * 2, POISON, &stream)?;
                 dev.copy_from_host(&inp, 0, &data::to_bytes(&input), &stream)?;
