@@ -567,8 +567,11 @@ FC_DEVICE void twoshot(const FcParams& p) {
     reduce_range<T, OP, true, true>(p, stage_slot, mine.lo, mine.hi, output, own + result_slot, out_aligned);
     if (!arrive_wait(p, own, epoch, parity, 1, b)) return;
 
-    for (fc_u32 s = 0; s < world; ++s) {
-        if (s == p.rank) continue;
+    // Every other segment, in an order staggered by block so that at any time
+    // the blocks pull from all peers at once (one peer's links alone would
+    // cap the bandwidth).
+    for (fc_u32 k = 0; k + 1 < world; ++k) {
+        const fc_u32 s = (p.rank + 1 + (k + b) % (world - 1)) % world;
         const Range r = sub_range(p.count, seg, per, s, b);
         copy_range<ES, FC_COPY_UNROLL>(output, fc_ptr<const char>(p.peer_ws[s] + result_slot), r.lo, r.hi, out_aligned);
     }

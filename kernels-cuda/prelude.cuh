@@ -151,12 +151,12 @@ struct fc_vec16 {
     fc_u32 w[4];
 };
 
-// Requires a 16-byte-aligned global address.
-// __isGlobal lets the compiler emit ld/st.global (LDG/STG.128) instead of
-// generic accesses: the addresses come from integers in the params.
+// Requires a 16-byte-aligned global address. The .cg forms (cache in L2, not
+// L1) are explicitly global, so they compile to LDG/STG.E.128 although the
+// addresses come from integers in the params, and data read once (peers'
+// slots over NVLink) does not pollute L1.
 FC_DEVICE fc_vec16 fc_load16(const void* p) {
-    __builtin_assume(__isGlobal(p));
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
     fc_vec16 r;
     r.w[0] = v.x;
     r.w[1] = v.y;
@@ -165,25 +165,23 @@ FC_DEVICE fc_vec16 fc_load16(const void* p) {
     return r;
 }
 FC_DEVICE void fc_store16(void* p, const fc_vec16& r) {
-    __builtin_assume(__isGlobal(p));
     uint4 v;
     v.x = r.w[0];
     v.y = r.w[1];
     v.z = r.w[2];
     v.w = r.w[3];
-    *reinterpret_cast<uint4*>(p) = v;
+    __stcg(reinterpret_cast<uint4*>(p), v);
 }
 
-// Plain element access to global memory (tails and unaligned fallbacks).
+// Plain element access to global memory (tails and unaligned fallbacks);
+// T is one of fc_u16, fc_u32, fc_i32, float.
 template <class T>
 FC_DEVICE T fc_load(const T* p) {
-    __builtin_assume(__isGlobal(p));
-    return *p;
+    return __ldcg(p);
 }
 template <class T>
 FC_DEVICE void fc_store(T* p, T v) {
-    __builtin_assume(__isGlobal(p));
-    *p = v;
+    __stcg(p, v);
 }
 
 // ---------------------------------------------------------------------------

@@ -20,7 +20,9 @@ fn skip_reason(world: usize) -> Option<String> {
         Ok(n) if n < world => return Some(format!("{n} CUDA device(s) visible, {world} needed")),
         Ok(_) => {}
     }
-    cuda::nvrtc_version().err().map(|e| format!("no NVRTC to compile kernels: {e}"))
+    cuda::nvrtc_version()
+        .err()
+        .map(|e| format!("no NVRTC to compile kernels: {e}"))
 }
 
 /// Like the conformance macro: skip with a printed reason, or fail when
@@ -38,12 +40,7 @@ fn need(world: usize) -> bool {
     }
 }
 
-ferrocomm::conformance_tests!(
-    cuda_threads,
-    CudaDevice::new,
-    skip_reason,
-    SuiteConfig::default()
-);
+ferrocomm::conformance_tests!(cuda_threads, CudaDevice::new, skip_reason, SuiteConfig::default());
 
 /// Runs everywhere: with no driver or no device, opening one is an error,
 /// never a panic; with devices, an ordinal past the last one is an error.
@@ -51,10 +48,19 @@ ferrocomm::conformance_tests!(
 fn opening_a_missing_device_is_an_error() {
     match cuda::device_count() {
         Err(e) => {
-            assert!(matches!(e, Error::LibraryMissing { .. } | Error::NoDevice { .. } | Error::Backend { .. }), "{e}");
+            assert!(
+                matches!(
+                    e,
+                    Error::LibraryMissing { .. } | Error::NoDevice { .. } | Error::Backend { .. }
+                ),
+                "{e}"
+            );
             let r = CudaDevice::new(0);
             assert!(
-                matches!(r, Err(Error::LibraryMissing { .. } | Error::NoDevice { .. } | Error::Backend { .. })),
+                matches!(
+                    r,
+                    Err(Error::LibraryMissing { .. } | Error::NoDevice { .. } | Error::Backend { .. })
+                ),
                 "{:?}",
                 r.err()
             );
@@ -98,7 +104,10 @@ fn export_import_round_trip() {
     let a = CudaDevice::new(0).unwrap();
     let b = CudaDevice::new(other).unwrap();
     if other != 0 {
-        assert!(cuda::can_access_peer(other, 0).unwrap(), "device {other} cannot reach device 0");
+        assert!(
+            cuda::can_access_peer(other, 0).unwrap(),
+            "device {other} cannot reach device 0"
+        );
     }
     let len = (3 << 20) + 5;
     let own = a.alloc(len, MemKind::Shareable).unwrap();
@@ -145,6 +154,45 @@ fn export_import_round_trip() {
     };
     assert!(matches!(b.import(forged), Err(Error::InvalidArgument(_))));
     drop(peer);
+    assert_eq!(cuda::drop_error_count(), 0);
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// Exporting, importing and dropping many times leaks no descriptors and
+/// releases everything without errors.
+#[test]
+#[serial]
+fn export_import_release_everything() {
+    if !need(1) {
+        return;
+    }
+    let other = if cuda::device_count().unwrap() >= 2 { 1 } else { 0 };
+    let a = CudaDevice::new(0).unwrap();
+    let b = CudaDevice::new(other).unwrap();
+    // Warm up once so lazily opened driver descriptors are not counted.
+    drop(
+        b.import(a.export(&a.alloc(1 << 20, MemKind::Shareable).unwrap()).unwrap())
+            .unwrap(),
+    );
+    drop((a.create_stream(), a.create_event(), a.alloc_host_flags(4)));
+    let before = open_fds();
+    for i in 0..200 {
+        let own = a.alloc((i % 5 + 1) << 20, MemKind::Shareable).unwrap();
+        let handle = a.export(&own).unwrap();
+        let peer = b.import(handle).unwrap();
+        drop(peer);
+        drop(own);
+        let _ = a.create_stream().unwrap();
+        let _ = a.create_event().unwrap();
+        let _ = a.alloc_host_flags(4).unwrap();
+    }
+    // A leak would add one descriptor per iteration; the slack absorbs sockets
+    // that tests running in parallel open meanwhile.
+    let after = open_fds();
+    assert!(after < before + 100, "open descriptors grew from {before} to {after}");
     assert_eq!(cuda::drop_error_count(), 0);
 }
 
@@ -272,11 +320,20 @@ fn modules_compile_once_and_launch_checks_its_arguments() {
     for (i, c) in got.chunks_exact(4).enumerate() {
         assert_eq!(u32::from_le_bytes([c[0], c[1], c[2], c[3]]), 0xC0FFEE + i as u32);
     }
-    assert!(matches!(dev.launch(&m, "nope", cfg, &params, &s), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        dev.launch(&m, "nope", cfg, &params, &s),
+        Err(Error::InvalidArgument(_))
+    ));
     let too_big = ferrocomm::device::LaunchConfig { grid: 1, block: 1024 };
-    assert!(matches!(dev.launch(&m, "fill", too_big, &params, &s), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        dev.launch(&m, "fill", too_big, &params, &s),
+        Err(Error::InvalidArgument(_))
+    ));
     let too_many = ferrocomm::device::LaunchConfig { grid: 129, block: 512 };
-    assert!(matches!(dev.launch(&m, "fill", too_many, &params, &s), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        dev.launch(&m, "fill", too_many, &params, &s),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 #[test]
@@ -296,7 +353,8 @@ fn host_flags_are_visible_to_both_sides() {
     // A device copy writes into the words; the host sees it.
     let s = dev.create_stream().unwrap();
     let src = dev.alloc(16, MemKind::Plain).unwrap();
-    dev.copy_from_host(&src, 0, &[9, 0, 0, 0, 8, 0, 0, 0, 7, 0, 0, 0, 6, 0, 0, 0], &s).unwrap();
+    dev.copy_from_host(&src, 0, &[9, 0, 0, 0, 8, 0, 0, 0, 7, 0, 0, 0, 6, 0, 0, 0], &s)
+        .unwrap();
     dev.copy_device(flags.device_ptr(), src.ptr(), 16, &s).unwrap();
     dev.synchronize(&s).unwrap();
     assert_eq!((0..4).map(|i| flags.load(i)).collect::<Vec<_>>(), vec![9, 8, 7, 6]);

@@ -96,9 +96,12 @@ type FnComm = unsafe extern "C" fn(RawComm) -> NcclResult;
 type FnCommGetAsyncError = unsafe extern "C" fn(RawComm, *mut NcclResult) -> NcclResult;
 type FnGetErrorString = unsafe extern "C" fn(NcclResult) -> *const c_char;
 type FnGetLastError = unsafe extern "C" fn(RawComm) -> *const c_char;
-type FnAllReduce = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;
-type FnBroadcast = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;
-type FnReduceScatter = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;
+type FnAllReduce =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;
+type FnBroadcast =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;
+type FnReduceScatter =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;
 type FnAllGather = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, RawComm, RawStream) -> NcclResult;
 type FnSend = unsafe extern "C" fn(*const c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;
 type FnRecv = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;

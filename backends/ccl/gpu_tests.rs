@@ -34,7 +34,9 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 fn f32_from(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 fn read_f32(dev: &CudaDevice, buf: &cuda::CudaBuffer, n: usize, stream: &cuda::CudaStream) -> Result<Vec<f32>> {
@@ -70,14 +72,22 @@ fn one_rank(rank: usize, world: usize, store: Arc<dyn Store>) -> Result<()> {
     // f32 and live until the stream is synchronised; `s` is this device's stream.
     let ranks_sum: f32 = (1..=world).map(|r| r as f32).sum();
     unsafe { comm.all_reduce(a.ptr(), b.ptr(), n, DType::F32, ReduceOp::Sum, s)? };
-    expect("all_reduce sum", &read_f32(&dev, &b, n, &stream)?, |i| ranks_sum + (world * (i % 7)) as f32)?;
+    expect("all_reduce sum", &read_f32(&dev, &b, n, &stream)?, |i| {
+        ranks_sum + (world * (i % 7)) as f32
+    })?;
     // Min and max are swapped in nccl.h relative to ferrocomm's enum.
     unsafe { comm.all_reduce(a.ptr(), b.ptr(), n, DType::F32, ReduceOp::Max, s)? };
-    expect("all_reduce max", &read_f32(&dev, &b, n, &stream)?, |i| world as f32 + (i % 7) as f32)?;
+    expect("all_reduce max", &read_f32(&dev, &b, n, &stream)?, |i| {
+        world as f32 + (i % 7) as f32
+    })?;
     unsafe { comm.all_reduce(a.ptr(), b.ptr(), n, DType::F32, ReduceOp::Min, s)? };
-    expect("all_reduce min", &read_f32(&dev, &b, n, &stream)?, |i| 1.0 + (i % 7) as f32)?;
+    expect("all_reduce min", &read_f32(&dev, &b, n, &stream)?, |i| {
+        1.0 + (i % 7) as f32
+    })?;
     unsafe { comm.all_reduce(a.ptr(), b.ptr(), n, DType::F32, ReduceOp::Avg, s)? };
-    expect("all_reduce avg", &read_f32(&dev, &b, n, &stream)?, |i| ranks_sum / world as f32 + (i % 7) as f32)?;
+    expect("all_reduce avg", &read_f32(&dev, &b, n, &stream)?, |i| {
+        ranks_sum / world as f32 + (i % 7) as f32
+    })?;
     assert!(matches!(
         unsafe { comm.all_reduce(a.ptr(), b.ptr(), n, DType::I32, ReduceOp::Avg, s) },
         Err(Error::InvalidArgument(_))
@@ -85,7 +95,9 @@ fn one_rank(rank: usize, world: usize, store: Arc<dyn Store>) -> Result<()> {
 
     let root = world - 1;
     unsafe { comm.broadcast(a.ptr(), b.ptr(), n, DType::F32, root, s)? };
-    expect("broadcast", &read_f32(&dev, &b, n, &stream)?, |i| (root + 1) as f32 + (i % 7) as f32)?;
+    expect("broadcast", &read_f32(&dev, &b, n, &stream)?, |i| {
+        (root + 1) as f32 + (i % 7) as f32
+    })?;
 
     unsafe { comm.all_gather(a.ptr(), b.ptr(), n, DType::F32, s)? };
     expect("all_gather", &read_f32(&dev, &b, n * world, &stream)?, |i| {
@@ -96,7 +108,9 @@ fn one_rank(rank: usize, world: usize, store: Arc<dyn Store>) -> Result<()> {
     let rs_in: Vec<f32> = (0..n * world).map(|i| (i / n + 1) as f32).collect();
     dev.copy_from_host(&a, 0, &f32_bytes(&rs_in), &stream)?;
     unsafe { comm.reduce_scatter(a.ptr(), b.ptr(), n, DType::F32, ReduceOp::Sum, s)? };
-    expect("reduce_scatter", &read_f32(&dev, &b, n, &stream)?, |_| (world * (rank + 1)) as f32)?;
+    expect("reduce_scatter", &read_f32(&dev, &b, n, &stream)?, |_| {
+        (world * (rank + 1)) as f32
+    })?;
 
     // A ring of send/recv in one group.
     if world > 1 {
@@ -108,7 +122,9 @@ fn one_rank(rank: usize, world: usize, store: Arc<dyn Store>) -> Result<()> {
         }
         comm.group_end()?;
         let from = (rank + world - 1) % world;
-        expect("send/recv", &read_f32(&dev, &b, n, &stream)?, |i| (from + 1) as f32 + (i % 7) as f32)?;
+        expect("send/recv", &read_f32(&dev, &b, n, &stream)?, |i| {
+            (from + 1) as f32 + (i % 7) as f32
+        })?;
     }
     comm.async_error()?;
     dev.synchronize(&stream)?;

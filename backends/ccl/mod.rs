@@ -253,7 +253,10 @@ impl CclComm {
         timeout: Duration,
     ) -> Result<Self> {
         if world == 0 || rank >= world || world > c_int::MAX as usize {
-            return Err(Error::invalid(format!("{} communicator for rank {rank} of {world}", lib.flavor.name())));
+            return Err(Error::invalid(format!(
+                "{} communicator for rank {rank} of {world}",
+                lib.flavor.name()
+            )));
         }
         let start = Instant::now();
         let key = format!("{key_prefix}/ncclUniqueId");
@@ -354,7 +357,12 @@ impl CclComm {
             }
             if Instant::now() >= deadline {
                 return Err(Error::Timeout {
-                    what: format!("{} {call} (rank {} of {})", self.lib.flavor.name(), self.rank, self.world),
+                    what: format!(
+                        "{} {call} (rank {} of {})",
+                        self.lib.flavor.name(),
+                        self.rank,
+                        self.world
+                    ),
                     after: self.timeout,
                     missing: Vec::new(),
                 });
@@ -372,7 +380,10 @@ impl CclComm {
     fn call(&self, name: &'static str, f: impl FnOnce(RawComm) -> NcclResult) -> Result<()> {
         let guard = lock(&self.comm);
         let Some(Handle(comm)) = guard.as_ref() else {
-            return Err(Error::Aborted(format!("the {} communicator was aborted", self.lib.flavor.name())));
+            return Err(Error::Aborted(format!(
+                "the {} communicator was aborted",
+                self.lib.flavor.name()
+            )));
         };
         let comm = *comm;
         let r = f(comm);
@@ -417,9 +428,20 @@ impl CclComm {
     ///
     /// # Safety
     /// As for [`CclComm::all_reduce`] (`send` is only read on the root).
-    pub unsafe fn broadcast(&self, send: DevicePtr, recv: DevicePtr, count: usize, dtype: DType, root: usize, stream: u64) -> Result<()> {
+    pub unsafe fn broadcast(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DType,
+        root: usize,
+        stream: u64,
+    ) -> Result<()> {
         if root >= self.world {
-            return Err(Error::invalid(format!("broadcast root {root} is not in a world of {}", self.world)));
+            return Err(Error::invalid(format!(
+                "broadcast root {root} is not in a world of {}",
+                self.world
+            )));
         }
         let api = &self.lib.api;
         self.call("ncclBroadcast", |comm| {
@@ -477,7 +499,14 @@ impl CclComm {
     /// # Safety
     /// As for [`CclComm::all_reduce`], with `send` holding `send_count`
     /// elements and `recv` holding `world * send_count`.
-    pub unsafe fn all_gather(&self, send: DevicePtr, recv: DevicePtr, send_count: usize, dtype: DType, stream: u64) -> Result<()> {
+    pub unsafe fn all_gather(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        send_count: usize,
+        dtype: DType,
+        stream: u64,
+    ) -> Result<()> {
         let api = &self.lib.api;
         self.call("ncclAllGather", |comm| {
             // SAFETY: forwarded from the caller's contract.
@@ -503,7 +532,16 @@ impl CclComm {
         let api = &self.lib.api;
         self.call("ncclSend", |comm| {
             // SAFETY: forwarded from the caller's contract.
-            unsafe { (api.send)(buf.0 as *const c_void, count, nccl_dtype(dtype), peer as c_int, comm, stream as RawStream) }
+            unsafe {
+                (api.send)(
+                    buf.0 as *const c_void,
+                    count,
+                    nccl_dtype(dtype),
+                    peer as c_int,
+                    comm,
+                    stream as RawStream,
+                )
+            }
         })
     }
 
@@ -516,13 +554,25 @@ impl CclComm {
         let api = &self.lib.api;
         self.call("ncclRecv", |comm| {
             // SAFETY: forwarded from the caller's contract.
-            unsafe { (api.recv)(buf.0 as *mut c_void, count, nccl_dtype(dtype), peer as c_int, comm, stream as RawStream) }
+            unsafe {
+                (api.recv)(
+                    buf.0 as *mut c_void,
+                    count,
+                    nccl_dtype(dtype),
+                    peer as c_int,
+                    comm,
+                    stream as RawStream,
+                )
+            }
         })
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
         if peer >= self.world {
-            return Err(Error::invalid(format!("peer {peer} is not in a world of {}", self.world)));
+            return Err(Error::invalid(format!(
+                "peer {peer} is not in a world of {}",
+                self.world
+            )));
         }
         Ok(())
     }
@@ -551,7 +601,10 @@ impl CclComm {
     pub fn async_error(&self) -> Result<()> {
         let guard = lock(&self.comm);
         let Some(Handle(comm)) = guard.as_ref() else {
-            return Err(Error::Aborted(format!("the {} communicator was aborted", self.lib.flavor.name())));
+            return Err(Error::Aborted(format!(
+                "the {} communicator was aborted",
+                self.lib.flavor.name()
+            )));
         };
         let mut state: NcclResult = NCCL_SUCCESS;
         // SAFETY: live communicator, valid out-pointer.
@@ -569,7 +622,10 @@ impl CclComm {
     /// later calls return [`Error::Aborted`] (a second abort too).
     pub fn abort(&self) -> Result<()> {
         let Some(Handle(comm)) = lock(&self.comm).take() else {
-            return Err(Error::Aborted(format!("the {} communicator was already aborted", self.lib.flavor.name())));
+            return Err(Error::Aborted(format!(
+                "the {} communicator was already aborted",
+                self.lib.flavor.name()
+            )));
         };
         // SAFETY: live communicator, released exactly once (taken out above).
         let r = unsafe { (self.lib.api.comm_abort)(comm) };
@@ -601,7 +657,8 @@ impl Drop for CclComm {
                 (true, Some(finalize)) => {
                     // SAFETY: live communicator.
                     let r = unsafe { finalize(comm) };
-                    self.wait_ready(comm, "ncclCommFinalize", r, Instant::now() + self.timeout).is_ok()
+                    self.wait_ready(comm, "ncclCommFinalize", r, Instant::now() + self.timeout)
+                        .is_ok()
                 }
                 _ => true,
             };

@@ -292,7 +292,9 @@ pub(super) fn describe(r: sys::CUresult) -> String {
         let _ = sys::cuGetErrorString(r, &mut text);
     }
     // SAFETY: non-null results point at NUL-terminated static strings.
-    let s = |p: *const std::ffi::c_char| (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned());
+    let s = |p: *const std::ffi::c_char| {
+        (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    };
     match (s(name), s(text)) {
         (Some(n), Some(t)) => format!("{n}: {t}"),
         (Some(n), None) => n,
@@ -373,7 +375,9 @@ impl Context {
     pub(super) fn retain(dev: sys::CUdevice, ordinal: usize) -> Result<Arc<Context>> {
         let mut raw: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: valid out-pointer; `dev` came from cuDeviceGet.
-        check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut raw, dev) })?;
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut raw, dev)
+        })?;
         Ok(Arc::new(Context { raw, dev, ordinal }))
     }
 
@@ -399,7 +403,9 @@ impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: balances the retain in `Context::retain`; every resource made
         // in this context held an Arc of it and is gone.
-        drop_check("cuDevicePrimaryCtxRelease", unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) });
+        drop_check("cuDevicePrimaryCtxRelease", unsafe {
+            sys::cuDevicePrimaryCtxRelease_v2(self.dev)
+        });
     }
 }
 
@@ -423,8 +429,10 @@ mod tests {
             for (prefix, list) in [("sys::cu", DRIVER_SYMBOLS), ("nvrtc_sys::nvrtc", NVRTC_SYMBOLS)] {
                 for (i, _) in src.match_indices(prefix) {
                     let start = i + prefix.len() - if prefix.ends_with("cu") { 2 } else { 5 };
-                    let name: String =
-                        src[start..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                    let name: String = src[start..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
                     // Only calls count (a name followed by an opening parenthesis).
                     if name.len() <= 4 || !src[start + name.len()..].starts_with('(') {
                         continue;

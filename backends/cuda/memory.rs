@@ -43,7 +43,9 @@ fn granularity(dev: sys::CUdevice, recommended: bool) -> Result<usize> {
     };
     let mut g = 0usize;
     // SAFETY: valid out-pointer and property struct.
-    check("cuMemGetAllocationGranularity", unsafe { sys::cuMemGetAllocationGranularity(&mut g, &prop, flag) })?;
+    check("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(&mut g, &prop, flag)
+    })?;
     Ok(g.max(1))
 }
 
@@ -114,10 +116,14 @@ impl Vmm {
     /// Reserve an address range, map the allocation there, and grant this
     /// context's device read/write access (what peer access needs under VMM).
     fn map(&mut self, align: usize) -> Result<()> {
-        let handle = self.handle.ok_or_else(|| Error::invalid("mapping a VMM allocation without a handle"))?;
+        let handle = self
+            .handle
+            .ok_or_else(|| Error::invalid("mapping a VMM allocation without a handle"))?;
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; size and alignment are granularity multiples.
-        check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut va, self.size, align, 0, 0) })?;
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut va, self.size, align, 0, 0)
+        })?;
         self.va = va;
         // SAFETY: maps the whole allocation onto the range reserved just above.
         check("cuMemMap", unsafe { sys::cuMemMap(va, self.size, 0, handle, 0) })?;
@@ -128,7 +134,9 @@ impl Vmm {
         desc.location.id = self.ctx.dev;
         desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         // SAFETY: the range is mapped; one valid descriptor.
-        check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(va, self.size, &desc, 1) })
+        check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(va, self.size, &desc, 1)
+        })
     }
 
     /// Bytes of the physical allocation (a multiple of the granularity).
@@ -138,7 +146,9 @@ impl Vmm {
 
     /// A new POSIX fd for the allocation (owned by the caller).
     fn export_fd(&self) -> Result<OwnedFd> {
-        let handle = self.handle.ok_or_else(|| Error::invalid("exporting a VMM allocation without a handle"))?;
+        let handle = self
+            .handle
+            .ok_or_else(|| Error::invalid("exporting a VMM allocation without a handle"))?;
         let mut fd: std::ffi::c_int = -1;
         // SAFETY: for POSIX fd handles the output is an int written through the pointer.
         let r = unsafe {
@@ -293,9 +303,15 @@ impl CudaPeerBuffer {
         size_bytes.copy_from_slice(&b[8..16]);
         let alloc = u64::from_le_bytes(size_bytes);
         if alloc == 0 || alloc > MAX_IMPORT_BYTES || (handle.size as u64) > alloc {
-            return Err(bad(&format!("allocation of {alloc} bytes cannot hold {} bytes", handle.size)));
+            return Err(bad(&format!(
+                "allocation of {alloc} bytes cannot hold {} bytes",
+                handle.size
+            )));
         }
-        let fd = handle.fd.as_ref().ok_or_else(|| bad("no file descriptor came with it"))?;
+        let fd = handle
+            .fd
+            .as_ref()
+            .ok_or_else(|| bad("no file descriptor came with it"))?;
         let vmm = Vmm::import(ctx, fd, alloc as usize)?;
         Ok(CudaPeerBuffer { vmm, len: handle.size })
     }
@@ -330,7 +346,13 @@ impl CudaHostFlags {
         let bytes = words.max(1) * 4;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the context is current.
-        let r = unsafe { sys::cuMemHostAlloc(&mut p, bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) };
+        let r = unsafe {
+            sys::cuMemHostAlloc(
+                &mut p,
+                bytes,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        };
         check("cuMemHostAlloc", r)?;
         // SAFETY: `p` points at `bytes` writable bytes of pinned memory, page aligned.
         unsafe { std::ptr::write_bytes(p as *mut u8, 0, bytes) };
@@ -342,7 +364,9 @@ impl CudaHostFlags {
             dev: 0,
         };
         // SAFETY: `p` was returned by cuMemHostAlloc with DEVICEMAP.
-        check("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut flags.dev, p, 0) })?;
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut flags.dev, p, 0)
+        })?;
         Ok(flags)
     }
 

@@ -99,7 +99,9 @@ pub fn can_access_peer(a: usize, b: usize) -> Result<bool> {
     }
     let mut can = 0;
     // SAFETY: valid out-pointer and device handles.
-    check("cuDeviceCanAccessPeer", unsafe { sys::cuDeviceCanAccessPeer(&mut can, da, db) })?;
+    check("cuDeviceCanAccessPeer", unsafe {
+        sys::cuDeviceCanAccessPeer(&mut can, da, db)
+    })?;
     Ok(can != 0)
 }
 
@@ -127,7 +129,9 @@ fn cu_device(ordinal: usize) -> Result<sys::CUdevice> {
 fn attribute(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
     let mut v = 0;
     // SAFETY: valid out-pointer and device handle.
-    check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) })?;
+    check("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(&mut v, attr, dev)
+    })?;
     Ok(v)
 }
 
@@ -181,9 +185,13 @@ impl CudaDevice {
         };
         let mut name = [0 as std::ffi::c_char; 256];
         // SAFETY: the buffer holds `len` bytes; the driver NUL-terminates.
-        check("cuDeviceGetName", unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev) })?;
+        check("cuDeviceGetName", unsafe {
+            sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev)
+        })?;
         // SAFETY: NUL-terminated within the buffer (written by the driver, zero-initialised).
-        let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+        let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
         let mut total = 0usize;
         // SAFETY: valid out-pointer and device handle.
         check("cuDeviceTotalMem", unsafe { sys::cuDeviceTotalMem_v2(&mut total, dev) })?;
@@ -240,7 +248,9 @@ impl CudaDevice {
     /// the memory is zero before any other stream (or peer) touches it.
     fn zero_fill(&self, ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
         // SAFETY: `ptr..ptr+bytes` is a live allocation of this context.
-        check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(ptr, 0, bytes, self.aux.raw) })?;
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(ptr, 0, bytes, self.aux.raw)
+        })?;
         self.aux.synchronize()
     }
 }
@@ -303,7 +313,9 @@ impl Device for CudaDevice {
             return Ok(());
         }
         // SAFETY: the range was checked against the live buffer; stream-ordered.
-        check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(buf.raw() + offset as u64, value, len, stream.raw) })
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(buf.raw() + offset as u64, value, len, stream.raw)
+        })
     }
 
     fn copy_from_host(&self, buf: &CudaBuffer, offset: usize, src: &[u8], stream: &CudaStream) -> Result<()> {
@@ -352,7 +364,9 @@ impl Device for CudaDevice {
         // SAFETY: callers (the algorithms) pass addresses inside live buffers
         // mapped for this device and keep them alive until the stream drains;
         // the driver reports an invalid address as an error.
-        check("cuMemcpyDtoDAsync", unsafe { sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, stream.raw) })
+        check("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, stream.raw)
+        })
     }
 
     fn export(&self, buf: &CudaBuffer) -> Result<ExportedHandle> {
@@ -403,7 +417,9 @@ impl Device for CudaDevice {
         self.same_ctx("event", &event.ctx)?;
         self.enter(stream)?;
         // SAFETY: live stream and event of this context.
-        check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream.raw, event.raw, 0) })
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(stream.raw, event.raw, 0)
+        })
     }
 
     fn elapsed_ms(&self, start: &CudaEvent, end: &CudaEvent) -> Result<f32> {
@@ -425,7 +441,9 @@ impl Device for CudaDevice {
         // calls fail, and RELAXED would let this thread's mistakes through.
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         // SAFETY: live stream of this context.
-        check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(stream.raw, mode) })
+        check("cuStreamBeginCapture", unsafe {
+            sys::cuStreamBeginCapture_v2(stream.raw, mode)
+        })
     }
 
     fn end_capture(&self, stream: &CudaStream) -> Result<CudaGraph> {

@@ -118,7 +118,12 @@ fn image(source: &ModuleSource, cc: (i32, i32), fresh: bool) -> Result<Cached> {
     let options = compile_options(&target);
     let version = format!("nvrtc {major}.{minor}");
     let joined = options.join("\0");
-    let key = cache_key(&[source.name.as_bytes(), source.cuda.as_bytes(), joined.as_bytes(), version.as_bytes()]);
+    let key = cache_key(&[
+        source.name.as_bytes(),
+        source.cuda.as_bytes(),
+        joined.as_bytes(),
+        version.as_bytes(),
+    ]);
 
     // Held across the compile: concurrent ranks wait for the first one's result.
     let mut images = lock(IMAGES.get_or_init(Default::default));
@@ -160,7 +165,13 @@ fn sanitize(name: &str) -> String {
     let s: String = name
         .chars()
         .take(64)
-        .map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect();
     if s.is_empty() {
         "module".into()
@@ -182,15 +193,22 @@ impl Drop for Program {
 fn program_log(prog: &Program) -> String {
     let mut size = 0usize;
     // SAFETY: live program, valid out-pointer.
-    if unsafe { nvrtc_sys::nvrtcGetProgramLogSize(prog.0, &mut size) } != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+    if unsafe { nvrtc_sys::nvrtcGetProgramLogSize(prog.0, &mut size) } != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS
+        || size == 0
+    {
         return String::new();
     }
     let mut buf = vec![0u8; size];
     // SAFETY: the buffer holds the `size` bytes NVRTC reported (NUL included).
-    if unsafe { nvrtc_sys::nvrtcGetProgramLog(prog.0, buf.as_mut_ptr() as *mut c_char) } != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+    if unsafe { nvrtc_sys::nvrtcGetProgramLog(prog.0, buf.as_mut_ptr() as *mut c_char) }
+        != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS
+    {
         return String::new();
     }
-    String::from_utf8_lossy(&buf).trim_end_matches('\0').trim_end().to_string()
+    String::from_utf8_lossy(&buf)
+        .trim_end_matches('\0')
+        .trim_end()
+        .to_string()
 }
 
 /// Compile `src` with NVRTC into a CUBIN (or NUL-terminated PTX).
@@ -211,7 +229,16 @@ fn compile(name: &str, src: &str, target: &Target, options: &[String]) -> Result
 
     let mut raw: nvrtc_sys::nvrtcProgram = std::ptr::null_mut();
     // SAFETY: NUL-terminated source and name that outlive the call; no headers.
-    let r = unsafe { nvrtc_sys::nvrtcCreateProgram(&mut raw, csrc.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null()) };
+    let r = unsafe {
+        nvrtc_sys::nvrtcCreateProgram(
+            &mut raw,
+            csrc.as_ptr(),
+            cname.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
     if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
         return Err(fail(format!("nvrtcCreateProgram: {}", nvrtc_describe(r))));
     }
@@ -220,7 +247,11 @@ fn compile(name: &str, src: &str, target: &Target, options: &[String]) -> Result
     let r = unsafe { nvrtc_sys::nvrtcCompileProgram(prog.0, opt_ptrs.len() as i32, opt_ptrs.as_ptr()) };
     if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
         let log = program_log(&prog);
-        return Err(fail(format!("{} (options: {})\n{log}", nvrtc_describe(r), options.join(" "))));
+        return Err(fail(format!(
+            "{} (options: {})\n{log}",
+            nvrtc_describe(r),
+            options.join(" ")
+        )));
     }
     let mut size = 0usize;
     let bytes = if target.cubin {
@@ -273,7 +304,11 @@ fn cache_dir() -> Option<PathBuf> {
         None => std::env::var_os("XDG_CACHE_HOME")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| PathBuf::from(h).join(".cache")))
+            .or_else(|| {
+                std::env::var_os("HOME")
+                    .filter(|v| !v.is_empty())
+                    .map(|h| PathBuf::from(h).join(".cache"))
+            })
             .map(|base| base.join("ferrocomm")),
     }
 }
@@ -287,7 +322,10 @@ fn trusted(meta: &std::fs::Metadata) -> bool {
 }
 
 fn disk_read(path: &Path) -> Option<Vec<u8>> {
-    let dir_ok = path.parent().and_then(|d| std::fs::metadata(d).ok()).is_some_and(|m| m.is_dir() && trusted(&m));
+    let dir_ok = path
+        .parent()
+        .and_then(|d| std::fs::metadata(d).ok())
+        .is_some_and(|m| m.is_dir() && trusted(&m));
     let meta = std::fs::symlink_metadata(path).ok()?;
     if !dir_ok || !meta.is_file() || !trusted(&meta) || meta.len() == 0 || meta.len() > MAX_CACHED_IMAGE {
         return None;
@@ -299,7 +337,12 @@ fn disk_read(path: &Path) -> Option<Vec<u8>> {
 fn disk_write(dir: &Path, file: &str, bytes: &[u8]) {
     use std::io::Write;
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-    if std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).is_err() {
+    if std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .is_err()
+    {
         return;
     }
     if !std::fs::metadata(dir).is_ok_and(|m| m.is_dir() && trusted(&m)) {
@@ -350,7 +393,9 @@ fn load_image(bytes: &[u8]) -> Result<sys::CUmodule> {
     let mut raw: sys::CUmodule = std::ptr::null_mut();
     // SAFETY: `bytes` is a CUBIN or NUL-terminated PTX image that outlives the
     // call (the driver copies it); the caller made the context current.
-    check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut raw, bytes.as_ptr() as *const c_void) })?;
+    check("cuModuleLoadData", unsafe {
+        sys::cuModuleLoadData(&mut raw, bytes.as_ptr() as *const c_void)
+    })?;
     Ok(raw)
 }
 
@@ -379,13 +424,17 @@ impl CudaModule {
         if let Some(f) = functions.get(name) {
             return Ok(f.0);
         }
-        let cname = CString::new(name).map_err(|_| Error::invalid(format!("kernel name {name:?} contains a NUL byte")))?;
+        let cname =
+            CString::new(name).map_err(|_| Error::invalid(format!("kernel name {name:?} contains a NUL byte")))?;
         let mut f: sys::CUfunction = std::ptr::null_mut();
         // SAFETY: live module, NUL-terminated name, valid out-pointer.
         match unsafe { sys::cuModuleGetFunction(&mut f, self.raw, cname.as_ptr()) } {
             sys::CUresult::CUDA_SUCCESS => {}
             sys::CUresult::CUDA_ERROR_NOT_FOUND => {
-                return Err(Error::invalid(format!("CUDA module {} has no kernel named {name}", self.name)));
+                return Err(Error::invalid(format!(
+                    "CUDA module {} has no kernel named {name}",
+                    self.name
+                )));
             }
             other => return Err(error("cuModuleGetFunction", other)),
         }
@@ -409,11 +458,23 @@ mod tests {
 
     #[test]
     fn target_prefers_cubin_for_the_exact_arch() {
-        assert_eq!(choose_target((9, 0), None), Target { label: "sm_90".into(), cubin: true });
+        assert_eq!(
+            choose_target((9, 0), None),
+            Target {
+                label: "sm_90".into(),
+                cubin: true
+            }
+        );
         assert_eq!(choose_target((9, 0), Some(&[75, 80, 86, 89, 90, 100])).label, "sm_90");
         // A device newer than NVRTC knows: PTX for the newest arch it knows.
         let t = choose_target((12, 1), Some(&[80, 90, 100, 120]));
-        assert_eq!(t, Target { label: "compute_120".into(), cubin: false });
+        assert_eq!(
+            t,
+            Target {
+                label: "compute_120".into(),
+                cubin: false
+            }
+        );
         // Older than anything NVRTC supports: ask anyway, NVRTC reports it.
         assert!(choose_target((6, 0), Some(&[75, 80])).cubin);
     }

@@ -34,14 +34,18 @@ impl CudaStream {
     pub(super) fn capturing(&self) -> Result<bool> {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: live stream, valid out-pointer.
-        check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(self.raw, &mut status) })?;
+        check("cuStreamIsCapturing", unsafe {
+            sys::cuStreamIsCapturing(self.raw, &mut status)
+        })?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
     /// Refuse an operation that graph capture would record wrongly or break.
     pub(super) fn refuse_in_capture(&self, what: &str) -> Result<()> {
         if self.capturing()? {
-            return Err(Error::Unsupported(format!("{what} on a stream that is capturing a graph")));
+            return Err(Error::Unsupported(format!(
+                "{what} on a stream that is capturing a graph"
+            )));
         }
         Ok(())
     }
@@ -138,7 +142,9 @@ impl CudaGraph {
                 drop_check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(graph) });
             }
             return Err(match r {
-                sys::CUresult::CUDA_ERROR_ILLEGAL_STATE => Error::invalid("end_capture on a stream that is not capturing"),
+                sys::CUresult::CUDA_ERROR_ILLEGAL_STATE => {
+                    Error::invalid("end_capture on a stream that is not capturing")
+                }
                 other => error("cuStreamEndCapture", other),
             });
         }
@@ -148,7 +154,9 @@ impl CudaGraph {
             exec: std::ptr::null_mut(),
         };
         // SAFETY: `graph` is the live graph just captured; valid out-pointer.
-        check("cuGraphInstantiateWithFlags", unsafe { sys::cuGraphInstantiateWithFlags(&mut g.exec, graph, 0) })?;
+        check("cuGraphInstantiateWithFlags", unsafe {
+            sys::cuGraphInstantiateWithFlags(&mut g.exec, graph, 0)
+        })?;
         Ok(g)
     }
 

@@ -1,6 +1,7 @@
 //! The parameter block every collective kernel receives, by value, as its one
-//! argument. Its layout is an ABI shared with `kernels-cuda/ferrocomm.cuh` and
-//! `kernels-hip/ferrocomm.hip.h`; a size test in each backend keeps them equal.
+//! argument. Its layout is an ABI shared with `struct FcParams` in
+//! `kernels-cuda/prelude.cuh` (and the HIP prelude), where a `static_assert`
+//! pins the same size as the assertion below.
 
 use super::DevicePtr;
 
