@@ -64,7 +64,9 @@ impl FromStr for DType {
             "f16" | "float16" | "half" => Ok(DType::F16),
             "bf16" | "bfloat16" => Ok(DType::BF16),
             "i32" | "int32" | "int" => Ok(DType::I32),
-            _ => Err(Error::invalid(format!("unknown dtype {s:?} (expected f32, f16, bf16 or i32)"))),
+            _ => Err(Error::invalid(format!(
+                "unknown dtype {s:?} (expected f32, f16, bf16 or i32)"
+            ))),
         }
     }
 }
@@ -81,7 +83,13 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
-    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+    ];
 
     pub const fn name(self) -> &'static str {
         match self {
@@ -109,7 +117,9 @@ impl FromStr for ReduceOp {
             "min" => Ok(ReduceOp::Min),
             "max" => Ok(ReduceOp::Max),
             "avg" | "mean" => Ok(ReduceOp::Avg),
-            _ => Err(Error::invalid(format!("unknown op {s:?} (expected sum, prod, min, max or avg)"))),
+            _ => Err(Error::invalid(format!(
+                "unknown op {s:?} (expected sum, prod, min, max or avg)"
+            ))),
         }
     }
 }
@@ -215,6 +225,8 @@ pub fn check_supported(dtype: DType, op: ReduceOp) -> Result<()> {
     if dtype.supports(op) {
         Ok(())
     } else {
-        Err(Error::invalid(format!("op {op} is not supported for dtype {dtype} (i32 supports sum, min, max)")))
+        Err(Error::invalid(format!(
+            "op {op} is not supported for dtype {dtype} (i32 supports sum, min, max)"
+        )))
     }
 }

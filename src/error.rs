@@ -27,10 +27,7 @@ pub enum Error {
 
     /// The backend's library loaded, but there is no usable device.
     #[error("no {backend} device: {reason}")]
-    NoDevice {
-        backend: &'static str,
-        reason: String,
-    },
+    NoDevice { backend: &'static str, reason: String },
 
     /// A call into a vendor library failed.
     #[error("{backend} call {call} failed: {message}")]
@@ -42,11 +39,7 @@ pub enum Error {
 
     /// A kernel failed to compile at run time.
     #[error("compiling kernel module {module} for {arch} failed:\n{log}")]
-    Compile {
-        module: String,
-        arch: String,
-        log: String,
-    },
+    Compile { module: String, arch: String, log: String },
 
     /// A wait ran past its deadline. `missing` lists the ranks that never arrived, when known.
     #[error("timed out after {after:?} waiting for {what}{}", fmt_missing(.missing))]
@@ -58,11 +51,7 @@ pub enum Error {
 
     /// Ranks called different collectives (count, dtype, op or algorithm differ).
     #[error("collective mismatch: rank {peer} issued a different collective than rank {rank} ({detail})")]
-    Mismatch {
-        rank: usize,
-        peer: usize,
-        detail: String,
-    },
+    Mismatch { rank: usize, peer: usize, detail: String },
 
     /// The communicator hit an earlier fatal error and refuses further work.
     #[error("communicator aborted after an earlier error: {0}")]

@@ -87,7 +87,9 @@ fn facts_describe_the_device() {
     assert_eq!(f.warp_size, 32);
     assert!(f.multiprocessors > 0 && f.total_memory > 0);
     assert!(!f.name.is_empty());
-    let g = dev.collective_grid(64 << 20);
+    let g = ferrocomm::algo::GridTable::new(f)
+        .unwrap()
+        .grid(ferrocomm::algo::kernels::KernelKind::TwoShot, 64 << 20);
     assert_eq!(g.block, cuda::BLOCK_THREADS);
     assert!(g.grid >= 1 && g.grid <= f.multiprocessors.min(128));
 }

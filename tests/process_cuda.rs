@@ -67,12 +67,34 @@ fn conformance_world_4() {
 
 #[test]
 fn graph_replays_world_2() {
-    scenario(&["replay", "--backend", "cuda", "--replays", "10000", "--timeout-secs", "60"], 2);
+    scenario(
+        &[
+            "replay",
+            "--backend",
+            "cuda",
+            "--replays",
+            "10000",
+            "--timeout-secs",
+            "60",
+        ],
+        2,
+    );
 }
 
 #[test]
 fn graph_replays_world_4() {
-    scenario(&["replay", "--backend", "cuda", "--replays", "10000", "--timeout-secs", "60"], 4);
+    scenario(
+        &[
+            "replay",
+            "--backend",
+            "cuda",
+            "--replays",
+            "10000",
+            "--timeout-secs",
+            "60",
+        ],
+        4,
+    );
 }
 
 /// One small launch of every kernel; `ci/gpu-cuda.sh` runs it under compute-sanitizer.
@@ -86,7 +108,11 @@ fn killed_rank_becomes_an_error_world_4() {
     if skip(4).is_some() {
         return;
     }
-    let outs = run(&["kill", "--backend", "cuda", "--victim", "2", "--timeout-secs", "5"], 4, 120);
+    let outs = run(
+        &["kill", "--backend", "cuda", "--victim", "2", "--timeout-secs", "5"],
+        4,
+        120,
+    );
     for o in &outs {
         eprint!("rank {}: {}", o.rank, o.stdout);
         if o.rank == 2 {

@@ -10,14 +10,7 @@ use ferrocomm::testing::launch::{run_process_ranks, RankOutput};
 const WORKER: &str = env!("CARGO_BIN_EXE_ferrocomm-worker");
 
 fn run(args: &[&str], world: usize, timeout_secs: u64) -> Vec<RankOutput> {
-    run_process_ranks(
-        Path::new(WORKER),
-        args,
-        world,
-        &[],
-        Duration::from_secs(timeout_secs),
-    )
-    .expect("launching ranks")
+    run_process_ranks(Path::new(WORKER), args, world, &[], Duration::from_secs(timeout_secs)).expect("launching ranks")
 }
 
 fn assert_all_ok(outs: &[RankOutput]) {
@@ -66,22 +59,11 @@ fn killed_rank_becomes_an_error_within_twice_the_timeout() {
     let outs = run(&["kill", "--victim", "2", "--timeout-secs", "2"], 4, 60);
     for o in &outs {
         if o.rank == 2 {
-            assert_eq!(
-                o.code, None,
-                "the victim should have died by SIGKILL: {}",
-                o.stdout
-            );
+            assert_eq!(o.code, None, "the victim should have died by SIGKILL: {}", o.stdout);
             assert!(!o.timed_out, "the victim should have killed itself");
         } else {
             assert!(!o.timed_out, "rank {} hung", o.rank);
-            assert_eq!(
-                o.code,
-                Some(0),
-                "rank {}: {}\n{}",
-                o.rank,
-                o.stdout,
-                o.stderr
-            );
+            assert_eq!(o.code, Some(0), "rank {}: {}\n{}", o.rank, o.stdout, o.stderr);
             assert!(
                 o.stdout.contains("missing") || o.stdout.contains("[2]"),
                 "rank {}: {}",
@@ -97,12 +79,7 @@ fn stalled_rank_is_named_in_the_timeout() {
     let outs = run(&["stall", "--victim", "1", "--timeout-secs", "1"], 3, 60);
     assert_all_ok(&outs);
     for o in outs.iter().filter(|o| o.rank != 1) {
-        assert!(
-            o.stdout.contains("timed out"),
-            "rank {}: {}",
-            o.rank,
-            o.stdout
-        );
+        assert!(o.stdout.contains("timed out"), "rank {}: {}", o.rank, o.stdout);
     }
 }
 

@@ -9,9 +9,7 @@ use ferrocomm::testing::harness::run_thread_ranks;
 use ferrocomm::{CommOptions, Communicator, DType, Error, ReduceOp};
 
 fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .map(|d| d.count())
-        .unwrap_or(0)
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
 }
 
 fn shared_mappings() -> usize {
@@ -21,9 +19,7 @@ fn shared_mappings() -> usize {
 }
 
 fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .map(|d| d.count())
-        .unwrap_or(0)
+    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
 }
 
 fn cycle(world: usize, cycles: usize) {
@@ -32,13 +28,7 @@ fn cycle(world: usize, cycles: usize) {
         .with_slot_bytes(64 << 10);
     let results = run_thread_ranks(world, |rank, world, store| {
         for _ in 0..cycles {
-            let comm = Communicator::new(
-                HostDevice::new(rank)?,
-                store.clone(),
-                rank,
-                world,
-                opts.clone(),
-            )?;
+            let comm = Communicator::new(HostDevice::new(rank)?, store.clone(), rank, world, opts.clone())?;
             let buf = comm.alloc(256)?;
             comm.all_reduce_in_place(&buf, 64, DType::F32, ReduceOp::Sum)?
                 .wait(None)?;
@@ -58,11 +48,7 @@ fn create_destroy_cycles_leak_nothing() {
     let (fds, maps, tasks) = (open_fds(), shared_mappings(), threads());
     cycle(2, 200);
     assert_eq!(open_fds(), fds, "file descriptors leaked over 200 cycles");
-    assert_eq!(
-        shared_mappings(),
-        maps,
-        "shared mappings leaked over 200 cycles"
-    );
+    assert_eq!(shared_mappings(), maps, "shared mappings leaked over 200 cycles");
     assert_eq!(
         shared_mappings(),
         0,
@@ -75,19 +61,11 @@ fn create_destroy_cycles_leak_nothing() {
 
 fn bad_arguments_are_rejected_without_side_effects() {
     let results = run_thread_ranks(2, |rank, world, store| {
-        let comm = Communicator::new(
-            HostDevice::new(rank)?,
-            store,
-            rank,
-            world,
-            CommOptions::default(),
-        )?;
+        let comm = Communicator::new(HostDevice::new(rank)?, store, rank, world, CommOptions::default())?;
         let small = comm.alloc(16)?;
         let errs = [
-            comm.all_reduce_in_place(&small, 5, DType::F32, ReduceOp::Sum)
-                .err(),
-            comm.all_reduce_in_place(&small, 4, DType::I32, ReduceOp::Prod)
-                .err(),
+            comm.all_reduce_in_place(&small, 5, DType::F32, ReduceOp::Sum).err(),
+            comm.all_reduce_in_place(&small, 4, DType::I32, ReduceOp::Prod).err(),
             comm.all_reduce_in_place(&small, usize::MAX, DType::F32, ReduceOp::Sum)
                 .err(),
             comm.broadcast(&small, &small, 4, DType::F32, 7).err(),
@@ -111,24 +89,9 @@ fn bad_arguments_are_rejected_without_side_effects() {
 
 #[test]
 fn world_too_large_or_bad_rank_is_an_error() {
-    let store: std::sync::Arc<dyn ferrocomm::bootstrap::Store> =
-        ferrocomm::bootstrap::InProcStore::new();
-    let e = Communicator::new(
-        HostDevice::new(0).unwrap(),
-        store.clone(),
-        3,
-        2,
-        CommOptions::default(),
-    )
-    .err();
+    let store: std::sync::Arc<dyn ferrocomm::bootstrap::Store> = ferrocomm::bootstrap::InProcStore::new();
+    let e = Communicator::new(HostDevice::new(0).unwrap(), store.clone(), 3, 2, CommOptions::default()).err();
     assert!(matches!(e, Some(Error::InvalidArgument(_))), "{e:?}");
-    let e = Communicator::new(
-        HostDevice::new(0).unwrap(),
-        store,
-        0,
-        9,
-        CommOptions::default(),
-    )
-    .err();
+    let e = Communicator::new(HostDevice::new(0).unwrap(), store, 0, 9, CommOptions::default()).err();
     assert!(matches!(e, Some(Error::Unsupported(_))), "{e:?}");
 }

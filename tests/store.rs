@@ -12,8 +12,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use ferrocomm::bootstrap::{
-    read_token_file, rendezvous, store_all_gather, store_barrier, InProcStore, Store, TcpStore,
-    TcpStoreConfig, TcpStoreServer,
+    read_token_file, rendezvous, store_all_gather, store_barrier, InProcStore, Store, TcpStore, TcpStoreConfig,
+    TcpStoreServer,
 };
 use ferrocomm::Error;
 use serial_test::{parallel, serial};
@@ -90,9 +90,7 @@ fn exercise(store: Arc<dyn Store>) {
         .map(|rank| {
             let store = Arc::clone(&store);
             thread::spawn(move || {
-                store
-                    .set(&format!("key{rank}"), &[rank as u8; 3])
-                    .expect("set");
+                store.set(&format!("key{rank}"), &[rank as u8; 3]).expect("set");
                 for _ in 0..50 {
                     store.add("counter", 1).expect("add");
                 }
@@ -144,9 +142,7 @@ fn tcp_get_waits_for_a_later_set_even_on_a_shared_client() {
         thread::spawn(move || store.get("late", 5 * SECOND))
     };
     thread::sleep(Duration::from_millis(100));
-    store
-        .set("late", b"here")
-        .expect("set while another thread waits");
+    store.set("late", b"here").expect("set while another thread waits");
     assert_eq!(waiter.join().expect("waiter").expect("get"), b"here");
 }
 
@@ -157,10 +153,7 @@ fn assert_get_times_out(store: &dyn Store) {
         .expect_err("must time out");
     let took = start.elapsed();
     assert!(matches!(err, Error::Timeout { .. }), "{err}");
-    assert!(
-        took >= Duration::from_millis(190) && took < 2 * SECOND,
-        "{took:?}"
-    );
+    assert!(took >= Duration::from_millis(190) && took < 2 * SECOND, "{took:?}");
 }
 
 #[test]
@@ -177,14 +170,8 @@ fn get_wait_times_out() {
 #[parallel]
 fn inproc_limits_are_enforced() {
     let store = InProcStore::with_limits(8, 16, 2);
-    assert!(matches!(
-        store.set("123456789", b""),
-        Err(Error::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        store.set("k", &[0; 17]),
-        Err(Error::InvalidArgument(_))
-    ));
+    assert!(matches!(store.set("123456789", b""), Err(Error::InvalidArgument(_))));
+    assert!(matches!(store.set("k", &[0; 17]), Err(Error::InvalidArgument(_))));
     store.set("a", b"1").expect("first key");
     store.set("b", b"1").expect("second key");
     assert!(matches!(store.set("c", b"1"), Err(Error::Store(_))));
@@ -197,8 +184,7 @@ fn inproc_limits_are_enforced() {
 #[parallel]
 fn wrong_token_is_rejected_and_server_keeps_serving() {
     let server = start(config());
-    let err = TcpStore::connect(server.local_addr(), b"not-the-token", SECOND)
-        .expect_err("must be rejected");
+    let err = TcpStore::connect(server.local_addr(), b"not-the-token", SECOND).expect_err("must be rejected");
     assert!(matches!(err, Error::Store(_)), "{err}");
     // Same length, one byte off.
     let mut near = TOKEN.to_vec();
@@ -227,8 +213,7 @@ fn malformed_frames_close_only_that_connection() {
     let good = client(&server);
     let addr = server.local_addr();
     let too_long_key = u32::try_from(TcpStoreConfig::default().max_key_bytes + 1).expect("fits");
-    let too_long_value =
-        u32::try_from(TcpStoreConfig::default().max_value_bytes + 1).expect("fits");
+    let too_long_value = u32::try_from(TcpStoreConfig::default().max_value_bytes + 1).expect("fits");
 
     let mut oversize_key = vec![1u8];
     oversize_key.extend_from_slice(&too_long_key.to_le_bytes());
@@ -272,14 +257,9 @@ fn max_keys_is_enforced_with_an_error_reply() {
         store.set(k, b"v").expect("within the limit");
     }
     let err = store.set("d", b"v").expect_err("over the limit");
-    assert!(
-        matches!(err, Error::Store(ref m) if m.contains("full")),
-        "{err}"
-    );
+    assert!(matches!(err, Error::Store(ref m) if m.contains("full")), "{err}");
     assert!(matches!(store.add("counter", 1), Err(Error::Store(_))));
-    store
-        .set("a", b"overwrite")
-        .expect("overwriting is not a new key");
+    store.set("a", b"overwrite").expect("overwriting is not a new key");
     assert!(store.delete("b").expect("delete"));
     store.set("d", b"v").expect("room again after a delete");
     assert!(!store.check("b").expect("check"));
@@ -294,14 +274,8 @@ fn client_refuses_oversize_requests_before_sending() {
         ..config()
     });
     let store = client(&server);
-    assert!(matches!(
-        store.set("123456789", b""),
-        Err(Error::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        store.set("k", &[0; 17]),
-        Err(Error::InvalidArgument(_))
-    ));
+    assert!(matches!(store.set("123456789", b""), Err(Error::InvalidArgument(_))));
+    assert!(matches!(store.set("k", &[0; 17]), Err(Error::InvalidArgument(_))));
     assert_works(&store, "k");
 }
 
@@ -318,10 +292,7 @@ fn half_open_frame_is_dropped_after_io_timeout() {
         .write_all(&frame(1, b"key", b"value")[..6])
         .expect("half a frame");
     let took = assert_closed_within(&mut stalled, 3 * SECOND);
-    assert!(
-        took >= Duration::from_millis(250),
-        "closed before io_timeout: {took:?}"
-    );
+    assert!(took >= Duration::from_millis(250), "closed before io_timeout: {took:?}");
     assert_works(&good, "after-half-open");
 
     // A handshake that never completes is dropped on the same clock.
@@ -380,29 +351,19 @@ fn dropping_the_server_releases_port_threads_and_waiters() {
     let _half_open = raw_authed(addr);
     thread::sleep(Duration::from_millis(200));
     if cfg!(target_os = "linux") {
-        assert!(
-            store_threads() >= before + 4,
-            "accept + 3 connection threads"
-        );
+        assert!(store_threads() >= before + 4, "accept + 3 connection threads");
     }
 
     let start = Instant::now();
     drop(server);
-    assert!(
-        start.elapsed() < 2 * SECOND,
-        "drop took {:?}",
-        start.elapsed()
-    );
+    assert!(start.elapsed() < 2 * SECOND, "drop took {:?}", start.elapsed());
     assert_eq!(store_threads(), before, "every server thread joined");
 
     let (result, waited) = waiter.join().expect("waiter");
     assert!(result.is_err(), "a get on a dead server must fail");
     assert!(waited < 5 * SECOND, "the waiter hung for {waited:?}");
     assert!(idle_client.set("k", b"v").is_err());
-    assert!(
-        TcpStream::connect(addr).is_err(),
-        "nothing listens any more"
-    );
+    assert!(TcpStream::connect(addr).is_err(), "nothing listens any more");
     TcpListener::bind(addr).expect("the port is free again");
 }
 
@@ -421,10 +382,7 @@ fn run_ranks<T: Send + 'static>(
             thread::spawn(move || f(&*store, rank))
         })
         .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread"))
-        .collect()
+    handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
 }
 
 fn barrier_and_all_gather(store: Arc<dyn Store>) {
@@ -435,22 +393,11 @@ fn barrier_and_all_gather(store: Arc<dyn Store>) {
         let mut all = Vec::new();
         for round in 0..5 {
             counted.fetch_add(1, Ordering::SeqCst);
-            store_barrier(store, &format!("t/barrier{round}"), rank, world, 5 * SECOND)
-                .expect("barrier");
+            store_barrier(store, &format!("t/barrier{round}"), rank, world, 5 * SECOND).expect("barrier");
             // Nobody leaves a barrier before everyone reached it.
             assert!(counted.load(Ordering::SeqCst) >= (round + 1) * world);
             let mine = format!("rank{rank}-round{round}").into_bytes();
-            all.push(
-                store_all_gather(
-                    store,
-                    &format!("t/ag{round}"),
-                    rank,
-                    world,
-                    &mine,
-                    5 * SECOND,
-                )
-                .expect("ag"),
-            );
+            all.push(store_all_gather(store, &format!("t/ag{round}"), rank, world, &mine, 5 * SECOND).expect("ag"));
         }
         all
     });
@@ -465,9 +412,7 @@ fn barrier_and_all_gather(store: Arc<dyn Store>) {
     // The last rank out cleaned up, so repeated calls do not fill the store.
     for round in 0..5 {
         for suffix in ["0", "3", "arrived", "done", "left"] {
-            assert!(!store
-                .check(&format!("t/barrier{round}/{suffix}"))
-                .expect("check"));
+            assert!(!store.check(&format!("t/barrier{round}/{suffix}")).expect("check"));
         }
         assert!(!store.check(&format!("t/ag{round}/2")).expect("check"));
     }
@@ -531,16 +476,11 @@ fn rendezvous_with_three_thread_ranks() {
             let all_done = Arc::clone(&all_done);
             thread::spawn(move || {
                 // Ranks 1 and 2 may come up before rank 0's server: they retry.
-                let rdv = rendezvous("127.0.0.1", port, rank, world, rank + 10, TOKEN)
-                    .expect("rendezvous");
-                assert_eq!(
-                    (rdv.rank, rdv.world, rdv.local_rank),
-                    (rank, world, rank + 10)
-                );
+                let rdv = rendezvous("127.0.0.1", port, rank, world, rank + 10, TOKEN).expect("rendezvous");
+                assert_eq!((rdv.rank, rdv.world, rdv.local_rank), (rank, world, rank + 10));
                 assert_eq!(rdv.hosts_server(), rank == 0);
-                let got =
-                    store_all_gather(&*rdv.store, "t/rdv", rank, world, &[rank as u8], 5 * SECOND)
-                        .expect("all-gather over the rendezvous store");
+                let got = store_all_gather(&*rdv.store, "t/rdv", rank, world, &[rank as u8], 5 * SECOND)
+                    .expect("all-gather over the rendezvous store");
                 assert_eq!(got, vec![vec![0], vec![1], vec![2]]);
                 // Rank 0 hosts the store: keep it until everyone is done.
                 all_done.wait();
@@ -588,10 +528,7 @@ fn token_file_must_not_be_readable_by_others() {
     );
 
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod 600");
-    assert_eq!(
-        read_token_file(&path).expect("0600 is accepted"),
-        b"s3cret-token"
-    );
+    assert_eq!(read_token_file(&path).expect("0600 is accepted"), b"s3cret-token");
 
     std::fs::write(&path, b"\n").expect("empty token");
     assert!(read_token_file(&path).is_err(), "an empty token is refused");

@@ -50,27 +50,7 @@ use crate::error::{Error, Result};
 
 /// Threads per block of every collective launch. The kernels are compiled with
 /// `-DFC_MAX_BLOCK_THREADS` equal to this, so larger blocks are refused.
-pub const BLOCK_THREADS: u32 = 512;
-
-/// Payload one block covers before another block is worth launching:
-/// 512 threads × 16-byte vectors × 4 iterations = 32 KiB.
-pub const BYTES_PER_BLOCK: usize = BLOCK_THREADS as usize * 16 * 4;
-
-/// Launch shape for a collective kernel over `bytes` of payload on a device
-/// with `multiprocessors` SMs: blocks of [`BLOCK_THREADS`], and
-/// `ceil(bytes / BYTES_PER_BLOCK)` blocks clamped to `1..=min(MAX_BLOCKS, SMs)`.
-///
-/// Capping the grid at the SM count keeps every block of a launch resident at
-/// once, which the protocol's cross-rank spin waits rely on (block `b` of one
-/// rank waits for block `b` of every peer). Tuning comes later.
-pub fn collective_grid_for(bytes: usize, multiprocessors: u32) -> LaunchConfig {
-    let cap = (MAX_BLOCKS as u32).min(multiprocessors).max(1);
-    let blocks = bytes.div_ceil(BYTES_PER_BLOCK).clamp(1, cap as usize) as u32;
-    LaunchConfig {
-        grid: blocks,
-        block: BLOCK_THREADS,
-    }
-}
+pub use crate::algo::BLOCK_THREADS;
 
 /// Number of CUDA devices. `Ok(0)` when the driver loads but finds none;
 /// [`Error::LibraryMissing`] when there is no usable libcuda.
@@ -106,8 +86,6 @@ pub fn can_access_peer(a: usize, b: usize) -> Result<bool> {
 }
 
 /// The stream's `CUstream` as an integer, for the NCCL layer (`backends::ccl`).
-/// (Unused until the communicator routes work to NCCL; the ccl tests use it.)
-#[allow(dead_code)]
 pub(crate) fn raw_stream(stream: &CudaStream) -> u64 {
     stream.raw as usize as u64
 }
@@ -508,8 +486,12 @@ impl Device for CudaDevice {
         })
     }
 
-    fn collective_grid(&self, bytes: usize) -> LaunchConfig {
-        collective_grid_for(bytes, self.facts.multiprocessors)
+    fn bind_thread(&self) -> Result<()> {
+        self.make_current()
+    }
+
+    fn raw_stream(&self, stream: &CudaStream) -> Option<u64> {
+        Some(raw_stream(stream))
     }
 
     fn poll_interval(&self) -> Duration {
@@ -525,17 +507,6 @@ mod tests {
     #[test]
     fn params_block_is_the_abi_size() {
         assert_eq!(KERNEL_PARAMS_BYTES, 168);
-    }
-
-    #[test]
-    fn grid_scales_with_payload_and_caps_at_sms_and_max_blocks() {
-        let g = collective_grid_for(0, 132);
-        assert_eq!((g.grid, g.block), (1, BLOCK_THREADS));
-        assert_eq!(collective_grid_for(BYTES_PER_BLOCK, 132).grid, 1);
-        assert_eq!(collective_grid_for(BYTES_PER_BLOCK + 1, 132).grid, 2);
-        assert_eq!(collective_grid_for(1 << 30, 132).grid, MAX_BLOCKS as u32);
-        assert_eq!(collective_grid_for(1 << 30, 78).grid, 78);
-        assert_eq!(collective_grid_for(1 << 30, 0).grid, 1);
     }
 
     #[test]

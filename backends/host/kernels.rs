@@ -184,7 +184,11 @@ impl Launch<'_> {
     }
 
     fn fail(&self, code: u32) {
-        if self.err(0).compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        if self
+            .err(0)
+            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
             self.err(3).store(self.epoch, Ordering::Release);
         }
     }

@@ -30,7 +30,10 @@ impl Mapping {
             )
         };
         if addr == libc::MAP_FAILED {
-            return Err(Error::io(format!("mmap of {len} bytes"), std::io::Error::last_os_error()));
+            return Err(Error::io(
+                format!("mmap of {len} bytes"),
+                std::io::Error::last_os_error(),
+            ));
         }
         Ok(Mapping {
             addr: addr as usize,
@@ -119,7 +122,10 @@ impl HostPeerBuffer {
         // SAFETY: fstat on a descriptor we own into a zeroed stat struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(Error::io("fstat on an imported buffer", std::io::Error::last_os_error()));
+            return Err(Error::io(
+                "fstat on an imported buffer",
+                std::io::Error::last_os_error(),
+            ));
         }
         if (st.st_size as usize) < handle.size.max(1) {
             return Err(Error::invalid(format!(

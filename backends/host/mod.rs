@@ -18,8 +18,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::device::{
-    Device, DeviceBuffer, DeviceFacts, DevicePtr, ExportedHandle, KernelParams, LaunchConfig, MemKind,
-    ModuleSource, BackendKind,
+    BackendKind, Device, DeviceBuffer, DeviceFacts, DevicePtr, ExportedHandle, KernelParams, LaunchConfig, MemKind,
+    ModuleSource,
 };
 use crate::error::{Error, Result};
 
@@ -36,7 +36,9 @@ pub struct HostDevice {
 impl HostDevice {
     /// A host device; `ordinal` only labels it (any number of ranks share the CPU).
     pub fn new(ordinal: usize) -> Result<Self> {
-        let threads = std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1);
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get() as u32)
+            .unwrap_or(1);
         Ok(HostDevice {
             facts: DeviceFacts {
                 backend: BackendKind::Host,
@@ -193,10 +195,5 @@ impl Device for HostDevice {
             // buffers it keeps alive until the stream drains (docs/protocol.md).
             unsafe { k.call(&params) }
         }))
-    }
-
-    fn collective_grid(&self, _bytes: usize) -> LaunchConfig {
-        // A host kernel is one "block": the protocol with gridDim = 1.
-        LaunchConfig { grid: 1, block: 1 }
     }
 }

@@ -13,15 +13,19 @@ pub enum Algorithm {
     OneShot,
     /// Reduce-scatter then all-gather: each rank reduces 1/world of the data.
     TwoShot,
+    /// The vendor library (NCCL/RCCL). Not bitwise equal to the custom paths.
+    Ccl,
 }
 
 impl Algorithm {
-    pub const ALL: [Algorithm; 2] = [Algorithm::OneShot, Algorithm::TwoShot];
+    /// ferrocomm's own kernels: deterministic and bitwise equal to each other.
+    pub const CUSTOM: [Algorithm; 2] = [Algorithm::OneShot, Algorithm::TwoShot];
 
     pub const fn name(self) -> &'static str {
         match self {
             Algorithm::OneShot => "oneshot",
             Algorithm::TwoShot => "twoshot",
+            Algorithm::Ccl => "ccl",
         }
     }
 }
@@ -47,8 +51,9 @@ impl FromStr for AlgoChoice {
             "" | "auto" => Ok(AlgoChoice::Auto),
             "oneshot" => Ok(AlgoChoice::Fixed(Algorithm::OneShot)),
             "twoshot" => Ok(AlgoChoice::Fixed(Algorithm::TwoShot)),
+            "ccl" | "nccl" | "rccl" => Ok(AlgoChoice::Fixed(Algorithm::Ccl)),
             _ => Err(Error::invalid(format!(
-                "unknown algorithm {s:?} (expected auto, oneshot or twoshot)"
+                "unknown algorithm {s:?} (expected auto, oneshot, twoshot or nccl)"
             ))),
         }
     }
@@ -60,6 +65,9 @@ impl FromStr for AlgoChoice {
 pub struct DispatchTable {
     /// Largest payload (bytes) that runs one-shot, indexed by world size.
     pub oneshot_max_bytes: [usize; 9],
+    /// Smallest payload handed to the vendor library when the caller allows
+    /// non-deterministic results and the library is loaded.
+    pub ccl_min_bytes: usize,
 }
 
 impl DispatchTable {
@@ -68,19 +76,44 @@ impl DispatchTable {
         let kib = 1024;
         let table = match backend {
             // The host backend's cost is memory bandwidth, not latency.
-            BackendKind::Host => [0, 0, 256 * kib, 128 * kib, 128 * kib, 64 * kib, 64 * kib, 64 * kib, 64 * kib],
-            BackendKind::Cuda | BackendKind::Hip => {
-                [0, 0, 512 * kib, 256 * kib, 256 * kib, 256 * kib, 256 * kib, 256 * kib, 256 * kib]
-            }
+            BackendKind::Host => [
+                0,
+                0,
+                256 * kib,
+                128 * kib,
+                128 * kib,
+                64 * kib,
+                64 * kib,
+                64 * kib,
+                64 * kib,
+            ],
+            BackendKind::Cuda | BackendKind::Hip => [
+                0,
+                0,
+                512 * kib,
+                256 * kib,
+                256 * kib,
+                256 * kib,
+                256 * kib,
+                256 * kib,
+                256 * kib,
+            ],
         };
-        DispatchTable { oneshot_max_bytes: table }
+        DispatchTable {
+            oneshot_max_bytes: table,
+            ccl_min_bytes: 64 << 20,
+        }
     }
 
-    pub fn choose(&self, choice: AlgoChoice, bytes: usize, world: usize) -> Algorithm {
+    /// `ccl_allowed`: the vendor library is loaded and the caller does not
+    /// require deterministic results.
+    pub fn choose(&self, choice: AlgoChoice, bytes: usize, world: usize, ccl_allowed: bool) -> Algorithm {
         match choice {
             AlgoChoice::Fixed(a) => a,
             AlgoChoice::Auto => {
-                if bytes <= self.oneshot_max_bytes[world.min(8)] {
+                if ccl_allowed && bytes >= self.ccl_min_bytes {
+                    Algorithm::Ccl
+                } else if bytes <= self.oneshot_max_bytes[world.min(8)] {
                     Algorithm::OneShot
                 } else {
                     Algorithm::TwoShot

@@ -40,7 +40,11 @@ impl KernelKind {
 
 /// `fc_<kind>_<dtype>_<op>`; broadcast always uses op `sum`.
 pub fn kernel_name(kind: KernelKind, dtype: DType, op: ReduceOp) -> String {
-    let op = if kind == KernelKind::Broadcast { ReduceOp::Sum } else { op };
+    let op = if kind == KernelKind::Broadcast {
+        ReduceOp::Sum
+    } else {
+        op
+    };
     format!("fc_{}_{}_{}", kind.name(), dtype.name(), op.name())
 }
 

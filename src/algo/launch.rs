@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use super::grid::GridTable;
 use super::kernels::{kernel_name, KernelKind};
 use super::layout::{DATA_OFFSET, FLAGS_OFFSET, FP_OFFSET};
 use super::workspace::Workspace;
@@ -82,6 +83,7 @@ impl CollectiveCall {
         dev: &D,
         module: &D::Module,
         names: &KernelNames,
+        grids: &GridTable,
         ws: &Workspace<D>,
         flags: &D::Flags,
         rank: usize,
@@ -118,7 +120,7 @@ impl CollectiveCall {
                 fingerprint: fingerprint(self, chunk),
                 ..base
             };
-            dev.launch(module, name, dev.collective_grid(n * elem), &params, stream)?;
+            dev.launch(module, name, grids.grid(self.kind, n * elem), &params, stream)?;
             first += n;
             chunk += 1;
         }

@@ -3,11 +3,13 @@
 //! table that picks one per call.
 
 mod dispatch;
+mod grid;
 pub mod kernels;
 mod launch;
 pub mod layout;
 mod workspace;
 
 pub use dispatch::{AlgoChoice, Algorithm, DispatchTable};
+pub use grid::{GridTable, BLOCK_THREADS};
 pub use launch::{fingerprint, CollectiveCall, KernelNames};
 pub use workspace::Workspace;

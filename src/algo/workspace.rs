@@ -36,7 +36,9 @@ impl<D: Device> Workspace<D> {
             )));
         }
         if slot_bytes == 0 || slot_bytes % 4096 != 0 {
-            return Err(Error::invalid(format!("slot size {slot_bytes} must be a non-zero multiple of 4096")));
+            return Err(Error::invalid(format!(
+                "slot size {slot_bytes} must be a non-zero multiple of 4096"
+            )));
         }
         let own = dev.alloc(layout::workspace_bytes(slot_bytes), MemKind::Shareable)?;
         let exported = dev.export(&own)?;
@@ -47,7 +49,9 @@ impl<D: Device> Workspace<D> {
         blob.extend_from_slice(&exported.bytes);
         let blobs = store_all_gather(store, &format!("{key_prefix}/ws"), rank, world, &blob, timeout)?;
         let mut fds = match &exported.fd {
-            Some(fd) => fd_exchange::exchange_fds(store, &format!("{key_prefix}/fd"), rank, world, &[fd.as_fd()], timeout)?,
+            Some(fd) => {
+                fd_exchange::exchange_fds(store, &format!("{key_prefix}/fd"), rank, world, &[fd.as_fd()], timeout)?
+            }
             None => (0..world).map(|_| Vec::new()).collect(),
         };
         drop(exported);
@@ -96,7 +100,10 @@ fn decode_handle(peer: usize, blob: &[u8], fds: &mut Vec<std::os::fd::OwnedFd>) 
     let size = u64::from_le_bytes(blob.get(..8).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
     let has_fd = *blob.get(8).ok_or_else(bad)? != 0;
     let fd = if has_fd {
-        Some(fds.pop().ok_or_else(|| Error::Store(format!("rank {peer} sent no workspace fd")))?)
+        Some(
+            fds.pop()
+                .ok_or_else(|| Error::Store(format!("rank {peer} sent no workspace fd")))?,
+        )
     } else {
         None
     };

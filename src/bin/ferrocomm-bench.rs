@@ -20,7 +20,8 @@ use ferrocomm::testing::data::{self, Values};
 use ferrocomm::testing::launch::run_process_ranks;
 use ferrocomm::{CommOptions, Communicator, DType, Error, ReduceOp, Result};
 
-const USAGE: &str = "usage: ferrocomm-bench [--backend host|cuda] [--world N] [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
+const USAGE: &str =
+    "usage: ferrocomm-bench [--backend host|cuda] [--world N] [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
                        [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|all]
                        [--graph] [--eager-only] [--json FILE] [--timeout-secs S]
 sizes take K, M, G suffixes (powers of 1024)";
@@ -80,20 +81,12 @@ fn parse_args() -> Result<Args> {
         };
         match flag.as_str() {
             "--backend" => a.backend = value()?,
-            "--world" => {
-                a.world = value()?
-                    .parse()
-                    .map_err(|_| Error::invalid("--world takes a number"))?
-            }
+            "--world" => a.world = value()?.parse().map_err(|_| Error::invalid("--world takes a number"))?,
             "--dtype" => a.dtypes = value()?.split(',').map(str::parse).collect::<Result<_>>()?,
             "--op" => a.op = value()?.parse()?,
             "--min-bytes" => a.min_bytes = parse_size(&value()?)?,
             "--max-bytes" => a.max_bytes = parse_size(&value()?)?,
-            "--iters" => {
-                a.iters = value()?
-                    .parse()
-                    .map_err(|_| Error::invalid("--iters takes a number"))?
-            }
+            "--iters" => a.iters = value()?.parse().map_err(|_| Error::invalid("--iters takes a number"))?,
             "--warmup" => {
                 a.warmup = value()?
                     .parse()
@@ -120,12 +113,7 @@ fn parse_args() -> Result<Args> {
         )));
     }
     if a.algos.iter().any(|x| x == "all") {
-        a.algos = vec![
-            "auto".into(),
-            "oneshot".into(),
-            "twoshot".into(),
-            "nccl".into(),
-        ];
+        a.algos = vec!["auto".into(), "oneshot".into(), "twoshot".into(), "nccl".into()];
     }
     Ok(a)
 }
@@ -177,36 +165,20 @@ fn launch(a: &Args) -> Result<()> {
 }
 
 fn rank_main(a: &Args) -> Result<()> {
-    let addr = std::env::var("FERROCOMM_STORE_ADDR")
-        .map_err(|_| Error::invalid("FERROCOMM_STORE_ADDR is not set"))?;
-    let token = std::env::var("FERROCOMM_TOKEN")
-        .map_err(|_| Error::invalid("FERROCOMM_TOKEN is not set"))?;
+    let addr = std::env::var("FERROCOMM_STORE_ADDR").map_err(|_| Error::invalid("FERROCOMM_STORE_ADDR is not set"))?;
+    let token = std::env::var("FERROCOMM_TOKEN").map_err(|_| Error::invalid("FERROCOMM_TOKEN is not set"))?;
     let addr = addr
         .parse()
         .map_err(|_| Error::invalid(format!("FERROCOMM_STORE_ADDR={addr:?}")))?;
-    let store: Arc<dyn Store> = Arc::new(TcpStore::connect(
-        addr,
-        token.as_bytes(),
-        Duration::from_secs(30),
-    )?);
+    let store: Arc<dyn Store> = Arc::new(TcpStore::connect(addr, token.as_bytes(), Duration::from_secs(30))?);
     let rank: usize = std::env::var("RANK")
         .ok()
         .and_then(|v| v.parse().ok())
         .ok_or_else(|| Error::invalid("RANK"))?;
     match a.backend.as_str() {
-        "host" => bench(
-            ferrocomm::backends::host::HostDevice::new(rank)?,
-            store,
-            rank,
-            a,
-        ),
+        "host" => bench(ferrocomm::backends::host::HostDevice::new(rank)?, store, rank, a),
         #[cfg(feature = "cuda")]
-        "cuda" => bench(
-            ferrocomm::backends::cuda::CudaDevice::new(rank)?,
-            store,
-            rank,
-            a,
-        ),
+        "cuda" => bench(ferrocomm::backends::cuda::CudaDevice::new(rank)?, store, rank, a),
         #[cfg(not(feature = "cuda"))]
         "cuda" => Err(Error::NotCompiled {
             backend: "cuda",
@@ -248,17 +220,7 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
         );
         println!(
             "{:>12} {:>12} {:>5} {:>5} {:>8} {:>6} {:>10} {:>9} {:>9} {:>8} {:>7}",
-            "size",
-            "count",
-            "dtype",
-            "op",
-            "algo",
-            "mode",
-            "time_us",
-            "algbw",
-            "busbw",
-            "cpu_us",
-            "#wrong"
+            "size", "count", "dtype", "op", "algo", "mode", "time_us", "algbw", "busbw", "cpu_us", "#wrong"
         );
     }
     for &dtype in &a.dtypes {
@@ -268,8 +230,14 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
             let count = bytes / dtype.size();
             for algo in &a.algos {
                 let Some(choice) = algo_choice(algo) else {
-                    continue; // NCCL rows come from the vendor path, when built.
+                    return Err(Error::invalid(format!("unknown --algo {algo:?}")));
                 };
+                if choice == AlgoChoice::Fixed(ferrocomm::algo::Algorithm::Ccl) && !comm.has_vendor_library() {
+                    if rank == 0 && bytes == a.min_bytes.max(dtype.size()) {
+                        println!("# no {algo} rows: the vendor library is not built in or not loaded");
+                    }
+                    continue;
+                }
                 let modes: &[&'static str] = match (a.eager, a.graph) {
                     (true, true) => &["eager", "graph"],
                     (false, true) => &["graph"],
@@ -280,6 +248,7 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
                     let mut row = measure(&comm, a, dtype, count, choice, mode)?;
                     row.algo = match choice {
                         AlgoChoice::Auto => format!("auto:{}", comm.choose(choice, bytes)),
+                        AlgoChoice::Fixed(ferrocomm::algo::Algorithm::Ccl) => algo.clone(),
                         AlgoChoice::Fixed(x) => x.to_string(),
                     };
                     let row = agree(&store, seq, rank, world, row, a.timeout)?;
@@ -294,8 +263,7 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     }
     comm.finalize()?;
     if let (0, Some(path)) = (rank, &a.json) {
-        std::fs::write(path, to_json(&rows, a))
-            .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+        std::fs::write(path, to_json(&rows, a)).map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
     }
     let wrong: usize = rows.iter().map(|r| r.wrong).sum();
     if wrong > 0 {
@@ -305,10 +273,7 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
 }
 
 fn algo_choice(name: &str) -> Option<AlgoChoice> {
-    match name {
-        "nccl" | "rccl" => None,
-        other => other.parse().ok(),
-    }
+    name.parse().ok()
 }
 
 fn measure<D: Device>(
@@ -322,9 +287,7 @@ fn measure<D: Device>(
     let dev = comm.device();
     let bytes = count * dtype.size();
     let nbuf = (ROTATE_BYTES / bytes.max(1)).clamp(1, 8);
-    let inputs: Vec<D::Buffer> = (0..nbuf)
-        .map(|_| comm.alloc(bytes))
-        .collect::<Result<_>>()?;
+    let inputs: Vec<D::Buffer> = (0..nbuf).map(|_| comm.alloc(bytes)).collect::<Result<_>>()?;
     let output = comm.alloc(bytes)?;
     let seed = bytes as u64;
     let input = input_bytes(dtype, seed, comm.rank(), count, a.op);
@@ -391,57 +354,16 @@ fn measure<D: Device>(
 fn input_bytes(dtype: DType, seed: u64, rank: usize, count: usize, op: ReduceOp) -> Vec<u8> {
     use half::{bf16, f16};
     match dtype {
-        DType::F32 => data::to_bytes(&data::make_input::<f32>(
-            seed,
-            rank,
-            0,
-            count,
-            op,
-            Values::Exact,
-        )),
-        DType::F16 => data::to_bytes(&data::make_input::<f16>(
-            seed,
-            rank,
-            0,
-            count,
-            op,
-            Values::Exact,
-        )),
-        DType::BF16 => data::to_bytes(&data::make_input::<bf16>(
-            seed,
-            rank,
-            0,
-            count,
-            op,
-            Values::Exact,
-        )),
-        DType::I32 => data::to_bytes(&data::make_input::<i32>(
-            seed,
-            rank,
-            0,
-            count,
-            op,
-            Values::Exact,
-        )),
+        DType::F32 => data::to_bytes(&data::make_input::<f32>(seed, rank, 0, count, op, Values::Exact)),
+        DType::F16 => data::to_bytes(&data::make_input::<f16>(seed, rank, 0, count, op, Values::Exact)),
+        DType::BF16 => data::to_bytes(&data::make_input::<bf16>(seed, rank, 0, count, op, Values::Exact)),
+        DType::I32 => data::to_bytes(&data::make_input::<i32>(seed, rank, 0, count, op, Values::Exact)),
     }
 }
 
-fn count_wrong(
-    dtype: DType,
-    seed: u64,
-    world: usize,
-    count: usize,
-    op: ReduceOp,
-    got: &[u8],
-) -> usize {
+fn count_wrong(dtype: DType, seed: u64, world: usize, count: usize, op: ReduceOp, got: &[u8]) -> usize {
     use half::{bf16, f16};
-    fn typed<T: data::FromF64>(
-        seed: u64,
-        world: usize,
-        count: usize,
-        op: ReduceOp,
-        got: &[u8],
-    ) -> usize {
+    fn typed<T: data::FromF64>(seed: u64, world: usize, count: usize, op: ReduceOp, got: &[u8]) -> usize {
         let want = data::reference::<T>(seed, world, 0, count, op, Values::Exact);
         data::count_wrong(&data::from_bytes::<T>(got), &want)
     }
@@ -463,26 +385,10 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 /// Report the slowest rank's median time and the sum of wrong elements.
-fn agree(
-    store: &Arc<dyn Store>,
-    seq: usize,
-    rank: usize,
-    world: usize,
-    row: Row,
-    timeout: Duration,
-) -> Result<Row> {
+fn agree(store: &Arc<dyn Store>, seq: usize, rank: usize, world: usize, row: Row, timeout: Duration) -> Result<Row> {
     let mine = [row.time_us.to_le_bytes(), (row.wrong as f64).to_le_bytes()].concat();
-    let all = store_all_gather(
-        store.as_ref(),
-        &format!("bench/{seq}"),
-        rank,
-        world,
-        &mine,
-        timeout,
-    )?;
-    let field = |b: &Vec<u8>, i: usize| {
-        f64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]))
-    };
+    let all = store_all_gather(store.as_ref(), &format!("bench/{seq}"), rank, world, &mine, timeout)?;
+    let field = |b: &Vec<u8>, i: usize| f64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
     Ok(Row {
         time_us: all.iter().map(|b| field(b, 0)).fold(0.0, f64::max),
         wrong: all.iter().map(|b| field(b, 1) as usize).sum(),

@@ -38,9 +38,11 @@ struct Args {
 
 fn parse_args() -> Result<Args> {
     let mut it = std::env::args().skip(1);
-    let scenario = it
-        .next()
-        .ok_or_else(|| Error::invalid("usage: ferrocomm-worker <scenario> [--backend B] [--victim R] [--timeout-secs S] [--max-bytes N]"))?;
+    let scenario = it.next().ok_or_else(|| {
+        Error::invalid(
+            "usage: ferrocomm-worker <scenario> [--backend B] [--victim R] [--timeout-secs S] [--max-bytes N]",
+        )
+    })?;
     let mut a = Args {
         scenario,
         backend: "host".into(),
@@ -57,9 +59,7 @@ fn parse_args() -> Result<Args> {
         match flag.as_str() {
             "--backend" => a.backend = value.clone(),
             "--victim" => a.victim = value.parse().map_err(|_| bad())?,
-            "--timeout-secs" => {
-                a.timeout = Duration::from_secs_f64(value.parse().map_err(|_| bad())?)
-            }
+            "--timeout-secs" => a.timeout = Duration::from_secs_f64(value.parse().map_err(|_| bad())?),
             "--max-bytes" => a.max_bytes = value.parse().map_err(|_| bad())?,
             "--replays" => a.replays = value.parse().map_err(|_| bad())?,
             _ => return Err(Error::invalid(format!("unknown flag {flag}"))),
@@ -87,7 +87,9 @@ struct Job {
 /// Join the job through a launcher-hosted store, or through torchrun variables.
 fn connect() -> Result<Job> {
     if let Ok(addr) = std::env::var("FERROCOMM_STORE_ADDR") {
-        let addr = addr.parse().map_err(|_| Error::invalid(format!("FERROCOMM_STORE_ADDR={addr:?}")))?;
+        let addr = addr
+            .parse()
+            .map_err(|_| Error::invalid(format!("FERROCOMM_STORE_ADDR={addr:?}")))?;
         let token = std::env::var("FERROCOMM_TOKEN").map_err(|_| Error::invalid("FERROCOMM_TOKEN is not set"))?;
         let store: Arc<dyn Store> = Arc::new(TcpStore::connect(addr, token.as_bytes(), Duration::from_secs(30))?);
         let rank = env_usize("RANK")?;
@@ -151,13 +153,7 @@ fn run() -> Result<String> {
     }
 }
 
-fn scenario<D: Device>(
-    dev: D,
-    store: Arc<dyn Store>,
-    rank: usize,
-    world: usize,
-    a: &Args,
-) -> Result<String> {
+fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize, a: &Args) -> Result<String> {
     let opts = CommOptions::from_env()?.with_timeout(a.timeout);
     let comm = Communicator::new(dev, store.clone(), rank, world, opts)?;
     match a.scenario.as_str() {
@@ -198,10 +194,7 @@ fn scenario<D: Device>(
             }
             let msg = out?;
             if !msg.contains(&format!("[{}]", a.victim)) {
-                return Err(Error::Aborted(format!(
-                    "timeout did not name rank {}: {msg}",
-                    a.victim
-                )));
+                return Err(Error::Aborted(format!("timeout did not name rank {}: {msg}", a.victim)));
             }
             Ok(msg)
         }
@@ -213,13 +206,10 @@ fn scenario<D: Device>(
                 .all_reduce_in_place(&buf, count, DType::F32, ReduceOp::Sum)?
                 .wait(None)
             {
-                Ok(()) => Err(Error::Aborted(
-                    "mismatched counts completed silently".into(),
-                )),
-                Err(e @ (Error::Mismatch { .. } | Error::Timeout { .. })) => Ok(format!(
-                    "elapsed_ms={} error={e}",
-                    start.elapsed().as_millis()
-                )),
+                Ok(()) => Err(Error::Aborted("mismatched counts completed silently".into())),
+                Err(e @ (Error::Mismatch { .. } | Error::Timeout { .. })) => {
+                    Ok(format!("elapsed_ms={} error={e}", start.elapsed().as_millis()))
+                }
                 Err(e) => Err(e),
             }
         }
@@ -228,18 +218,14 @@ fn scenario<D: Device>(
             comm.all_reduce_in_place(&buf, 16, DType::F32, ReduceOp::Sum)?
                 .wait(None)?;
             comm.finalize()?;
-            let after = comm
-                .all_reduce_in_place(&buf, 16, DType::F32, ReduceOp::Sum)
-                .err();
+            let after = comm.all_reduce_in_place(&buf, 16, DType::F32, ReduceOp::Sum).err();
             let twice = comm.finalize().err();
             let abort = comm.abort().err();
             match (after, twice, abort) {
                 (Some(Error::Finalized), Some(Error::Finalized), Some(Error::Finalized)) => {
                     Ok("finalize errors ok".into())
                 }
-                other => Err(Error::Aborted(format!(
-                    "unexpected results after finalize: {other:?}"
-                ))),
+                other => Err(Error::Aborted(format!("unexpected results after finalize: {other:?}"))),
             }
         }
         "replay" => replay(&comm, a),
@@ -261,9 +247,15 @@ fn scenario<D: Device>(
 
 fn report_result(rank: usize, report: ferrocomm::testing::conformance::SuiteReport) -> Result<String> {
     if report.is_ok() {
-        Ok(format!("rank={rank} collectives={} elements={}", report.collectives, report.elements_checked))
+        Ok(format!(
+            "rank={rank} collectives={} elements={}",
+            report.collectives, report.elements_checked
+        ))
     } else {
-        Err(Error::Aborted(format!("failures on rank {rank}: {:#?}", report.failures)))
+        Err(Error::Aborted(format!(
+            "failures on rank {rank}: {:#?}",
+            report.failures
+        )))
     }
 }
 
@@ -278,16 +270,16 @@ fn replay<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
     let report = ferrocomm::testing::conformance::run_graph_replays(comm, &cfg)?;
     comm.finalize()?;
     let msg = report_result(comm.rank(), report)?;
-    Ok(format!("{msg} replays_per_algo={} secs={:.1}", a.replays, start.elapsed().as_secs_f64()))
+    Ok(format!(
+        "{msg} replays_per_algo={} secs={:.1}",
+        a.replays,
+        start.elapsed().as_secs_f64()
+    ))
 }
 
 /// Run all-reduces until one fails; succeed iff the failure came within 2x
 /// the timeout of the last good iteration.
-fn expect_failure<D: Device>(
-    comm: &Communicator<D>,
-    a: &Args,
-    mut before: impl FnMut(usize),
-) -> Result<String> {
+fn expect_failure<D: Device>(comm: &Communicator<D>, a: &Args, mut before: impl FnMut(usize)) -> Result<String> {
     let buf = comm.alloc(1 << 16)?;
     let mut last_ok = Instant::now();
     for i in 0..1000 {
@@ -306,18 +298,12 @@ fn expect_failure<D: Device>(
                     )));
                 }
                 // The communicator must now refuse work instead of hanging.
-                if comm
-                    .all_reduce_in_place(&buf, 1, DType::F32, ReduceOp::Sum)
-                    .is_ok()
-                {
+                if comm.all_reduce_in_place(&buf, 1, DType::F32, ReduceOp::Sum).is_ok() {
                     return Err(Error::Aborted(
                         "communicator still accepted work after a fatal error".into(),
                     ));
                 }
-                return Ok(format!(
-                    "iteration={i} elapsed_ms={} error={e}",
-                    elapsed.as_millis()
-                ));
+                return Ok(format!("iteration={i} elapsed_ms={} error={e}", elapsed.as_millis()));
             }
         }
     }

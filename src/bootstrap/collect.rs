@@ -18,19 +18,13 @@ fn rank_key(prefix: &str, rank: usize) -> String {
 
 fn check_rank(rank: usize, world: usize) -> Result<()> {
     if world == 0 || rank >= world {
-        return Err(Error::invalid(format!(
-            "rank {rank} is not in a world of {world}"
-        )));
+        return Err(Error::invalid(format!("rank {rank} is not in a world of {world}")));
     }
     Ok(())
 }
 
 /// Ranks among `candidates` whose key under `prefix` is absent.
-fn absent(
-    store: &dyn Store,
-    prefix: &str,
-    candidates: impl Iterator<Item = usize>,
-) -> Result<Vec<usize>> {
+fn absent(store: &dyn Store, prefix: &str, candidates: impl Iterator<Item = usize>) -> Result<Vec<usize>> {
     let mut missing = Vec::new();
     for r in candidates {
         if !store.check(&rank_key(prefix, r))? {
@@ -79,13 +73,7 @@ fn leave(store: &dyn Store, prefix: &str, world: usize, extra: &[&str]) -> Resul
 ///
 /// On timeout returns [`Error::Timeout`] whose `missing` lists the ranks that
 /// never arrived.
-pub fn store_barrier(
-    store: &dyn Store,
-    key_prefix: &str,
-    rank: usize,
-    world: usize,
-    timeout: Duration,
-) -> Result<()> {
+pub fn store_barrier(store: &dyn Store, key_prefix: &str, rank: usize, world: usize, timeout: Duration) -> Result<()> {
     check_rank(rank, world)?;
     store.set(&rank_key(key_prefix, rank), b"1")?;
     // A counter, not a poll of every rank's key, keeps the traffic O(world).

@@ -56,9 +56,7 @@ pub fn rendezvous_from_env() -> Result<EnvRendezvous> {
     let vars = EnvVars::parse(|name| match std::env::var(name) {
         Ok(v) => Ok(Some(v)),
         Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => {
-            Err(Error::invalid(format!("{name} is not valid UTF-8")))
-        }
+        Err(std::env::VarError::NotUnicode(_)) => Err(Error::invalid(format!("{name} is not valid UTF-8"))),
     })?;
     let token = vars.token.load()?;
     rendezvous_inner(
@@ -93,14 +91,7 @@ pub fn rendezvous(
         world,
         local_rank,
     };
-    rendezvous_inner(
-        master_addr,
-        port,
-        None,
-        ranks,
-        token,
-        DEFAULT_RENDEZVOUS_TIMEOUT,
-    )
+    rendezvous_inner(master_addr, port, None, ranks, token, DEFAULT_RENDEZVOUS_TIMEOUT)
 }
 
 struct Ranks {
@@ -126,9 +117,7 @@ fn rendezvous_inner(
         return Err(Error::invalid("WORLD_SIZE must be at least 1"));
     }
     if rank >= world {
-        return Err(Error::invalid(format!(
-            "RANK {rank} must be below WORLD_SIZE {world}"
-        )));
+        return Err(Error::invalid(format!("RANK {rank} must be below WORLD_SIZE {world}")));
     }
     if port == 0 {
         return Err(Error::invalid("MASTER_PORT must be a fixed non-zero port"));
@@ -179,11 +168,7 @@ fn resolve(master_addr: &str, port: u16) -> Result<SocketAddr> {
         .to_socket_addrs()
         .map_err(|e| Error::invalid(format!("MASTER_ADDR '{master_addr}' does not resolve: {e}")))?
         .next()
-        .ok_or_else(|| {
-            Error::invalid(format!(
-                "MASTER_ADDR '{master_addr}' resolves to no address"
-            ))
-        })
+        .ok_or_else(|| Error::invalid(format!("MASTER_ADDR '{master_addr}' resolves to no address")))
 }
 
 fn missing_token() -> Error {
@@ -200,15 +185,12 @@ pub fn read_token_file(path: &Path) -> Result<Vec<u8>> {
     let shown = path.display();
     // Check the mode on the opened file, not the path, so the file cannot be
     // swapped between the check and the read.
-    let mut file =
-        File::open(path).map_err(|e| Error::io(format!("opening token file {shown}"), e))?;
+    let mut file = File::open(path).map_err(|e| Error::io(format!("opening token file {shown}"), e))?;
     let meta = file
         .metadata()
         .map_err(|e| Error::io(format!("reading metadata of token file {shown}"), e))?;
     if !meta.is_file() {
-        return Err(Error::invalid(format!(
-            "token file {shown} is not a regular file"
-        )));
+        return Err(Error::invalid(format!("token file {shown} is not a regular file")));
     }
     #[cfg(unix)]
     {
@@ -265,9 +247,7 @@ impl EnvVars {
     /// the process environment (which would race with other tests).
     fn parse(get: impl Fn(&str) -> Result<Option<String>>) -> Result<EnvVars> {
         let required = |name: &str| {
-            get(name)?.ok_or_else(|| {
-                Error::invalid(format!("{name} is not set; the launcher must export it"))
-            })
+            get(name)?.ok_or_else(|| Error::invalid(format!("{name} is not set; the launcher must export it")))
         };
         let rank: usize = parse_var("RANK", &required("RANK")?)?;
         let local_rank = match get("LOCAL_RANK")? {
@@ -321,10 +301,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn parse(vars: &[(&str, &str)]) -> Result<EnvVars> {
-        let map: HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         EnvVars::parse(|name| Ok(map.get(name).cloned()))
     }
 
@@ -361,20 +338,12 @@ mod tests {
 
     #[test]
     fn missing_port_and_token_are_explained() {
-        let no_port: Vec<_> = BASE
-            .iter()
-            .filter(|(k, _)| *k != "MASTER_PORT")
-            .copied()
-            .collect();
+        let no_port: Vec<_> = BASE.iter().filter(|(k, _)| *k != "MASTER_PORT").copied().collect();
         assert!(parse(&no_port)
             .expect_err("must fail")
             .to_string()
             .contains("MASTER_PORT"));
-        let no_token: Vec<_> = BASE
-            .iter()
-            .filter(|(k, _)| *k != "FERROCOMM_TOKEN")
-            .copied()
-            .collect();
+        let no_token: Vec<_> = BASE.iter().filter(|(k, _)| *k != "FERROCOMM_TOKEN").copied().collect();
         assert!(parse(&no_token)
             .expect_err("must fail")
             .to_string()

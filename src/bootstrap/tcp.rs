@@ -113,9 +113,7 @@ impl TcpStoreConfig {
             ));
         }
         if self.token.len() > usize::from(u16::MAX) {
-            return Err(Error::invalid(
-                "TcpStoreConfig.token is longer than 65535 bytes",
-            ));
+            return Err(Error::invalid("TcpStoreConfig.token is longer than 65535 bytes"));
         }
         if self.io_timeout.is_zero() || self.idle_timeout.is_zero() {
             return Err(Error::invalid(
@@ -284,8 +282,7 @@ impl TcpStoreServer {
     pub fn start(cfg: TcpStoreConfig) -> Result<TcpStoreServer> {
         cfg.validate()?;
         let at = SocketAddr::new(cfg.bind_addr, cfg.port);
-        let listener = TcpListener::bind(at)
-            .map_err(|e| Error::io(format!("binding the store to {at}"), e))?;
+        let listener = TcpListener::bind(at).map_err(|e| Error::io(format!("binding the store to {at}"), e))?;
         let local_addr = listener
             .local_addr()
             .map_err(|e| Error::io("reading the store's bound address", e))?;
@@ -485,11 +482,7 @@ fn read_request(shared: &Shared, stream: &mut TcpStream, op: u8) -> io::Result<R
     let key = rd.bytes(shared.cfg.max_key_bytes)?;
     let key = String::from_utf8(key).map_err(|_| invalid_data("key is not UTF-8"))?;
     // Only SET carries a value; anything else sending one is malformed.
-    let max_value = if op == OP_SET {
-        shared.cfg.max_value_bytes
-    } else {
-        0
-    };
+    let max_value = if op == OP_SET { shared.cfg.max_value_bytes } else { 0 };
     let value = rd.bytes(max_value)?;
     Ok(match op {
         OP_SET => Request::Set(key, value),
@@ -513,9 +506,7 @@ fn execute(table: &Table, request: Request) -> Vec<u8> {
             Ok(Lookup::TimedOut) => return vec![ST_TIMEOUT],
             Err(e) => Err(e),
         },
-        Request::Add(key, delta) => table
-            .add(&key, delta)
-            .map(|n| out.extend_from_slice(&n.to_le_bytes())),
+        Request::Add(key, delta) => table.add(&key, delta).map(|n| out.extend_from_slice(&n.to_le_bytes())),
         Request::Check(key) => table.check(&key).map(|b| out.push(u8::from(b))),
         Request::Delete(key) => table.delete(&key).map(|b| out.push(u8::from(b))),
     };
@@ -650,9 +641,9 @@ impl TcpStore {
             Exchange::Ok(v) => Ok(Reply::Ok(v)),
             Exchange::TimedOut => Ok(Reply::TimedOut),
             Exchange::Refused(msg) => Err(Error::Store(msg)),
-            Exchange::Broken(e) if e.kind() == ErrorKind::UnexpectedEof => Err(Error::Store(
-                format!("store at {} closed the connection", self.addr),
-            )),
+            Exchange::Broken(e) if e.kind() == ErrorKind::UnexpectedEof => {
+                Err(Error::Store(format!("store at {} closed the connection", self.addr)))
+            }
             Exchange::Broken(e) => Err(Error::io(format!("store request to {}", self.addr), e)),
         }
     }
@@ -679,9 +670,7 @@ fn exchange<T>(
         Ok(match rd.u8()? {
             ST_OK => Exchange::Ok(read_ok(&mut rd)?),
             ST_TIMEOUT => Exchange::TimedOut,
-            ST_ERROR => {
-                Exchange::Refused(String::from_utf8_lossy(&rd.bytes(u16::MAX.into())?).into_owned())
-            }
+            ST_ERROR => Exchange::Refused(String::from_utf8_lossy(&rd.bytes(u16::MAX.into())?).into_owned()),
             _ => return Err(invalid_data("unexpected response status")),
         })
     };
@@ -717,12 +706,7 @@ fn open(addr: SocketAddr, token: &[u8], timeout: Duration) -> Result<(TcpStream,
             let msg = rd.bytes(u16::MAX.into()).map_err(|e| Error::io(ctx(), e))?;
             return Err(Error::Store(String::from_utf8_lossy(&msg).into_owned()));
         }
-        _ => {
-            return Err(Error::Store(format!(
-                "{}: unexpected reply {status}",
-                ctx()
-            )))
-        }
+        _ => return Err(Error::Store(format!("{}: unexpected reply {status}", ctx()))),
     }
     let mut info = || -> io::Result<ServerInfo> {
         Ok(ServerInfo {

@@ -3,9 +3,10 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::options::CommOptions;
+use super::vendor::Vendor;
 use super::work::Work;
 use crate::algo::kernels::{KernelKind, COLLECTIVES};
-use crate::algo::{AlgoChoice, Algorithm, CollectiveCall, DispatchTable, KernelNames, Workspace};
+use crate::algo::{AlgoChoice, Algorithm, CollectiveCall, DispatchTable, GridTable, KernelNames, Workspace};
 use crate::bootstrap::{store_barrier, Store};
 use crate::device::{
     Device, DeviceBuffer, HostFlags, MemKind, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE, ERR_CODE_TIMEOUT,
@@ -25,6 +26,7 @@ struct Resources<D: Device> {
     ws: Workspace<D>,
     module: D::Module,
     scratch: D::Buffer,
+    vendor: Vendor,
 }
 
 struct State<D: Device> {
@@ -42,7 +44,10 @@ pub(crate) struct Inner<D: Device> {
     world: usize,
     pub(crate) opts: CommOptions,
     table: DispatchTable,
+    grids: GridTable,
     names: KernelNames,
+    /// Whether the vendor library is loaded (fixed at creation).
+    has_vendor: bool,
 }
 
 impl<D: Device> Drop for Inner<D> {
@@ -121,15 +126,31 @@ impl<D: Device> Communicator<D> {
         let stream = device.create_stream()?;
         let flags = device.alloc_host_flags(ERR_WORDS)?;
         let module = device.load_module(&COLLECTIVES)?;
-        let ws = Workspace::create(&device, store.as_ref(), &prefix, rank, world, opts.slot_bytes, opts.timeout)?;
+        let ws = Workspace::create(
+            &device,
+            store.as_ref(),
+            &prefix,
+            rank,
+            world,
+            opts.slot_bytes,
+            opts.timeout,
+        )?;
         let scratch = device.alloc(64, MemKind::Plain)?;
+        let vendor = Vendor::init(&device, store.as_ref(), &prefix, rank, world, opts.timeout)?;
         store_barrier(store.as_ref(), &format!("{prefix}/ready"), rank, world, opts.timeout)?;
         let table = DispatchTable::default_for(device.facts().backend);
+        let grids = GridTable::new(device.facts())?;
+        let has_vendor = vendor.available();
         Ok(Communicator {
             inner: Arc::new(Inner {
                 state: Mutex::new(State {
                     phase: Phase::Active,
-                    res: Some(Resources { ws, module, scratch }),
+                    res: Some(Resources {
+                        ws,
+                        module,
+                        scratch,
+                        vendor,
+                    }),
                 }),
                 device,
                 stream,
@@ -138,7 +159,9 @@ impl<D: Device> Communicator<D> {
                 world,
                 opts,
                 table,
+                grids,
                 names: KernelNames::new(),
+                has_vendor,
             }),
         })
     }
@@ -181,11 +204,24 @@ impl<D: Device> Communicator<D> {
 
     /// The algorithm dispatch would pick for `bytes` of payload.
     pub fn choose(&self, algo: AlgoChoice, bytes: usize) -> Algorithm {
-        self.inner.table.choose(algo, bytes, self.inner.world)
+        let ccl_allowed = self.inner.has_vendor && !self.inner.opts.deterministic;
+        self.inner.table.choose(algo, bytes, self.inner.world, ccl_allowed)
+    }
+
+    /// Whether NCCL/RCCL is loaded underneath this communicator.
+    pub fn has_vendor_library(&self) -> bool {
+        self.inner.has_vendor
     }
 
     /// Out-of-place all-reduce of `count` elements on the communicator's stream.
-    pub fn all_reduce(&self, input: &D::Buffer, output: &D::Buffer, count: usize, dtype: DType, op: ReduceOp) -> Result<Work<D>> {
+    pub fn all_reduce(
+        &self,
+        input: &D::Buffer,
+        output: &D::Buffer,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<Work<D>> {
         self.all_reduce_with(self.inner.opts.algo, input, output, count, dtype, op)
     }
 
@@ -226,16 +262,36 @@ impl<D: Device> Communicator<D> {
         let kind = match self.choose(algo, count.saturating_mul(dtype.size())) {
             Algorithm::OneShot => KernelKind::OneShot,
             Algorithm::TwoShot => KernelKind::TwoShot,
+            Algorithm::Ccl => return self.submit_vendor(stream, input, output, count, dtype, op),
         };
         self.submit(stream, kind, input, output, count, dtype, op, 0)
     }
 
     /// Copy `count` elements of `input` on `root` into `output` on every rank.
-    pub fn broadcast(&self, input: &D::Buffer, output: &D::Buffer, count: usize, dtype: DType, root: usize) -> Result<Work<D>> {
+    pub fn broadcast(
+        &self,
+        input: &D::Buffer,
+        output: &D::Buffer,
+        count: usize,
+        dtype: DType,
+        root: usize,
+    ) -> Result<Work<D>> {
         if root >= self.inner.world {
-            return Err(Error::invalid(format!("broadcast root {root} is not in a world of {}", self.inner.world)));
+            return Err(Error::invalid(format!(
+                "broadcast root {root} is not in a world of {}",
+                self.inner.world
+            )));
         }
-        self.submit(&self.inner.stream, KernelKind::Broadcast, input, output, count, dtype, ReduceOp::Sum, root)?;
+        self.submit(
+            &self.inner.stream,
+            KernelKind::Broadcast,
+            input,
+            output,
+            count,
+            dtype,
+            ReduceOp::Sum,
+            root,
+        )?;
         Work::record(self.inner.clone(), "broadcast")
     }
 
@@ -245,7 +301,16 @@ impl<D: Device> Communicator<D> {
         let scratch = &st.res.as_ref().ok_or(Error::Finalized)?.scratch;
         let ptr = scratch.ptr();
         drop(st);
-        self.submit_ptrs(&self.inner.stream, KernelKind::OneShot, ptr, ptr, 1, DType::I32, ReduceOp::Sum, 0)?;
+        self.submit_ptrs(
+            &self.inner.stream,
+            KernelKind::OneShot,
+            ptr,
+            ptr,
+            1,
+            DType::I32,
+            ReduceOp::Sum,
+            0,
+        )?;
         Work::record(self.inner.clone(), "barrier")
     }
 
@@ -280,6 +345,26 @@ impl<D: Device> Communicator<D> {
         }
     }
 
+    /// Hand an all-reduce to NCCL/RCCL, after the same argument checks.
+    fn submit_vendor(
+        &self,
+        stream: &D::Stream,
+        input: &D::Buffer,
+        output: &D::Buffer,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let bytes = check_buffers(input, output, count, dtype)?;
+        let st = self.lock_active()?;
+        let res = st.res.as_ref().ok_or(Error::Finalized)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        res.vendor
+            .all_reduce(&self.inner.device, stream, input.ptr(), output.ptr(), count, dtype, op)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -292,16 +377,7 @@ impl<D: Device> Communicator<D> {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
-        let bytes = count
-            .checked_mul(dtype.size())
-            .ok_or_else(|| Error::invalid(format!("count {count} overflows")))?;
-        for (what, buf) in [("input", input.len()), ("output", output.len())] {
-            if bytes > buf {
-                return Err(Error::invalid(format!(
-                    "{what} buffer holds {buf} bytes, but {count} x {dtype} needs {bytes}"
-                )));
-            }
-        }
+        check_buffers(input, output, count, dtype)?;
         self.submit_ptrs(stream, kind, input.ptr(), output.ptr(), count, dtype, op, root)
     }
 
@@ -339,6 +415,31 @@ impl<D: Device> Communicator<D> {
             input,
             output,
         };
-        call.enqueue(&inner.device, &res.module, &inner.names, &res.ws, &inner.flags, inner.rank, inner.opts.timeout, stream)
+        call.enqueue(
+            &inner.device,
+            &res.module,
+            &inner.names,
+            &inner.grids,
+            &res.ws,
+            &inner.flags,
+            inner.rank,
+            inner.opts.timeout,
+            stream,
+        )
     }
+}
+
+/// Bytes of `count` x `dtype`, if both buffers hold that many.
+fn check_buffers<B: DeviceBuffer>(input: &B, output: &B, count: usize, dtype: DType) -> Result<usize> {
+    let bytes = count
+        .checked_mul(dtype.size())
+        .ok_or_else(|| Error::invalid(format!("count {count} overflows")))?;
+    for (what, len) in [("input", input.len()), ("output", output.len())] {
+        if bytes > len {
+            return Err(Error::invalid(format!(
+                "{what} buffer holds {len} bytes, but {count} x {dtype} needs {bytes}"
+            )));
+        }
+    }
+    Ok(bytes)
 }

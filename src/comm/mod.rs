@@ -3,6 +3,7 @@
 
 mod communicator;
 mod options;
+mod vendor;
 mod work;
 
 pub use communicator::Communicator;

@@ -40,6 +40,7 @@ impl<D: Device> Work<D> {
         let limit = timeout.unwrap_or(comm_timeout + grace);
         let start = Instant::now();
         let poll = self.inner.device.poll_interval();
+        let mut polls = 0u32;
         loop {
             if let Some(err) = self.inner.device_error() {
                 self.inner.abort(&err.to_string());
@@ -64,7 +65,14 @@ impl<D: Device> Work<D> {
                 }
                 return Err(err);
             }
-            std::thread::sleep(poll);
+            // Yield first: a sleep rounds up to the timer slack (~50 us on
+            // Linux), which would dominate a small collective's latency.
+            polls += 1;
+            if polls < 1000 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(poll);
+            }
         }
     }
 }

@@ -97,8 +97,8 @@ pub fn exchange_fds(
     };
 
     let record = Record::generate()?;
-    let listener = UnixListener::bind_addr(&record.address()?)
-        .map_err(|e| Error::io("binding the fd-exchange socket", e))?;
+    let listener =
+        UnixListener::bind_addr(&record.address()?).map_err(|e| Error::io("binding the fd-exchange socket", e))?;
     // Nonblocking so that an accept after poll() cannot hang if the pending
     // connection went away in between.
     listener
@@ -164,11 +164,7 @@ struct Offer<'a> {
 /// Runs the acceptor on a scoped thread and the connector on this one, then
 /// folds both outcomes into one. A hard failure on either side stops the other
 /// early instead of letting it wait out the deadline.
-fn run_both_sides(
-    job: &Job<'_>,
-    listener: UnixListener,
-    offer: &Offer<'_>,
-) -> Result<Vec<Vec<OwnedFd>>> {
+fn run_both_sides(job: &Job<'_>, listener: UnixListener, offer: &Offer<'_>) -> Result<Vec<Vec<OwnedFd>>> {
     let stop = AtomicBool::new(false);
     let (served, collected) = thread::scope(|scope| -> Result<_> {
         let stop = &stop;
@@ -190,9 +186,7 @@ fn run_both_sides(
         if collected.is_err() {
             stop.store(true, Ordering::Relaxed);
         }
-        let served = acceptor
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        let served = acceptor.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         Ok((served, collected))
     })?;
     merge_outcomes(job, served, collected)
@@ -215,9 +209,7 @@ fn merge_outcomes(
     let mut missing = Vec::new();
     for error in [collected.err(), served.err()].into_iter().flatten() {
         if let Error::Timeout {
-            what: w,
-            missing: m,
-            ..
+            what: w, missing: m, ..
         } = error
         {
             what.push(w);
@@ -267,11 +259,7 @@ fn serve(
         }
         let Some(remaining) = remaining(deadline) else {
             return Err(Error::Timeout {
-                what: format!(
-                    "peers to collect rank {}'s fds{}",
-                    offer.rank,
-                    rejections.describe()
-                ),
+                what: format!("peers to collect rank {}'s fds{}", offer.rank, rejections.describe()),
                 after: timeout,
                 missing: unserved(&served),
             });
@@ -288,9 +276,7 @@ fn serve(
             Err(e)
                 if matches!(
                     e.kind(),
-                    io::ErrorKind::WouldBlock
-                        | io::ErrorKind::Interrupted
-                        | io::ErrorKind::ConnectionAborted
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
                 ) =>
             {
                 continue
@@ -328,9 +314,7 @@ fn serve_one(
     if uid != effective_uid() {
         return Err(format!("connection from foreign uid {uid}"));
     }
-    let limit = remaining(deadline)
-        .ok_or("deadline passed")?
-        .min(HANDSHAKE_LIMIT);
+    let limit = remaining(deadline).ok_or("deadline passed")?.min(HANDSHAKE_LIMIT);
     bound_timeouts(stream, limit).map_err(|e| format!("cannot set timeouts: {e}"))?;
 
     let mut hello = [0u8; HELLO_LEN];
@@ -353,8 +337,7 @@ fn serve_one(
 
     // `validate_args` capped the count at MAX_FDS, so it fits in a u32.
     let header = (offer.fds.len() as u32).to_le_bytes();
-    send_all(stream.as_fd(), &header, offer.fds)
-        .map_err(|e| format!("sending fds to rank {peer} failed: {e}"))?;
+    send_all(stream.as_fd(), &header, offer.fds).map_err(|e| format!("sending fds to rank {peer} failed: {e}"))?;
     Ok(peer)
 }
 
@@ -531,10 +514,7 @@ fn receive_fds(stream: &UnixStream, peer: usize) -> Result<Vec<OwnedFd>> {
 /// Turns an I/O error talking to `peer` into ours. A socket timeout becomes
 /// `Error::Timeout`; [`collect`] then fills in every rank still pending.
 fn peer_error(peer: usize, doing: &str, e: io::Error) -> Error {
-    if matches!(
-        e.kind(),
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-    ) {
+    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
         socket_timeout()
     } else {
         Error::io(format!("{doing} the fd socket of rank {peer}"), e)
@@ -611,8 +591,7 @@ impl Record {
 
     /// The socket address in Linux's abstract namespace.
     fn address(&self) -> Result<SocketAddr> {
-        SocketAddr::from_abstract_name(self.name)
-            .map_err(|e| Error::io("building the fd-exchange socket address", e))
+        SocketAddr::from_abstract_name(self.name).map_err(|e| Error::io("building the fd-exchange socket address", e))
     }
 }
 
@@ -622,10 +601,7 @@ fn record_key(key_prefix: &str, rank: usize) -> String {
 
 fn hex_pair(byte: u8) -> [u8; 2] {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    [
-        DIGITS[usize::from(byte >> 4)],
-        DIGITS[usize::from(byte & 0xf)],
-    ]
+    [DIGITS[usize::from(byte >> 4)], DIGITS[usize::from(byte & 0xf)]]
 }
 
 /// The deadline `timeout` from now; a timeout too large to represent means
@@ -696,11 +672,7 @@ fn effective_uid() -> libc::uid_t {
 /// The uid of the process at the other end of a connected Unix socket, as the
 /// kernel recorded it at connect/listen time (it cannot be forged).
 fn peer_uid(sock: BorrowedFd<'_>) -> io::Result<libc::uid_t> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: `sock` is an open descriptor (borrowed), `cred` is a live ucred
     // and `len` holds its exact size, so the kernel writes within it.
@@ -717,10 +689,7 @@ fn peer_uid(sock: BorrowedFd<'_>) -> io::Result<libc::uid_t> {
         return Err(io::Error::last_os_error());
     }
     if len as usize != std::mem::size_of::<libc::ucred>() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "short SO_PEERCRED answer",
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "short SO_PEERCRED answer"));
     }
     Ok(cred.uid)
 }
@@ -881,8 +850,7 @@ fn take_fds(msg: &libc::msghdr) -> Vec<OwnedFd> {
         while !cmsg.is_null() {
             let hdr = &*cmsg;
             if hdr.cmsg_level == libc::SOL_SOCKET && hdr.cmsg_type == libc::SCM_RIGHTS {
-                let count = (hdr.cmsg_len as usize).saturating_sub(header_len)
-                    / std::mem::size_of::<libc::c_int>();
+                let count = (hdr.cmsg_len as usize).saturating_sub(header_len) / std::mem::size_of::<libc::c_int>();
                 let slots = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
                 for i in 0..count {
                     fds.push(OwnedFd::from_raw_fd(slots.add(i).read_unaligned()));
@@ -912,10 +880,7 @@ mod tests {
 
     impl Store for TestStore {
         fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-            self.map
-                .lock()
-                .unwrap()
-                .insert(key.to_owned(), value.to_vec());
+            self.map.lock().unwrap().insert(key.to_owned(), value.to_vec());
             self.changed.notify_all();
             Ok(())
         }
@@ -997,9 +962,7 @@ mod tests {
         per_rank: usize,
         timeout: Duration,
     ) -> Result<()> {
-        let mine: Vec<OwnedFd> = (0..per_rank)
-            .map(|i| memfd_with(&payload(rank, i)))
-            .collect();
+        let mine: Vec<OwnedFd> = (0..per_rank).map(|i| memfd_with(&payload(rank, i))).collect();
         let borrowed: Vec<BorrowedFd<'_>> = mine.iter().map(AsFd::as_fd).collect();
         let got = exchange_fds(store, prefix, rank, world, &borrowed, timeout)?;
         assert_eq!(got.len(), world);
@@ -1018,13 +981,7 @@ mod tests {
     }
 
     /// Runs `ranks` of a `world` on threads and returns each one's result.
-    fn run_ranks(
-        store: &TestStore,
-        prefix: &str,
-        ranks: &[usize],
-        world: usize,
-        timeout: Duration,
-    ) -> Vec<Result<()>> {
+    fn run_ranks(store: &TestStore, prefix: &str, ranks: &[usize], world: usize, timeout: Duration) -> Vec<Result<()>> {
         thread::scope(|s| {
             let handles: Vec<_> = ranks
                 .iter()
@@ -1048,14 +1005,10 @@ mod tests {
     /// Connects to rank 0's listener as `claimed_rank` with `secret` and
     /// returns what came back before the server closed the connection.
     fn rogue_attempt(store: &TestStore, prefix: &str, claimed_rank: u32, secret: &[u8]) -> Vec<u8> {
-        let bytes = store
-            .get(&record_key(prefix, 0), Duration::from_secs(10))
-            .unwrap();
+        let bytes = store.get(&record_key(prefix, 0), Duration::from_secs(10)).unwrap();
         let record = Record::decode(&bytes).unwrap();
         let mut stream = UnixStream::connect_addr(&record.address().unwrap()).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         stream.write_all(&claimed_rank.to_le_bytes()).unwrap();
         stream.write_all(secret).unwrap();
         let mut reply = Vec::new();
@@ -1103,10 +1056,7 @@ mod tests {
             }
         }
         assert!(elapsed >= timeout, "returned early: {elapsed:?}");
-        assert!(
-            elapsed < timeout + Duration::from_millis(1500),
-            "overran: {elapsed:?}"
-        );
+        assert!(elapsed < timeout + Duration::from_millis(1500), "overran: {elapsed:?}");
     }
 
     #[test]
@@ -1199,9 +1149,7 @@ mod tests {
     #[test]
     #[serial_test::serial]
     fn no_fd_leak() {
-        let module = module_path!()
-            .split_once("::")
-            .map_or(module_path!(), |(_, rest)| rest);
+        let module = module_path!().split_once("::").map_or(module_path!(), |(_, rest)| rest);
         let name = format!("{module}::no_fd_leak_child");
         let output = std::process::Command::new(std::env::current_exe().unwrap())
             .args([name.as_str(), "--exact", "--test-threads=1", "--nocapture"])
@@ -1210,10 +1158,7 @@ mod tests {
             .unwrap();
         let stdout = String::from_utf8_lossy(&output.stdout);
         let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(
-            output.status.success(),
-            "leak check failed:\n{stdout}\n{stderr}"
-        );
+        assert!(output.status.success(), "leak check failed:\n{stdout}\n{stderr}");
         // Make sure the filter matched and the child really ran the check.
         assert!(
             stdout.contains("1 passed"),

@@ -10,7 +10,10 @@
 pub mod fd_exchange;
 mod params;
 
-pub use params::{KernelParams, KERNEL_PARAMS_BYTES, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE, ERR_CODE_TIMEOUT, ERR_WORDS, MAX_RANKS};
+pub use params::{
+    KernelParams, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE, ERR_CODE_TIMEOUT, ERR_WORDS, KERNEL_PARAMS_BYTES,
+    MAX_RANKS,
+};
 
 use std::os::fd::OwnedFd;
 use std::time::Duration;
@@ -122,7 +125,9 @@ pub trait HostFlags: Send + Sync {
 /// One device. Implemented by every backend.
 ///
 /// Copies and launches are stream-ordered. Methods that return data to the
-/// host (`copy_to_host`) wait for the stream first.
+/// host (`copy_to_host`) wait for the stream first. Every allocation comes
+/// back zeroed. On a stream that is capturing a graph, `record`, the host
+/// copies and `synchronize` return errors rather than break the capture.
 pub trait Device: Send + Sync + Sized + 'static {
     type Buffer: DeviceBuffer;
     type PeerBuffer: DeviceBuffer;
@@ -182,11 +187,20 @@ pub trait Device: Send + Sync + Sized + 'static {
         stream: &Self::Stream,
     ) -> Result<()>;
 
-    /// Launch shape for a collective kernel over `bytes` of payload.
-    fn collective_grid(&self, bytes: usize) -> LaunchConfig;
-
     /// Sleep granularity for host-side polling of this device's events.
     fn poll_interval(&self) -> Duration {
         Duration::from_micros(20)
+    }
+
+    /// Make this device current on the calling thread, for vendor libraries
+    /// (NCCL) that use the thread's current device.
+    fn bind_thread(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The stream as the vendor library's handle (`CUstream`, `hipStream_t`),
+    /// for NCCL/RCCL calls; `None` where there is no vendor library.
+    fn raw_stream(&self, _stream: &Self::Stream) -> Option<u64> {
+        None
     }
 }

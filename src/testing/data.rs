@@ -85,14 +85,28 @@ impl FromF64 for i32 {
 }
 
 /// `rank`'s input: `count` elements starting at global index `first`.
-pub fn make_input<T: FromF64>(seed: u64, rank: usize, first: usize, count: usize, op: ReduceOp, values: Values) -> Vec<T> {
+pub fn make_input<T: FromF64>(
+    seed: u64,
+    rank: usize,
+    first: usize,
+    count: usize,
+    op: ReduceOp,
+    values: Values,
+) -> Vec<T> {
     (first..first + count)
         .map(|i| T::from_f64(input_value(seed, rank, i, op, values)))
         .collect()
 }
 
 /// The exact expected output: the rule applied in rank order 0..world-1.
-pub fn reference<T: FromF64>(seed: u64, world: usize, first: usize, count: usize, op: ReduceOp, values: Values) -> Vec<T> {
+pub fn reference<T: FromF64>(
+    seed: u64,
+    world: usize,
+    first: usize,
+    count: usize,
+    op: ReduceOp,
+    values: Values,
+) -> Vec<T> {
     (first..first + count)
         .map(|i| {
             let x = |r: usize| T::from_f64(input_value(seed, r, i, op, values)).to_acc();
@@ -123,8 +137,9 @@ pub fn from_bytes<T: Copy + Default>(b: &[u8]) -> Vec<T> {
 
 /// FNV-1a of a byte slice, for comparing outputs across ranks cheaply.
 pub fn hash_bytes(b: &[u8]) -> u64 {
-    b.iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ x as u64).wrapping_mul(0x0100_0000_01b3))
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// Elements whose bits differ from the reference.

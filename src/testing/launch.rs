@@ -41,7 +41,13 @@ fn drain(mut pipe: impl Read + Send + 'static) -> JoinHandle<String> {
 
 /// Start `world` processes of `exe args...`, one per rank, sharing a store
 /// this process hosts, and wait (at most `timeout`) for all of them.
-pub fn run_process_ranks(exe: &Path, args: &[&str], world: usize, envs: &[(&str, &str)], timeout: Duration) -> Result<Vec<RankOutput>> {
+pub fn run_process_ranks(
+    exe: &Path,
+    args: &[&str],
+    world: usize,
+    envs: &[(&str, &str)],
+    timeout: Duration,
+) -> Result<Vec<RankOutput>> {
     let token = random_token()?;
     let server = TcpStoreServer::start(TcpStoreConfig::new(token.as_bytes().to_vec()))?;
     let addr = server.connect_addr().to_string();
