@@ -20,6 +20,18 @@ use ferrocomm::testing::data::{self, Values};
 use ferrocomm::testing::launch::run_process_ranks;
 use ferrocomm::{CommOptions, Communicator, DType, Error, ReduceOp, Result};
 
+/// Dispatch `$f::<T>(args)` on a runtime dtype.
+macro_rules! with_dtype {
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F16 => $f::<half::f16>($($arg),*),
+            DType::BF16 => $f::<half::bf16>($($arg),*),
+            DType::I32 => $f::<i32>($($arg),*),
+        }
+    };
+}
+
 const USAGE: &str =
     "usage: ferrocomm-bench [--backend host|cuda] [--world N] [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
                        [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|all]
@@ -228,6 +240,10 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
         let mut bytes = a.min_bytes.max(dtype.size());
         while bytes <= a.max_bytes {
             let count = bytes / dtype.size();
+            // Inputs and the exact expected output, made once per size.
+            let seed = bytes as u64;
+            let input = with_dtype!(dtype, input_bytes(seed, rank, count, a.op));
+            let want = with_dtype!(dtype, reference_bytes(seed, world, count, a.op));
             for algo in &a.algos {
                 let Some(choice) = algo_choice(algo) else {
                     return Err(Error::invalid(format!("unknown --algo {algo:?}")));
@@ -245,7 +261,7 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
                 };
                 for &mode in modes {
                     seq += 1;
-                    let mut row = measure(&comm, a, dtype, count, choice, mode)?;
+                    let mut row = measure(&comm, a, dtype, count, choice, mode, &input, &want)?;
                     row.algo = match choice {
                         AlgoChoice::Auto => format!("auto:{}", comm.choose(choice, bytes)),
                         AlgoChoice::Fixed(ferrocomm::algo::Algorithm::Ccl) => algo.clone(),
@@ -276,6 +292,7 @@ fn algo_choice(name: &str) -> Option<AlgoChoice> {
     name.parse().ok()
 }
 
+#[allow(clippy::too_many_arguments)]
 fn measure<D: Device>(
     comm: &Communicator<D>,
     a: &Args,
@@ -283,16 +300,16 @@ fn measure<D: Device>(
     count: usize,
     choice: AlgoChoice,
     mode: &'static str,
+    input: &[u8],
+    want: &[u8],
 ) -> Result<Row> {
     let dev = comm.device();
     let bytes = count * dtype.size();
     let nbuf = (ROTATE_BYTES / bytes.max(1)).clamp(1, 8);
     let inputs: Vec<D::Buffer> = (0..nbuf).map(|_| comm.alloc(bytes)).collect::<Result<_>>()?;
     let output = comm.alloc(bytes)?;
-    let seed = bytes as u64;
-    let input = input_bytes(dtype, seed, comm.rank(), count, a.op);
     for buf in &inputs {
-        comm.write(buf, 0, &input)?;
+        comm.write(buf, 0, input)?;
     }
     let stream = dev.create_stream()?;
     let run = |i: usize| comm.all_reduce_on(&stream, choice, &inputs[i % nbuf], &output, count, dtype, a.op);
@@ -337,7 +354,12 @@ fn measure<D: Device>(
     run(0)?;
     let mut got = vec![0u8; bytes];
     dev.copy_to_host(&output, 0, &mut got, &stream)?;
-    let wrong = count_wrong(dtype, seed, comm.size(), count, a.op, &got);
+    // Bitwise comparison, element by element.
+    let wrong = got
+        .chunks(dtype.size())
+        .zip(want.chunks(dtype.size()))
+        .filter(|(g, w)| g != w)
+        .count();
     Ok(Row {
         bytes,
         count,
@@ -351,28 +373,14 @@ fn measure<D: Device>(
     })
 }
 
-fn input_bytes(dtype: DType, seed: u64, rank: usize, count: usize, op: ReduceOp) -> Vec<u8> {
-    use half::{bf16, f16};
-    match dtype {
-        DType::F32 => data::to_bytes(&data::make_input::<f32>(seed, rank, 0, count, op, Values::Exact)),
-        DType::F16 => data::to_bytes(&data::make_input::<f16>(seed, rank, 0, count, op, Values::Exact)),
-        DType::BF16 => data::to_bytes(&data::make_input::<bf16>(seed, rank, 0, count, op, Values::Exact)),
-        DType::I32 => data::to_bytes(&data::make_input::<i32>(seed, rank, 0, count, op, Values::Exact)),
-    }
+/// Bench inputs are small integers, so every algorithm's result is exact and
+/// `#wrong` is a bitwise count against [`reference_bytes`].
+fn input_bytes<T: data::FromF64>(seed: u64, rank: usize, count: usize, op: ReduceOp) -> Vec<u8> {
+    data::to_bytes(&data::make_input::<T>(seed, rank, 0, count, op, Values::Exact))
 }
 
-fn count_wrong(dtype: DType, seed: u64, world: usize, count: usize, op: ReduceOp, got: &[u8]) -> usize {
-    use half::{bf16, f16};
-    fn typed<T: data::FromF64>(seed: u64, world: usize, count: usize, op: ReduceOp, got: &[u8]) -> usize {
-        let want = data::reference::<T>(seed, world, 0, count, op, Values::Exact);
-        data::count_wrong(&data::from_bytes::<T>(got), &want)
-    }
-    match dtype {
-        DType::F32 => typed::<f32>(seed, world, count, op, got),
-        DType::F16 => typed::<f16>(seed, world, count, op, got),
-        DType::BF16 => typed::<bf16>(seed, world, count, op, got),
-        DType::I32 => typed::<i32>(seed, world, count, op, got),
-    }
+fn reference_bytes<T: data::FromF64>(seed: u64, world: usize, count: usize, op: ReduceOp) -> Vec<u8> {
+    data::to_bytes(&data::reference::<T>(seed, world, 0, count, op, Values::Exact))
 }
 
 fn median(v: &mut [f64]) -> f64 {
