@@ -38,7 +38,14 @@ step() { # name, command...
 echo "GPUs: $NGPU" | tee "$LOG/summary.txt"
 
 if [[ " $STEPS " == *" tests "* ]]; then
-    step conformance_cuda_threads "$BIN/conformance_cuda" --test-threads=1
+    skip=()
+    for w in 8; do # thread-rank worlds this machine cannot host, named in the log
+        if [ "$NGPU" -lt "$w" ]; then
+            echo "NOT RUN: conformance world_$w needs $w GPUs, this machine has $NGPU" | tee -a "$LOG/summary.txt"
+            skip+=(--skip "world_$w")
+        fi
+    done
+    step conformance_cuda_threads "$BIN/conformance_cuda" --test-threads=1 "${skip[@]}"
     step process_cuda "$BIN/process_cuda" --test-threads=1
 fi
 
@@ -47,7 +54,9 @@ if [[ " $STEPS " == *" sanitizer "* ]]; then
         wrapper="/tmp/ferrocomm-sanitize-$tool.sh"
         printf '#!/bin/sh\nexec compute-sanitizer --tool %s --error-exitcode 9 "%s" "$@"\n' "$tool" "$BIN/ferrocomm-worker" >"$wrapper"
         chmod +x "$wrapper"
-        step "sanitizer_$tool" env FERROCOMM_WORKER_EXE="$wrapper" "$BIN/process_cuda" --test-threads=1 smoke
+        # FERROCOMM_CCL=0: the check is of ferrocomm's kernels; NCCL's own init
+        # probes kernels for other archs and trips memcheck's API-error report.
+        step "sanitizer_$tool" env FERROCOMM_CCL=0 FERROCOMM_WORKER_EXE="$wrapper" "$BIN/process_cuda" --test-threads=1 smoke
     done
 fi
 
