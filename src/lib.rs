@@ -27,6 +27,7 @@ pub mod algo;
 #[path = "../backends/mod.rs"]
 pub mod backends;
 pub mod bootstrap;
+pub mod codec;
 pub mod comm;
 pub mod device;
 pub mod dtype;

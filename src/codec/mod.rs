@@ -1,0 +1,377 @@
+//! Reference quantization codecs for quick-reduce. They define the wire
+//! format: a GPU kernel's encoded bytes must equal these bit for bit.
+//!
+//! # Wire format
+//!
+//! Data is cut into blocks of [`BLOCK`] = 32 elements (the last one padded
+//! with zeros). A run of `B` blocks is encoded as `B` code blocks of
+//! [`Codec::code_bytes`] each, followed by `B` little-endian 16-bit scales:
+//!
+//! ```text
+//! [codes of block 0][codes of block 1] ... [codes of block B-1][scale 0][scale 1] ... [scale B-1]
+//! ```
+//!
+//! Codes and scales are apart so a GPU reads codes with 16-byte vectors. The
+//! scale has the input's 16-bit type (f16 for f16, bf16 for bf16), so every
+//! scale a block can need is representable.
+//!
+//! # Encoding one block (all arithmetic in f32, round to nearest even)
+//!
+//! 1. If any element is NaN or +-Inf, the scale is the canonical NaN of the
+//!    scale type and every code is 0: the whole block decodes to NaN. (A
+//!    non-finite value never turns silently into a finite one.)
+//! 2. `absmax = max |x_i|`.
+//! 3. Integer codecs with `q` in `[-2^(b-1), 2^(b-1)-1]`: with `mx = max x_i`,
+//!    `mn = min x_i`, `scale = round16(absmax / -2^(b-1))` (negative, as in
+//!    AITER), or `round16(absmax / 2^(b-1))` when `-mn > mx`. Either way the
+//!    largest-magnitude element maps exactly to the most negative code and
+//!    only elements of the opposite sign can clamp (by at most one step).
+//!    FP8: `scale = round16(absmax / FP8_MAX)` (448 for e4m3fn, 240 for e4m3fnuz).
+//! 4. `s = f32(scale)`, `inv = 1.0f / s` (an f32 division). If `inv` is not
+//!    finite (`s == 0`, or `s` so tiny that `1/s` overflows) the scale is stored
+//!    as `+0` and every code is 0: the block decodes to 0.
+//!    Otherwise `v_i = x_i * inv`, and
+//!    - integer: `q_i = clamp(rint(v_i), qmin, qmax)`, stored as `b`-bit two's
+//!      complement, packed little-endian (element `i` at bit `b*i` of the block);
+//!    - FP8: `q_i = e4m3(v_i)` rounded to nearest even, saturating to +-max.
+//! 5. Decoding: `x'_i = f32(q_i) * s` (FP8: the e4m3 value times `s`).
+//!
+//! # Error bounds (per element, finite input)
+//!
+//! With `s` the exact scale of the element's block and `r` its 16-bit
+//! rounding ([`Codec::error_bound`]):
+//! - INT-b: `|x - x'| <= |r| + 2^(b-1) |s - r|`: one code step (the `-absmax`
+//!   side clamps) plus what rounding the scale costs.
+//! - FP8 e4m3: `|x - x'| <= 2^-4 |x| + |r| min_subnormal / 2 + max |s - r|`.
+//! A scale that underflows the 16-bit type (tiny blocks, f16) decodes its
+//! block to 0, which the `|s - r|` term covers.
+
+mod fp8;
+
+pub use fp8::Fp8Flavor;
+
+use half::{bf16, f16};
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// Elements per block.
+pub const BLOCK: usize = 32;
+
+/// A quick-reduce codec.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Codec {
+    Fp8(Fp8Flavor),
+    Int8,
+    Int6,
+    Int4,
+}
+
+impl Codec {
+    pub fn name(self) -> &'static str {
+        match self {
+            Codec::Fp8(Fp8Flavor::E4m3Fn) => "fp8",
+            Codec::Fp8(Fp8Flavor::E4m3Fnuz) => "fp8fnuz",
+            Codec::Int8 => "int8",
+            Codec::Int6 => "int6",
+            Codec::Int4 => "int4",
+        }
+    }
+
+    /// Bits per code.
+    pub const fn bits(self) -> usize {
+        match self {
+            Codec::Fp8(_) | Codec::Int8 => 8,
+            Codec::Int6 => 6,
+            Codec::Int4 => 4,
+        }
+    }
+
+    /// Bytes of one block's codes (a multiple of 8; 16 for INT4).
+    pub const fn code_bytes(self) -> usize {
+        BLOCK * self.bits() / 8
+    }
+
+    /// Bytes that `elems` elements encode to.
+    pub const fn encoded_bytes(self, elems: usize) -> usize {
+        elems.div_ceil(BLOCK) * (self.code_bytes() + 2)
+    }
+
+    fn int_range(self) -> Option<(i32, i32)> {
+        match self {
+            Codec::Int8 => Some((-128, 127)),
+            Codec::Int6 => Some((-32, 31)),
+            Codec::Int4 => Some((-8, 7)),
+            Codec::Fp8(_) => None,
+        }
+    }
+
+    /// The exact (unrounded) scale of a block with largest magnitude `absmax`.
+    fn exact_scale(self, absmax: f32) -> f32 {
+        match (self, self.int_range()) {
+            (_, Some((qmin, _))) => absmax / qmin as f32,
+            (Codec::Fp8(f), None) => absmax / f.max(),
+            _ => unreachable!("every codec is integer or fp8"),
+        }
+    }
+
+    /// The per-element bound on `|x - decode(encode(x))|` for a block whose
+    /// largest magnitude is `absmax` (finite input), with scale type `S`.
+    ///
+    /// With `s` the exact scale and `r` its 16-bit rounding: INT-b gives at
+    /// most one code step `|r|` (the clamped `-absmax` side) plus
+    /// `2^(b-1) |s - r|`; FP8 gives half an e4m3 ulp (`2^-4 |x|`), half a
+    /// subnormal step (`|r| * min_subnormal / 2`) and `max * |s - r|` where
+    /// saturation bites. An `r` that underflows to 0 decodes the block to 0.
+    pub fn error_bound<S: Half16>(self, absmax: f32, x: f32) -> f32 {
+        let s = self.exact_scale(absmax);
+        let r = S::from_f32(s).to_f32();
+        let slack = x.abs() * 2f32.powi(-20);
+        if !(1.0 / r).is_finite() {
+            return absmax + slack; // the block decodes to 0
+        }
+        match (self, self.int_range()) {
+            (_, Some((qmin, _))) => r.abs() + -(qmin as f32) * (s - r).abs() + slack,
+            (Codec::Fp8(f), None) => {
+                x.abs() * 2f32.powi(-4) + r.abs() * f.min_subnormal() / 2.0 + f.max() * (s - r).abs() + slack
+            }
+            _ => unreachable!("every codec is integer or fp8"),
+        }
+    }
+}
+
+impl std::str::FromStr for Codec {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "fp8" | "e4m3" | "e4m3fn" => Ok(Codec::Fp8(Fp8Flavor::E4m3Fn)),
+            "fp8fnuz" | "e4m3fnuz" => Ok(Codec::Fp8(Fp8Flavor::E4m3Fnuz)),
+            "int8" => Ok(Codec::Int8),
+            "int6" => Ok(Codec::Int6),
+            "int4" => Ok(Codec::Int4),
+            _ => Err(Error::invalid(format!(
+                "unknown codec {s:?} (expected fp8, int8, int6 or int4)"
+            ))),
+        }
+    }
+}
+
+/// The 16-bit float types quick-reduce carries (input, output and scale).
+pub trait Half16: Copy + Send + Sync + 'static {
+    const DTYPE: DType;
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+    fn to_bits(self) -> u16;
+    fn from_bits(b: u16) -> Self;
+    /// The canonical quiet NaN.
+    const NAN_BITS: u16;
+}
+
+impl Half16 for f16 {
+    const DTYPE: DType = DType::F16;
+    const NAN_BITS: u16 = 0x7E00;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    fn to_bits(self) -> u16 {
+        f16::to_bits(self)
+    }
+    fn from_bits(b: u16) -> Self {
+        f16::from_bits(b)
+    }
+}
+
+impl Half16 for bf16 {
+    const DTYPE: DType = DType::BF16;
+    const NAN_BITS: u16 = 0x7FC0;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    fn to_bits(self) -> u16 {
+        bf16::to_bits(self)
+    }
+    fn from_bits(b: u16) -> Self {
+        bf16::from_bits(b)
+    }
+}
+
+/// Round half to even in f32 (what `rintf` / `cvt.rni` do).
+fn rint(v: f32) -> f32 {
+    let r = v.round();
+    if (v - v.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
+        r - v.signum()
+    } else {
+        r
+    }
+}
+
+/// Encode one block of up to 32 values (already widened to f32) with scale type `S`.
+/// Returns the scale bits; `codes` receives `code_bytes` bytes.
+pub fn encode_block<S: Half16>(codec: Codec, x: &[f32], codes: &mut [u8]) -> u16 {
+    debug_assert!(x.len() <= BLOCK && codes.len() == codec.code_bytes());
+    codes.fill(0);
+    if x.iter().any(|v| !v.is_finite()) {
+        return S::NAN_BITS;
+    }
+    let mx = x.iter().fold(f32::MIN, |m, &v| m.max(v));
+    let mn = x.iter().fold(f32::MAX, |m, &v| m.min(v));
+    let absmax = mx.max(-mn);
+    // The largest-magnitude element maps exactly to the most negative code,
+    // so only its opposite side can clamp: flip the scale's sign when that
+    // element is negative.
+    let flip = codec.int_range().is_some() && -mn > mx;
+    let exact = codec.exact_scale(absmax);
+    let scale = S::from_f32(if flip { -exact } else { exact });
+    let s = scale.to_f32();
+    let inv = 1.0f32 / s;
+    if !inv.is_finite() {
+        return 0; // +0: a zero scale, or one so tiny that 1/s overflows f32
+    }
+    match codec.int_range() {
+        Some((qmin, qmax)) => {
+            let bits = codec.bits();
+            for (i, v) in x.iter().enumerate() {
+                let q = (rint(v * inv) as i32).clamp(qmin, qmax);
+                put_bits(codes, i * bits, bits, (q as u32) & ((1 << bits) - 1));
+            }
+        }
+        None => {
+            let Codec::Fp8(f) = codec else {
+                unreachable!("non-integer codecs are fp8")
+            };
+            for (i, v) in x.iter().enumerate() {
+                codes[i] = f.encode(v * inv);
+            }
+        }
+    }
+    scale.to_bits()
+}
+
+/// Decode one block into f32 (what quick-reduce accumulates).
+pub fn decode_block<S: Half16>(codec: Codec, codes: &[u8], scale_bits: u16, out: &mut [f32]) {
+    let s = S::from_bits(scale_bits).to_f32();
+    if s.is_nan() {
+        out.fill(f32::NAN);
+        return;
+    }
+    match codec {
+        Codec::Fp8(f) => {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = f.decode(codes[i]) * s;
+            }
+        }
+        _ => {
+            let bits = codec.bits();
+            for (i, o) in out.iter_mut().enumerate() {
+                let raw = get_bits(codes, i * bits, bits);
+                let q = ((raw << (32 - bits)) as i32) >> (32 - bits); // sign-extend
+                *o = q as f32 * s;
+            }
+        }
+    }
+}
+
+fn put_bits(buf: &mut [u8], bit: usize, width: usize, value: u32) {
+    for k in 0..width {
+        if value & (1 << k) != 0 {
+            buf[(bit + k) / 8] |= 1 << ((bit + k) % 8);
+        }
+    }
+}
+
+fn get_bits(buf: &[u8], bit: usize, width: usize) -> u32 {
+    (0..width).fold(0, |v, k| {
+        v | ((((buf[(bit + k) / 8] >> ((bit + k) % 8)) & 1) as u32) << k)
+    })
+}
+
+/// Encode a run of elements in the wire format (codes, then scales).
+pub fn encode<S: Half16>(codec: Codec, input: &[S], out: &mut [u8]) -> Result<()> {
+    let blocks = input.len().div_ceil(BLOCK);
+    if out.len() != codec.encoded_bytes(input.len()) {
+        return Err(Error::invalid(format!(
+            "encoding {} elements with {} needs {} bytes, got {}",
+            input.len(),
+            codec.name(),
+            codec.encoded_bytes(input.len()),
+            out.len()
+        )));
+    }
+    let (codes, scales) = out.split_at_mut(blocks * codec.code_bytes());
+    let mut x = [0f32; BLOCK];
+    for (b, chunk) in input.chunks(BLOCK).enumerate() {
+        x.fill(0.0);
+        for (xi, v) in x.iter_mut().zip(chunk) {
+            *xi = v.to_f32();
+        }
+        let cb = codec.code_bytes();
+        let sb = encode_block::<S>(codec, &x, &mut codes[b * cb..(b + 1) * cb]);
+        scales[2 * b..2 * b + 2].copy_from_slice(&sb.to_le_bytes());
+    }
+    Ok(())
+}
+
+/// Decode a run of `out.len()` elements (to f32) from the wire format.
+pub fn decode<S: Half16>(codec: Codec, input: &[u8], out: &mut [f32]) -> Result<()> {
+    let blocks = out.len().div_ceil(BLOCK);
+    if input.len() != codec.encoded_bytes(out.len()) {
+        return Err(Error::invalid(format!(
+            "decoding {} elements with {} needs {} bytes, got {}",
+            out.len(),
+            codec.name(),
+            codec.encoded_bytes(out.len()),
+            input.len()
+        )));
+    }
+    let (codes, scales) = input.split_at(blocks * codec.code_bytes());
+    let cb = codec.code_bytes();
+    for (b, chunk) in out.chunks_mut(BLOCK).enumerate() {
+        let sb = u16::from_le_bytes([scales[2 * b], scales[2 * b + 1]]);
+        decode_block::<S>(codec, &codes[b * cb..(b + 1) * cb], sb, chunk);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;
+
+/// The quick-reduce result, block by block, for inputs `inputs[rank]`: each
+/// rank's block is quantized and decoded, summed in f32 in rank order,
+/// rounded to `S`, quantized and decoded again, and rounded to `S`. Every
+/// backend's quick-reduce must produce exactly this (blocks start at
+/// multiples of [`BLOCK`], which the protocol's segments and chunks keep).
+pub fn reference_all_reduce<S: Half16>(codec: Codec, inputs: &[&[S]]) -> Vec<S> {
+    let n = inputs.first().map_or(0, |x| x.len());
+    let mut out = Vec::with_capacity(n);
+    let mut acc = [0f32; BLOCK];
+    let mut dec = [0f32; BLOCK];
+    let mut codes = vec![0u8; codec.code_bytes()];
+    for start in (0..n).step_by(BLOCK) {
+        let len = BLOCK.min(n - start);
+        for (r, x) in inputs.iter().enumerate() {
+            let mut blk = [0f32; BLOCK];
+            for (b, v) in blk.iter_mut().zip(&x[start..start + len]) {
+                *b = v.to_f32();
+            }
+            let sb = encode_block::<S>(codec, &blk, &mut codes);
+            decode_block::<S>(codec, &codes, sb, &mut dec);
+            for (a, d) in acc.iter_mut().zip(&dec) {
+                *a = if r == 0 { *d } else { *a + *d };
+            }
+        }
+        let mut mid = [0f32; BLOCK];
+        for (m, a) in mid.iter_mut().zip(&acc).take(len) {
+            *m = S::from_f32(*a).to_f32();
+        }
+        let sb = encode_block::<S>(codec, &mid, &mut codes);
+        decode_block::<S>(codec, &codes, sb, &mut dec);
+        out.extend(dec[..len].iter().map(|&d| S::from_f32(d)));
+    }
+    out
+}
