@@ -43,6 +43,7 @@
 //! - INT-b: `|x - x'| <= |r| + 2^(b-1) |s - r|`: one code step (the `-absmax`
 //!   side clamps) plus what rounding the scale costs.
 //! - FP8 e4m3: `|x - x'| <= 2^-4 |x| + |r| min_subnormal / 2 + max |s - r|`.
+//!
 //! A scale that underflows the 16-bit type (tiny blocks, f16) decodes its
 //! block to 0, which the `|s - r|` term covers.
 
