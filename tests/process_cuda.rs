@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ferrocomm::testing::launch::{run_process_ranks, RankOutput};
+use ferrocomm::testing::launch::{assert_all_ok, assert_victim_killed, run_process_ranks, RankOutput};
 
 fn worker() -> PathBuf {
     std::env::var_os("FERROCOMM_WORKER_EXE")
@@ -32,21 +32,6 @@ fn skip(world: usize) -> Option<String> {
 
 fn run(args: &[&str], world: usize, timeout_secs: u64) -> Vec<RankOutput> {
     run_process_ranks(&worker(), args, world, &[], Duration::from_secs(timeout_secs)).expect("launching ranks")
-}
-
-fn assert_all_ok(outs: &[RankOutput]) {
-    for o in outs {
-        eprint!("rank {}: {}", o.rank, o.stdout);
-        assert!(
-            o.code == Some(0) && o.stdout.contains("RESULT ok"),
-            "rank {} failed (code {:?}, timed out {}):\n{}\n{}",
-            o.rank,
-            o.code,
-            o.timed_out,
-            o.stdout,
-            o.stderr
-        );
-    }
 }
 
 fn scenario(args: &[&str], world: usize) {
@@ -113,13 +98,5 @@ fn killed_rank_becomes_an_error_world_4() {
         4,
         120,
     );
-    for o in &outs {
-        eprint!("rank {}: {}", o.rank, o.stdout);
-        if o.rank == 2 {
-            assert_eq!(o.code, None, "the victim should have died by SIGKILL: {}", o.stdout);
-        } else {
-            assert!(!o.timed_out, "rank {} hung", o.rank);
-            assert_eq!(o.code, Some(0), "rank {}: {}\n{}", o.rank, o.stdout, o.stderr);
-        }
-    }
+    assert_victim_killed(&outs, 2);
 }

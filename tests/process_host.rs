@@ -5,27 +5,12 @@
 use std::path::Path;
 use std::time::Duration;
 
-use ferrocomm::testing::launch::{run_process_ranks, RankOutput};
+use ferrocomm::testing::launch::{assert_all_ok, assert_victim_killed, run_process_ranks, RankOutput};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ferrocomm-worker");
 
 fn run(args: &[&str], world: usize, timeout_secs: u64) -> Vec<RankOutput> {
     run_process_ranks(Path::new(WORKER), args, world, &[], Duration::from_secs(timeout_secs)).expect("launching ranks")
-}
-
-fn assert_all_ok(outs: &[RankOutput]) {
-    for o in outs {
-        eprint!("rank {}: {}", o.rank, o.stdout);
-        assert!(
-            o.code == Some(0) && o.stdout.contains("RESULT ok"),
-            "rank {} failed (code {:?}, timed out {}):\n{}\n{}",
-            o.rank,
-            o.code,
-            o.timed_out,
-            o.stdout,
-            o.stderr
-        );
-    }
 }
 
 fn conformance(world: usize) {
@@ -57,21 +42,7 @@ fn conformance_processes_world_8() {
 #[test]
 fn killed_rank_becomes_an_error_within_twice_the_timeout() {
     let outs = run(&["kill", "--victim", "2", "--timeout-secs", "2"], 4, 60);
-    for o in &outs {
-        if o.rank == 2 {
-            assert_eq!(o.code, None, "the victim should have died by SIGKILL: {}", o.stdout);
-            assert!(!o.timed_out, "the victim should have killed itself");
-        } else {
-            assert!(!o.timed_out, "rank {} hung", o.rank);
-            assert_eq!(o.code, Some(0), "rank {}: {}\n{}", o.rank, o.stdout, o.stderr);
-            assert!(
-                o.stdout.contains("missing") || o.stdout.contains("[2]"),
-                "rank {}: {}",
-                o.rank,
-                o.stdout
-            );
-        }
-    }
+    assert_victim_killed(&outs, 2);
 }
 
 #[test]

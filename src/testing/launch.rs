@@ -116,3 +116,41 @@ pub fn run_process_ranks(
         })
         .collect())
 }
+
+/// Panic (with every rank's output) unless every rank exited 0 and printed
+/// `RESULT ok`. For tests; echoes each rank's stdout to stderr either way.
+pub fn assert_all_ok(outs: &[RankOutput]) {
+    for o in outs {
+        eprint!("rank {}: {}", o.rank, o.stdout);
+        assert!(
+            o.code == Some(0) && o.stdout.contains("RESULT ok"),
+            "rank {} failed (code {:?}, timed out {}):\n{}\n{}",
+            o.rank,
+            o.code,
+            o.timed_out,
+            o.stdout,
+            o.stderr
+        );
+    }
+}
+
+/// Panic unless `victim` died by a signal and every other rank reported the
+/// failure (exit 0, no hang).
+pub fn assert_victim_killed(outs: &[RankOutput], victim: usize) {
+    for o in outs {
+        eprint!("rank {}: {}", o.rank, o.stdout);
+        if o.rank == victim {
+            assert_eq!(o.code, None, "the victim should have died by SIGKILL: {}", o.stdout);
+            assert!(!o.timed_out, "the victim should have killed itself");
+        } else {
+            assert!(!o.timed_out, "rank {} hung", o.rank);
+            assert_eq!(o.code, Some(0), "rank {}: {}\n{}", o.rank, o.stdout, o.stderr);
+            assert!(
+                o.stdout.contains(&format!("[{victim}]")),
+                "rank {} did not name the victim: {}",
+                o.rank,
+                o.stdout
+            );
+        }
+    }
+}
