@@ -157,6 +157,48 @@ impl std::str::FromStr for Codec {
     }
 }
 
+/// The caller's quick-reduce choice (`CommOptions::quantization`,
+/// `FERROCOMM_QUICK_REDUCE`). FP8 becomes the device's flavour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Quantization {
+    #[default]
+    None,
+    Fp8,
+    Int8,
+    Int6,
+    Int4,
+}
+
+impl Quantization {
+    /// The codec for a backend: e4m3fnuz on AMD, e4m3fn elsewhere.
+    pub fn codec(self, backend: crate::device::BackendKind) -> Option<Codec> {
+        match self {
+            Quantization::None => None,
+            Quantization::Fp8 if backend == crate::device::BackendKind::Hip => Some(Codec::Fp8(Fp8Flavor::E4m3Fnuz)),
+            Quantization::Fp8 => Some(Codec::Fp8(Fp8Flavor::E4m3Fn)),
+            Quantization::Int8 => Some(Codec::Int8),
+            Quantization::Int6 => Some(Codec::Int6),
+            Quantization::Int4 => Some(Codec::Int4),
+        }
+    }
+}
+
+impl std::str::FromStr for Quantization {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "none" | "off" | "0" => Ok(Quantization::None),
+            "fp8" => Ok(Quantization::Fp8),
+            "int8" => Ok(Quantization::Int8),
+            "int6" => Ok(Quantization::Int6),
+            "int4" => Ok(Quantization::Int4),
+            _ => Err(Error::invalid(format!(
+                "unknown quantization {s:?} (expected none, fp8, int8, int6 or int4)"
+            ))),
+        }
+    }
+}
+
 /// The 16-bit float types quick-reduce carries (input, output and scale).
 pub trait Half16: Copy + Send + Sync + 'static {
     const DTYPE: DType;

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::algo::AlgoChoice;
+use crate::codec::Quantization;
 use crate::error::{Error, Result};
 
 /// How a communicator behaves. `Default` is the documented default; `from_env`
@@ -19,6 +20,9 @@ pub struct CommOptions {
     /// Bytes per workspace data slot; payloads above it are chunked
     /// (`FERROCOMM_SLOT_BYTES`, default 8 MiB).
     pub slot_bytes: usize,
+    /// Opt-in quantized all-reduce for large f16/bf16 sums
+    /// (`FERROCOMM_QUICK_REDUCE=fp8|int8|int6|int4|none`, default none).
+    pub quantization: Quantization,
 }
 
 impl Default for CommOptions {
@@ -28,6 +32,7 @@ impl Default for CommOptions {
             deterministic: true,
             algo: AlgoChoice::Auto,
             slot_bytes: 8 << 20,
+            quantization: Quantization::None,
         }
     }
 }
@@ -65,6 +70,9 @@ impl CommOptions {
                 .parse()
                 .map_err(|_| Error::invalid(format!("FERROCOMM_SLOT_BYTES={v:?} is not a byte count")))?;
         }
+        if let Some(v) = env_var("FERROCOMM_QUICK_REDUCE") {
+            o.quantization = v.parse()?;
+        }
         Ok(o)
     }
 
@@ -75,6 +83,11 @@ impl CommOptions {
 
     pub fn with_algo(mut self, algo: AlgoChoice) -> Self {
         self.algo = algo;
+        self
+    }
+
+    pub fn with_quantization(mut self, q: Quantization) -> Self {
+        self.quantization = q;
         self
     }
 
