@@ -9,7 +9,7 @@ mkdir -p .carry/bin
 cargo test --release --features "$FEATURES" --no-run --message-format=json 2>/dev/null |
     python3 -c '
 import json, shutil, sys
-want = {"conformance_cuda", "process_cuda"}
+want = {"conformance_cuda", "process_cuda", "conformance_hip", "process_hip"}
 for line in sys.stdin:
     try:
         m = json.loads(line)

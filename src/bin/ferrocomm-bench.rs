@@ -33,7 +33,7 @@ macro_rules! with_dtype {
 }
 
 const USAGE: &str =
-    "usage: ferrocomm-bench [--backend host|cuda] [--world N] [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
+    "usage: ferrocomm-bench [--backend host|cuda|hip] [--world N] [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
                        [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|all]
                        [--graph] [--eager-only] [--json FILE] [--timeout-secs S]
 sizes take K, M, G suffixes (powers of 1024)";
@@ -195,6 +195,13 @@ fn rank_main(a: &Args) -> Result<()> {
         "cuda" => Err(Error::NotCompiled {
             backend: "cuda",
             feature: "cuda",
+        }),
+        #[cfg(feature = "rocm")]
+        "hip" | "rocm" => bench(ferrocomm::backends::hip::HipDevice::new(rank)?, store, rank, a),
+        #[cfg(not(feature = "rocm"))]
+        "hip" | "rocm" => Err(Error::NotCompiled {
+            backend: "hip",
+            feature: "rocm",
         }),
         other => Err(Error::invalid(format!("unknown backend {other:?}"))),
     }

@@ -149,6 +149,19 @@ fn run() -> Result<String> {
             backend: "cuda",
             feature: "cuda",
         }),
+        #[cfg(feature = "rocm")]
+        "hip" | "rocm" => scenario(
+            ferrocomm::backends::hip::HipDevice::new(local)?,
+            store,
+            rank,
+            world,
+            &args,
+        ),
+        #[cfg(not(feature = "rocm"))]
+        "hip" | "rocm" => Err(Error::NotCompiled {
+            backend: "hip",
+            feature: "rocm",
+        }),
         other => Err(Error::invalid(format!("unknown backend {other:?}"))),
     }
 }
