@@ -82,16 +82,19 @@ static_assert(sizeof(FcParams) == 168, "FcParams must match KernelParams (168 by
 #define FC_DEVICE static __device__ __forceinline__
 
 // Register budget: the host may launch any multiple of 32 threads up to this.
-// Lower it with -DFC_MAX_BLOCK_THREADS=512 to give the compiler more registers.
+// The default is the block size ferrocomm launches (algo::BLOCK_THREADS, which
+// the backend also passes as -DFC_MAX_BLOCK_THREADS and enforces at launch).
 #ifndef FC_MAX_BLOCK_THREADS
-#define FC_MAX_BLOCK_THREADS 1024
+#define FC_MAX_BLOCK_THREADS 512
 #endif
 
 // One entry point: `extern "C" __global__ void NAME(const FcParams p)`.
 // __grid_constant__ lets the body index p.peer_ws[] at run time straight from
-// the parameter bank instead of copying the block to local memory.
+// the parameter bank instead of copying the block to local memory. At least
+// one block per SM (a launch never has more blocks than SMs), so the compiler
+// may use up to 65536 / FC_MAX_BLOCK_THREADS registers a thread.
 #define FC_KERNEL(name) \
-    extern "C" __global__ void __launch_bounds__(FC_MAX_BLOCK_THREADS) name(const __grid_constant__ FcParams p)
+    extern "C" __global__ void __launch_bounds__(FC_MAX_BLOCK_THREADS, 1) name(const __grid_constant__ FcParams p)
 
 // ---------------------------------------------------------------------------
 // Thread geometry and block barriers (1-D launches only).
@@ -127,6 +130,17 @@ FC_DEVICE fc_u32 fc_ld_volatile(const fc_u32* p) { return *reinterpret_cast<cons
 FC_DEVICE void fc_st_volatile(fc_u32* p, fc_u32 v) { *reinterpret_cast<volatile fc_u32*>(p) = v; }
 FC_DEVICE fc_u64 fc_ld_volatile_u64(const fc_u64* p) { return *reinterpret_cast<const volatile fc_u64*>(p); }
 FC_DEVICE void fc_st_volatile_u64(fc_u64* p, fc_u64 v) { *reinterpret_cast<volatile fc_u64*>(p) = v; }
+// LL units: one 16-byte access as two 8-byte halves. Each half is a scalar
+// 64-bit access of its own, and so single-copy atomic (PTX memory model:
+// vector accesses are per element), which is what LL relies on: a unit's data
+// word and flag word are always seen together. Volatile = relaxed at system
+// scope, and never hoisted out of a spin loop.
+FC_DEVICE void fc_ld_volatile_v2u64(const void* p, fc_u64& a, fc_u64& b) {
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+FC_DEVICE void fc_st_volatile_v2u64(void* p, fc_u64 a, fc_u64 b) {
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
 // Fences.
 FC_DEVICE void fc_fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 FC_DEVICE void fc_fence_gpu() { __threadfence(); }

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 
 use crate::algo::kernels::{all_kernel_names, kernel_name, KernelKind, COLLECTIVES};
-use crate::algo::layout::{segment_elems, MAX_BLOCKS};
+use crate::algo::layout::{
+    ll_parity_bytes, ll_stride, push_oneshot_stride, push_twoshot_stride, segment_elems, LL_FP_BYTES, MAX_BLOCKS,
+};
 use crate::device::{DevicePtr, KernelParams, ERR_CODE_MISMATCH, ERR_CODE_TIMEOUT, MAX_RANKS};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
@@ -50,7 +52,7 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
     }
     let mut map = HashMap::new();
     for dtype in DType::ALL {
-        for kind in [KernelKind::OneShot, KernelKind::TwoShot, KernelKind::Broadcast] {
+        for kind in KernelKind::ALL {
             for op in ReduceOp::ALL {
                 if dtype.supports(op) {
                     map.insert(kernel_name(kind, dtype, op), HostKernel { kind, dtype, op });
@@ -92,16 +94,18 @@ unsafe fn store<T: Copy>(base: DevicePtr, i: usize, v: T) {
 unsafe fn copy_elems<T>(dst: DevicePtr, src: DevicePtr, first: usize, n: usize) {
     let size = std::mem::size_of::<T>();
     // SAFETY: guaranteed by the caller.
-    unsafe {
-        std::ptr::copy(
-            (src.0 as *const u8).add(first * size),
-            (dst.0 as *mut u8).add(first * size),
-            n * size,
-        )
-    }
+    unsafe { copy_bytes(dst.offset(first * size), src.offset(first * size), n * size) }
 }
 
-/// One launch's view of the protocol state.
+/// # Safety: both ranges of `bytes` are live; `dst` writable. They may overlap.
+unsafe fn copy_bytes(dst: DevicePtr, src: DevicePtr, bytes: usize) {
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) }
+}
+
+/// One launch's view of the protocol state (for the kinds that loop over
+/// chunks: one chunk's, with that chunk's epoch).
+#[derive(Clone, Copy)]
 struct Launch<'a> {
     p: &'a KernelParams,
     epoch: u32,
@@ -110,12 +114,61 @@ struct Launch<'a> {
 }
 
 impl Launch<'_> {
-    fn own_ws(&self) -> DevicePtr {
-        self.p.peer_ws[self.p.rank as usize]
+    fn me(&self) -> usize {
+        self.p.rank as usize
     }
 
-    fn slot(&self, rank: usize, slot: usize) -> DevicePtr {
-        self.p.peer_ws[rank].offset(self.p.data_offset as usize + slot * self.p.slot_bytes as usize)
+    fn world(&self) -> usize {
+        self.p.world as usize
+    }
+
+    fn own_ws(&self) -> DevicePtr {
+        self.p.peer_ws[self.me()]
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.p.slot_bytes as usize
+    }
+
+    /// Rank `rank`'s parity region of this launch (two slots).
+    fn region(&self, rank: usize) -> DevicePtr {
+        self.p.peer_ws[rank].offset(self.p.data_offset as usize + self.parity * 2 * self.slot_bytes())
+    }
+
+    /// Rank `rank`'s LL area (right after the four data slots).
+    fn ll_base(&self, rank: usize) -> DevicePtr {
+        self.p.peer_ws[rank].offset(self.p.data_offset as usize + 4 * self.slot_bytes())
+    }
+
+    /// Rank `rank`'s LL fingerprint record for `src` (this parity and block).
+    fn ll_fp_addr(&self, rank: usize, src: usize) -> DevicePtr {
+        self.ll_base(rank)
+            .offset(((self.parity * MAX_BLOCKS + self.block) * MAX_RANKS + src) * 16)
+    }
+
+    /// Rank `rank`'s LL lines from `src` (this parity).
+    fn ll_lines(&self, rank: usize, src: usize) -> DevicePtr {
+        self.ll_base(rank).offset(
+            LL_FP_BYTES
+                + self.parity * ll_parity_bytes(self.slot_bytes())
+                + src * ll_stride(self.slot_bytes(), self.world()),
+        )
+    }
+
+    /// The flag word of every LL unit this launch writes: never 0 (the
+    /// cleared state) and different for launches `E` and `E + 2`.
+    fn ll_flag(&self) -> u32 {
+        self.epoch | 1
+    }
+
+    /// The view of chunk `c` of a launch whose first epoch is `self.epoch`.
+    fn chunk(&self, c: usize) -> Self {
+        let epoch = self.epoch.wrapping_add(c as u32);
+        Launch {
+            epoch,
+            parity: (epoch & 1) as usize,
+            ..*self
+        }
     }
 
     fn err(&self, word: usize) -> &AtomicU32 {
@@ -133,8 +186,8 @@ impl Launch<'_> {
 
     /// Tell every rank (ourselves included) that this block reached `phase`.
     fn arrive(&self, phase: usize) {
-        let me = self.p.rank as usize;
-        for q in 0..self.p.world as usize {
+        let me = self.me();
+        for q in 0..self.world() {
             let ws = self.p.peer_ws[q];
             // SAFETY: flag and fingerprint slots lie inside every mapped workspace.
             unsafe {
@@ -150,37 +203,61 @@ impl Launch<'_> {
     /// Wait until every rank reached `phase`; false (with the error words set)
     /// on a deadline or a fingerprint mismatch.
     fn wait(&self, phase: usize) -> bool {
-        let world = self.p.world as usize;
         let own = self.own_ws();
         let arrived = |s: usize| {
             // SAFETY: flag slot inside our own live workspace.
             let f = unsafe { atomic_u32(self.flag_addr(own, phase, s)) }.load(Ordering::Acquire);
             f.wrapping_sub(self.epoch) as i32 >= 0
         };
+        if !self.spin_all(arrived) {
+            return false;
+        }
+        if phase == 0 {
+            for s in 0..self.world() {
+                // SAFETY: fingerprint slot inside our own live workspace.
+                let fp = unsafe { atomic_u64(self.fp_addr(own, s)) }.load(Ordering::Relaxed);
+                if fp != self.p.fingerprint {
+                    self.mismatch(s);
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Spin until `ready(s)` holds for every source `s`, each checked until it
+    /// holds once. On the deadline: the sources still missing go into
+    /// `err[1]`, the code is set, and false is returned.
+    fn spin_all(&self, mut ready: impl FnMut(usize) -> bool) -> bool {
+        let world = self.world();
+        let mut done = vec![false; world];
         let start = Instant::now();
         let limit = Duration::from_nanos(self.p.timeout_ns);
         let mut spins = 0u32;
-        while !(0..world).all(arrived) {
+        loop {
+            for (s, d) in done.iter_mut().enumerate() {
+                if !*d {
+                    *d = ready(s);
+                }
+            }
+            if done.iter().all(|&d| d) {
+                return true;
+            }
             if start.elapsed() > limit {
-                let missing = (0..world).filter(|&s| !arrived(s)).fold(0u32, |m, s| m | (1 << s));
+                let missing = (0..world).filter(|&s| !done[s]).fold(0u32, |m, s| m | (1 << s));
                 self.err(1).fetch_or(missing, Ordering::AcqRel);
                 self.fail(ERR_CODE_TIMEOUT);
                 return false;
             }
             backoff(&mut spins);
         }
-        if phase == 0 {
-            for s in 0..world {
-                // SAFETY: fingerprint slot inside our own live workspace.
-                let fp = unsafe { atomic_u64(self.fp_addr(own, s)) }.load(Ordering::Relaxed);
-                if fp != self.p.fingerprint {
-                    self.err(2).store(s as u32 + 1, Ordering::Release);
-                    self.fail(ERR_CODE_MISMATCH);
-                    return false;
-                }
-            }
-        }
-        true
+    }
+
+    fn mismatch(&self, src: usize) {
+        let _ = self
+            .err(2)
+            .compare_exchange(0, src as u32 + 1, Ordering::AcqRel, Ordering::Acquire);
+        self.fail(ERR_CODE_MISMATCH);
     }
 
     fn fail(&self, code: u32) {
@@ -226,53 +303,53 @@ unsafe fn run<T: Element>(k: HostKernel, p: &KernelParams) {
         return;
     }
     // SAFETY: forwarded from the caller.
-    let ok = unsafe {
+    let last = unsafe {
         match k.kind {
-            KernelKind::OneShot => oneshot::<T>(&l, k.op),
-            KernelKind::TwoShot => twoshot::<T>(&l, k.op),
-            KernelKind::Broadcast => broadcast::<T>(&l),
+            KernelKind::OneShot => oneshot::<T>(&l, k.op).then_some(l.epoch),
+            KernelKind::TwoShot => twoshot::<T>(&l, k.op).then_some(l.epoch),
+            KernelKind::Broadcast => broadcast::<T>(&l).then_some(l.epoch),
+            KernelKind::OneShotPush => oneshot_push::<T>(&l, k.op),
+            KernelKind::OneShotLl => oneshot_ll::<T>(&l, k.op).then_some(l.epoch),
+            KernelKind::TwoShotPush => twoshot_push::<T>(&l, k.op),
         }
     };
-    // The last block to finish publishes the epoch (here the grid is one block).
-    if ok && done_word.fetch_add(1, Ordering::AcqRel) + 1 == 1 {
-        done_word.store(0, Ordering::Relaxed);
-        epoch_word.store(l.epoch, Ordering::Release);
+    // The last block to finish publishes the (last chunk's) epoch; here the
+    // grid is one block.
+    if let Some(epoch) = last {
+        if done_word.fetch_add(1, Ordering::AcqRel) + 1 == 1 {
+            done_word.store(0, Ordering::Relaxed);
+            epoch_word.store(epoch, Ordering::Release);
+        }
     }
 }
 
-/// Reduce `[first, first+n)` from every rank's `slot` into `out` (and `out2`).
+/// Reduce `n` elements: element `i` of rank `r` is element `i` of `srcs[r]`
+/// (`srcs.len() == world`), reduced in rank order (docs/protocol.md), and
+/// stored as element `i` of every `outs` buffer.
 ///
-/// # Safety: the range lies inside every rank's slot and inside `out`/`out2`.
-unsafe fn reduce_range<T: Element>(
-    l: &Launch,
-    op: ReduceOp,
-    slot: usize,
-    first: usize,
-    n: usize,
-    out: DevicePtr,
-    out2: Option<DevicePtr>,
-) {
+/// # Safety: every `srcs` range of `n` elements is live, every `outs` range
+/// live and writable. An output may equal a source (in place): each tile is
+/// read whole before it is written.
+unsafe fn reduce_range<T: Element>(l: &Launch, op: ReduceOp, srcs: &[DevicePtr], n: usize, outs: &[DevicePtr]) {
     const TILE: usize = 1024;
-    let world = l.p.world as usize;
+    let world = l.world();
+    debug_assert_eq!(srcs.len(), world);
     let mut acc: Vec<T::Acc> = Vec::with_capacity(TILE.min(n));
-    let mut start = first;
-    while start < first + n {
-        let len = TILE.min(first + n - start);
-        let src0 = l.slot(0, slot);
+    let mut start = 0;
+    while start < n {
+        let len = TILE.min(n - start);
         acc.clear();
         // SAFETY (all loads/stores below): guaranteed by the caller's range contract.
-        acc.extend((start..start + len).map(|i| unsafe { load::<T>(src0, i) }.to_acc()));
-        for r in 1..world {
-            let src = l.slot(r, slot);
+        acc.extend((start..start + len).map(|i| unsafe { load::<T>(srcs[0], i) }.to_acc()));
+        for &src in &srcs[1..] {
             for (j, a) in acc.iter_mut().enumerate() {
                 *a = T::combine(op, *a, unsafe { load::<T>(src, start + j) }.to_acc());
             }
         }
         for (j, a) in acc.iter().enumerate() {
             let v = T::from_acc(T::finish(op, *a, world));
-            unsafe { store(out, start + j, v) };
-            if let Some(o2) = out2 {
-                unsafe { store(o2, start + j, v) };
+            for &out in outs {
+                unsafe { store(out, start + j, v) };
             }
         }
         start += len;
@@ -282,39 +359,44 @@ unsafe fn reduce_range<T: Element>(
 /// # Safety: see [`HostKernel::call`].
 unsafe fn oneshot<T: Element>(l: &Launch, op: ReduceOp) -> bool {
     let n = l.p.count as usize;
-    let me = l.p.rank as usize;
+    let me = l.me();
     // SAFETY: the input and slot each hold `count` elements.
-    unsafe { copy_elems::<T>(l.slot(me, l.parity), l.p.input, 0, n) };
+    unsafe { copy_elems::<T>(l.region(me), l.p.input, 0, n) };
     l.arrive(0);
     if !l.wait(0) {
         return false;
     }
+    let srcs: Vec<DevicePtr> = (0..l.world()).map(|r| l.region(r)).collect();
     // SAFETY: every slot and the output hold `count` elements.
-    unsafe { reduce_range::<T>(l, op, l.parity, 0, n, l.p.output, None) };
+    unsafe { reduce_range::<T>(l, op, &srcs, n, &[l.p.output]) };
     true
 }
 
 /// # Safety: see [`HostKernel::call`].
 unsafe fn twoshot<T: Element>(l: &Launch, op: ReduceOp) -> bool {
     let n = l.p.count as usize;
-    let world = l.p.world as usize;
-    let me = l.p.rank as usize;
+    let world = l.world();
+    let me = l.me();
+    let size = std::mem::size_of::<T>();
     let seg = segment_elems(n, world);
     let seg_range = |r: usize| {
         let a = (r * seg).min(n);
         (a, (a + seg).min(n) - a)
     };
+    let result = |r: usize| l.region(r).offset(l.slot_bytes());
     // Stage 0: with one block, block 0 owns every segment whole.
     // SAFETY: the input and slot each hold `count` elements.
-    unsafe { copy_elems::<T>(l.slot(me, l.parity), l.p.input, 0, n) };
+    unsafe { copy_elems::<T>(l.region(me), l.p.input, 0, n) };
     l.arrive(0);
     if !l.wait(0) {
         return false;
     }
     // Stage 1: reduce our segment into the output and our result slot.
     let (a, len) = seg_range(me);
+    let srcs: Vec<DevicePtr> = (0..world).map(|r| l.region(r).offset(a * size)).collect();
+    let outs = [l.p.output.offset(a * size), result(me).offset(a * size)];
     // SAFETY: the segment lies inside every slot and the output.
-    unsafe { reduce_range::<T>(l, op, l.parity, a, len, l.p.output, Some(l.slot(me, 2 + l.parity))) };
+    unsafe { reduce_range::<T>(l, op, &srcs, len, &outs) };
     l.arrive(1);
     if !l.wait(1) {
         return false;
@@ -323,7 +405,7 @@ unsafe fn twoshot<T: Element>(l: &Launch, op: ReduceOp) -> bool {
     for r in (0..world).filter(|&r| r != me) {
         let (a, len) = seg_range(r);
         // SAFETY: the segment lies inside the peer's result slot and our output.
-        unsafe { copy_elems::<T>(l.p.output, l.slot(r, 2 + l.parity), a, len) };
+        unsafe { copy_elems::<T>(l.p.output, result(r), a, len) };
     }
     true
 }
@@ -332,15 +414,241 @@ unsafe fn twoshot<T: Element>(l: &Launch, op: ReduceOp) -> bool {
 unsafe fn broadcast<T: Element>(l: &Launch) -> bool {
     let n = l.p.count as usize;
     let root = l.p.root as usize;
-    if l.p.rank as usize == root {
+    if l.me() == root {
         // SAFETY: the input and slot each hold `count` elements.
-        unsafe { copy_elems::<T>(l.slot(root, l.parity), l.p.input, 0, n) };
+        unsafe { copy_elems::<T>(l.region(root), l.p.input, 0, n) };
     }
     l.arrive(0);
     if !l.wait(0) {
         return false;
     }
     // SAFETY: the root's slot and our output hold `count` elements.
-    unsafe { copy_elems::<T>(l.p.output, l.slot(root, l.parity), 0, n) };
+    unsafe { copy_elems::<T>(l.p.output, l.region(root), 0, n) };
+    true
+}
+
+/// Chunks of `cap` elements that one whole-call launch of `n` elements runs.
+fn chunks(n: usize, cap: usize) -> usize {
+    n.div_ceil(cap.max(1))
+}
+
+/// One-shot, push, over chunks of one sub-buffer each (chunk `c` with epoch
+/// `E + c`): our input goes into sub-buffer `[rank]` of every rank's region;
+/// after the flags, reduce from our own region. Returns the last epoch.
+///
+/// # Safety: see [`HostKernel::call`].
+unsafe fn oneshot_push<T: Element>(l: &Launch, op: ReduceOp) -> Option<u32> {
+    let count = l.p.count as usize;
+    let me = l.me();
+    let world = l.world();
+    let size = std::mem::size_of::<T>();
+    let stride = push_oneshot_stride(l.slot_bytes(), world);
+    let cap = stride / size;
+    let nchunk = chunks(count, cap);
+    for c in 0..nchunk {
+        let l = l.chunk(c);
+        let first = c * cap;
+        let n = cap.min(count - first);
+        let input = l.p.input.offset(first * size);
+        // Staggered, as the GPU blocks are: peers first, ourselves last.
+        for k in 1..=world {
+            let q = (me + k) % world;
+            // SAFETY: n elements fit a sub-buffer.
+            unsafe { copy_elems::<T>(l.region(q).offset(me * stride), input, 0, n) };
+        }
+        l.arrive(0);
+        if !l.wait(0) {
+            return None;
+        }
+        let srcs: Vec<DevicePtr> = (0..world).map(|s| l.region(me).offset(s * stride)).collect();
+        // SAFETY: every sub-buffer and the output chunk hold `n` elements.
+        unsafe { reduce_range::<T>(&l, op, &srcs, n, &[l.p.output.offset(first * size)]) };
+    }
+    Some(l.epoch.wrapping_add(nchunk as u32 - 1))
+}
+
+/// Two-shot, push, over chunks of `world` segments of one inbox each, the
+/// next chunk's first stage overlapping the current chunk's gather (as on
+/// GPUs). Segment `d` of a chunk of `n` elements is `[d*seg, (d+1)*seg)`,
+/// `seg = segment_elems(n, world)`; its element `e` sits at offset
+/// `(e - d*seg)*size` of inbox `[src]` (at `src * stride`) of rank `d`, and of
+/// every rank's result slot at `d * stride`. Per chunk `c`:
+/// S1(c) our segment `d` into rank `d`'s inbox `[rank]`, arrive 0;
+/// W0(c); S2(c) reduce our segment from our inboxes into the output and every
+/// peer's result slot, arrive 1; S1(c + 1); W1(c); S3(c) the other segments
+/// from our result slot into the output. Returns the last epoch.
+///
+/// # Safety: see [`HostKernel::call`].
+unsafe fn twoshot_push<T: Element>(l: &Launch, op: ReduceOp) -> Option<u32> {
+    let count = l.p.count as usize;
+    let world = l.world();
+    let me = l.me();
+    let size = std::mem::size_of::<T>();
+    let stride = push_twoshot_stride(l.slot_bytes(), world);
+    let chunk = world * (stride / size);
+    let nchunk = chunks(count, chunk);
+    // (first element, elements, segment) of chunk c.
+    let geometry = |c: usize| {
+        let first = c * chunk;
+        let n = chunk.min(count - first);
+        (first, n, segment_elems(n, world))
+    };
+    let seg_range = |n: usize, seg: usize, r: usize| {
+        let a = (r * seg).min(n);
+        (a, (a + seg).min(n) - a)
+    };
+    let stage1 = |c: usize| {
+        let l = l.chunk(c);
+        let (first, n, seg) = geometry(c);
+        for k in 1..=world {
+            let d = (me + k) % world;
+            let (a, len) = seg_range(n, seg, d);
+            let src = l.p.input.offset((first + a) * size);
+            // SAFETY: a segment fits an inbox; the input holds the chunk.
+            unsafe { copy_bytes(l.region(d).offset(me * stride), src, len * size) };
+        }
+        l.arrive(0);
+    };
+    stage1(0);
+    for c in 0..nchunk {
+        let l = l.chunk(c);
+        let (first, n, seg) = geometry(c);
+        let output = l.p.output.offset(first * size);
+        let result = |r: usize| l.region(r).offset(l.slot_bytes());
+        if !l.wait(0) {
+            return None;
+        }
+        // S2: our segment, from our inboxes, to our output and every peer.
+        let (a, len) = seg_range(n, seg, me);
+        let srcs: Vec<DevicePtr> = (0..world).map(|s| l.region(me).offset(s * stride)).collect();
+        let mut outs = vec![output.offset(a * size)];
+        outs.extend((1..world).map(|k| result((me + k) % world).offset(me * stride)));
+        // SAFETY: the segment lies inside every inbox, result slot and the output.
+        unsafe { reduce_range::<T>(&l, op, &srcs, len, &outs) };
+        l.arrive(1);
+        if c + 1 < nchunk {
+            stage1(c + 1);
+        }
+        if !l.wait(1) {
+            return None;
+        }
+        // S3: the other segments, from our own result slot.
+        for r in (0..world).filter(|&r| r != me) {
+            let (a, len) = seg_range(n, seg, r);
+            // SAFETY: the segment lies inside our result slot and our output.
+            unsafe { copy_bytes(output.offset(a * size), result(me).offset(r * stride), len * size) };
+        }
+    }
+    Some(l.epoch.wrapping_add(nchunk as u32 - 1))
+}
+
+/// An LL unit: 4 data bytes (low half) and the launch's flag (high half),
+/// written and read as one 8-byte atomic.
+fn ll_unit(word: u32, flag: u32) -> u64 {
+    ((flag as u64) << 32) | word as u64
+}
+
+/// One-shot, LL: every 4 bytes of our input (zero-padded to whole 8-byte
+/// lines) travel as one 8-byte unit `{data, flag = E | 1}` into our lines at
+/// every peer; then so does the fingerprint (one 16-byte record). Readers
+/// wait for the record, then for every unit of every peer, reduce with our own
+/// input in rank order, and clear what they read (to 0) for the launch two
+/// later.
+///
+/// # Safety: see [`HostKernel::call`].
+unsafe fn oneshot_ll<T: Element>(l: &Launch, op: ReduceOp) -> bool {
+    let n = l.p.count as usize;
+    let world = l.world();
+    let me = l.me();
+    let size = std::mem::size_of::<T>();
+    let flag = l.ll_flag();
+    let bytes = n * size;
+    let words = bytes.div_ceil(8) * 2;
+    let unit_at = |addr: DevicePtr| {
+        // SAFETY: LL units lie inside every mapped workspace (8-byte aligned).
+        unsafe { atomic_u64(addr) }
+    };
+    // Our input, as whole words (zero padded).
+    let mut mine = vec![0u8; words * 4];
+    // SAFETY: the input holds `count` elements.
+    unsafe { std::ptr::copy_nonoverlapping(l.p.input.0 as *const u8, mine.as_mut_ptr(), bytes) };
+    let word = |buf: &[u8], u: usize| u32::from_le_bytes(buf[u * 4..u * 4 + 4].try_into().unwrap());
+    for k in 1..world {
+        let q = (me + k) % world;
+        let lines = l.ll_lines(q, me);
+        for u in 0..words {
+            unit_at(lines.offset(u * 8)).store(ll_unit(word(&mine, u), flag), Ordering::Release);
+        }
+    }
+    let fp = l.p.fingerprint;
+    for k in 1..world {
+        let q = (me + k) % world;
+        let rec = l.ll_fp_addr(q, me);
+        unit_at(rec).store(ll_unit(fp as u32, flag), Ordering::Release);
+        unit_at(rec.offset(8)).store(ll_unit((fp >> 32) as u32, flag), Ordering::Release);
+    }
+    // Fingerprint records: wait, compare, clear.
+    let mut fps = [0u64; MAX_RANKS];
+    let got = l.spin_all(|s| {
+        if s == me {
+            fps[s] = fp;
+            return true;
+        }
+        let rec = l.ll_fp_addr(me, s);
+        let (lo, hi) = (
+            unit_at(rec).load(Ordering::Acquire),
+            unit_at(rec.offset(8)).load(Ordering::Acquire),
+        );
+        let ok = (lo >> 32) as u32 == flag && (hi >> 32) as u32 == flag;
+        if ok {
+            fps[s] = (lo & 0xffff_ffff) | (hi << 32);
+            unit_at(rec).store(0, Ordering::Relaxed);
+            unit_at(rec.offset(8)).store(0, Ordering::Relaxed);
+        }
+        ok
+    });
+    if !got {
+        return false;
+    }
+    if let Some(s) = (0..world).find(|&s| fps[s] != fp) {
+        l.mismatch(s);
+        return false;
+    }
+    // Data: every unit of every peer, in order; each cleared once read.
+    let mut bufs: Vec<Vec<u8>> = (0..world).map(|_| Vec::new()).collect();
+    let mut next = vec![0usize; world];
+    let got = l.spin_all(|s| {
+        if s == me {
+            return true;
+        }
+        let lines = l.ll_lines(me, s);
+        let buf = &mut bufs[s];
+        while next[s] < words {
+            let unit = unit_at(lines.offset(next[s] * 8));
+            let v = unit.load(Ordering::Acquire);
+            if (v >> 32) as u32 != flag {
+                return false;
+            }
+            buf.extend_from_slice(&(v as u32).to_le_bytes());
+            unit.store(0, Ordering::Relaxed);
+            next[s] += 1;
+        }
+        true
+    });
+    if !got {
+        return false;
+    }
+    let srcs: Vec<DevicePtr> = (0..world)
+        .map(|s| {
+            if s == me {
+                l.p.input
+            } else {
+                DevicePtr(bufs[s].as_ptr() as u64)
+            }
+        })
+        .collect();
+    // SAFETY: every source holds at least `count` elements (the buffers hold
+    // whole words), the output `count`; in place is fine (reduce_range tiles).
+    unsafe { reduce_range::<T>(l, op, &srcs, n, &[l.p.output]) };
     true
 }

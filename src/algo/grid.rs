@@ -9,6 +9,15 @@ use crate::error::{Error, Result};
 /// Threads per block on GPUs (the kernels are compiled for at most this many).
 pub const BLOCK_THREADS: u32 = 512;
 
+/// How one kernel family sizes its grid: one block up to `solo_bytes` of
+/// payload, else about `bytes_per_block` a block, at most `max_blocks` blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GridRule {
+    pub bytes_per_block: usize,
+    pub max_blocks: u32,
+    pub solo_bytes: usize,
+}
+
 /// Grid sizing for one device.
 #[derive(Debug, Clone)]
 pub struct GridTable {
@@ -16,38 +25,87 @@ pub struct GridTable {
     /// Never more blocks than SMs: block `b` of one rank spins on block `b` of
     /// every peer, so all blocks of a launch must be resident at once.
     cap: u32,
-    oneshot_bytes_per_block: usize,
-    oneshot_max_blocks: u32,
-    twoshot_bytes_per_block: usize,
-    twoshot_max_blocks: u32,
+    /// Indexed like [`KernelKind::ALL`].
+    rules: [GridRule; 6],
 }
 
-fn env_blocks(name: &str) -> Result<Option<u32>> {
+fn env_usize(name: &str, min: usize, max: usize) -> Result<Option<usize>> {
     match std::env::var(name) {
         Ok(v) => v
             .trim()
-            .parse::<u32>()
+            .parse::<usize>()
             .ok()
-            .filter(|&n| n >= 1 && n as usize <= MAX_BLOCKS)
+            .filter(|&n| n >= min && n <= max)
             .map(Some)
-            .ok_or_else(|| Error::invalid(format!("{name}={v:?} must be 1..={MAX_BLOCKS}"))),
+            .ok_or_else(|| Error::invalid(format!("{name}={v:?} must be {min}..={max}"))),
         Err(_) => Ok(None),
     }
 }
 
+/// The environment prefix of a kind's knobs: `FERROCOMM_<PREFIX>_MAX_BLOCKS`
+/// and `FERROCOMM_<PREFIX>_BLOCK_BYTES`.
+fn env_prefix(kind: KernelKind) -> &'static str {
+    match kind {
+        KernelKind::OneShot | KernelKind::Broadcast => "ONESHOT",
+        KernelKind::TwoShot => "TWOSHOT",
+        KernelKind::OneShotPush => "ONESHOT_PUSH",
+        KernelKind::OneShotLl => "ONESHOT_LL",
+        KernelKind::TwoShotPush => "TWOSHOT_PUSH",
+    }
+}
+
+/// Defaults measured on 4x H200 (see the numbers in `GridTable::new`).
+fn default_rule(kind: KernelKind) -> GridRule {
+    let (bytes_per_block, max_blocks, solo_bytes) = match kind {
+        // Pull one-shot: ~4 KiB a block up to 64 blocks.
+        KernelKind::OneShot | KernelKind::Broadcast => (4 << 10, 64, 0),
+        // Pull two-shot: ~32 KiB a block up to 128.
+        KernelKind::TwoShot => (32 << 10, 128, 0),
+        // Push one-shot: 64 blocks of ~8 KiB; 128 blocks measured no better
+        // where it is dispatched (w4 256 KiB 8.57 vs 8.54 us).
+        KernelKind::OneShotPush => (8 << 10, 64, 0),
+        // LL, w4 graph replay: 1 KiB blocks beat 4 KiB ones from 8 KiB up
+        // (8 KiB 4.75 vs 5.08 us, 64 KiB 5.64 vs 5.91), but one block is best
+        // up to 4 KiB (2 KiB: 4.04 us in one block, 4.59 in two).
+        KernelKind::OneShotLl => (1 << 10, 64, 4 << 10),
+        // Push two-shot: ~16 KiB a block up to 128 (16 vs 32 KiB, graph
+        // replay: w2 256 KiB 9.44 vs 10.43 us, 1 MiB 11.28 vs 11.47; w4 1 MiB
+        // 14.12 vs 14.23; equal from 2 MiB up, where 128 blocks are reached).
+        KernelKind::TwoShotPush => (16 << 10, 128, 0),
+    };
+    GridRule {
+        bytes_per_block,
+        max_blocks,
+        solo_bytes,
+    }
+}
+
 impl GridTable {
-    /// Defaults measured on H200 (one-shot: ~4 KiB a block up to 64 blocks;
-    /// two-shot: ~32 KiB a block up to 128), overridable with
-    /// `FERROCOMM_ONESHOT_MAX_BLOCKS` / `FERROCOMM_TWOSHOT_MAX_BLOCKS`.
+    /// Defaults per kind (see [`default_rule`]), each overridable with
+    /// `FERROCOMM_<KIND>_MAX_BLOCKS` (1..=128) and `FERROCOMM_<KIND>_BLOCK_BYTES`,
+    /// `<KIND>` one of ONESHOT, TWOSHOT, ONESHOT_PUSH, ONESHOT_LL, TWOSHOT_PUSH.
     pub fn new(facts: &DeviceFacts) -> Result<Self> {
+        let mut rules = [default_rule(KernelKind::OneShot); 6];
+        for (rule, kind) in rules.iter_mut().zip(KernelKind::ALL) {
+            let prefix = env_prefix(kind);
+            *rule = default_rule(kind);
+            if let Some(n) = env_usize(&format!("FERROCOMM_{prefix}_MAX_BLOCKS"), 1, MAX_BLOCKS)? {
+                rule.max_blocks = n as u32;
+            }
+            if let Some(n) = env_usize(&format!("FERROCOMM_{prefix}_BLOCK_BYTES"), 16, 1 << 30)? {
+                rule.bytes_per_block = n;
+            }
+        }
         Ok(GridTable {
             host: facts.backend == BackendKind::Host,
             cap: (MAX_BLOCKS as u32).min(facts.multiprocessors).max(1),
-            oneshot_bytes_per_block: 4 << 10,
-            oneshot_max_blocks: env_blocks("FERROCOMM_ONESHOT_MAX_BLOCKS")?.unwrap_or(64),
-            twoshot_bytes_per_block: 32 << 10,
-            twoshot_max_blocks: env_blocks("FERROCOMM_TWOSHOT_MAX_BLOCKS")?.unwrap_or(128),
+            rules,
         })
+    }
+
+    pub fn rule(&self, kind: KernelKind) -> GridRule {
+        let i = KernelKind::ALL.iter().position(|&k| k == kind).unwrap_or(0);
+        self.rules[i]
     }
 
     pub fn grid(&self, kind: KernelKind, bytes: usize) -> LaunchConfig {
@@ -55,11 +113,16 @@ impl GridTable {
             // A host kernel is one "block": the protocol with gridDim = 1.
             return LaunchConfig { grid: 1, block: 1 };
         }
-        let (per_block, max) = match kind {
-            KernelKind::OneShot | KernelKind::Broadcast => (self.oneshot_bytes_per_block, self.oneshot_max_blocks),
-            KernelKind::TwoShot => (self.twoshot_bytes_per_block, self.twoshot_max_blocks),
-        };
-        let blocks = bytes.div_ceil(per_block).clamp(1, max.min(self.cap) as usize) as u32;
+        let rule = self.rule(kind);
+        if bytes <= rule.solo_bytes {
+            return LaunchConfig {
+                grid: 1,
+                block: BLOCK_THREADS,
+            };
+        }
+        let blocks = bytes
+            .div_ceil(rule.bytes_per_block)
+            .clamp(1, rule.max_blocks.min(self.cap) as usize) as u32;
         LaunchConfig {
             grid: blocks,
             block: BLOCK_THREADS,
@@ -90,6 +153,10 @@ mod tests {
         assert_eq!(t.grid(KernelKind::OneShot, 32 << 10).grid, 8);
         assert_eq!(t.grid(KernelKind::OneShot, 1 << 30).grid, 64);
         assert_eq!(t.grid(KernelKind::TwoShot, 1 << 30).grid, 128);
+        for kind in KernelKind::ALL {
+            assert!(t.grid(kind, 1 << 30).grid <= 128);
+            assert_eq!(t.grid(kind, 1).grid, 1);
+        }
         let small = GridTable::new(&facts(BackendKind::Cuda, 78)).unwrap();
         assert_eq!(small.grid(KernelKind::TwoShot, 1 << 30).grid, 78);
         let host = GridTable::new(&facts(BackendKind::Host, 2)).unwrap();

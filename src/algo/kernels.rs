@@ -14,7 +14,11 @@ pub const COLLECTIVES: ModuleSource = ModuleSource {
         "\n",
         include_str!("../../kernels-cuda/collectives.cu")
     ),
-    hip: "",
+    hip: concat!(
+        include_str!("../../kernels-hip/prelude.hip.h"),
+        "\n",
+        include_str!("../../kernels-cuda/collectives.cu")
+    ),
 };
 
 /// Every module, for compile checks.
@@ -23,9 +27,18 @@ pub const ALL_MODULES: &[ModuleSource] = &[COLLECTIVES];
 /// Which collective kernel family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelKind {
+    /// One-shot, pull: stage in own slot, every rank reads every peer's slot.
     OneShot,
+    /// Two-shot, pull: reduce-scatter and all-gather by reading peers' slots.
     TwoShot,
     Broadcast,
+    /// One-shot, push: write own input into every rank's workspace, flag, reduce locally.
+    OneShotPush,
+    /// One-shot, LL (barrier-free): data pushed with the epoch embedded in
+    /// every 8-byte unit, so no separate flag or fence.
+    OneShotLl,
+    /// Two-shot, push: push pieces to their owners, reduce locally, push results back.
+    TwoShotPush,
 }
 
 impl KernelKind {
@@ -34,8 +47,30 @@ impl KernelKind {
             KernelKind::OneShot => "oneshot",
             KernelKind::TwoShot => "twoshot",
             KernelKind::Broadcast => "broadcast",
+            KernelKind::OneShotPush => "oneshot_push",
+            KernelKind::OneShotLl => "oneshot_ll",
+            KernelKind::TwoShotPush => "twoshot_push",
         }
     }
+
+    /// Every kind, in a fixed order.
+    pub const ALL: [KernelKind; 6] = [
+        KernelKind::OneShot,
+        KernelKind::TwoShot,
+        KernelKind::Broadcast,
+        KernelKind::OneShotPush,
+        KernelKind::OneShotLl,
+        KernelKind::TwoShotPush,
+    ];
+
+    /// The all-reduce kinds (every kind but broadcast).
+    pub const REDUCE: [KernelKind; 5] = [
+        KernelKind::OneShot,
+        KernelKind::TwoShot,
+        KernelKind::OneShotPush,
+        KernelKind::OneShotLl,
+        KernelKind::TwoShotPush,
+    ];
 }
 
 /// `fc_<kind>_<dtype>_<op>`; broadcast always uses op `sum`.
@@ -53,7 +88,7 @@ pub fn kernel_name(kind: KernelKind, dtype: DType, op: ReduceOp) -> String {
 pub fn all_kernel_names() -> Vec<String> {
     let mut names = Vec::new();
     for dtype in DType::ALL {
-        for kind in [KernelKind::OneShot, KernelKind::TwoShot] {
+        for kind in KernelKind::REDUCE {
             for op in ReduceOp::ALL {
                 if dtype.supports(op) {
                     names.push(kernel_name(kind, dtype, op));

@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use super::grid::GridTable;
 use super::kernels::{kernel_name, KernelKind};
-use super::layout::{DATA_OFFSET, FLAGS_OFFSET, FP_OFFSET};
+use super::layout::{
+    ll_stride, push_oneshot_stride, push_twoshot_stride, segment_elems, DATA_OFFSET, FLAGS_OFFSET, FP_OFFSET,
+};
 use super::workspace::Workspace;
 use crate::device::{Device, DeviceBuffer, DevicePtr, HostFlags, KernelParams};
 use crate::dtype::{DType, ReduceOp};
@@ -17,7 +19,7 @@ pub struct KernelNames {
 }
 
 impl KernelNames {
-    const KINDS: [KernelKind; 3] = [KernelKind::OneShot, KernelKind::TwoShot, KernelKind::Broadcast];
+    const KINDS: [KernelKind; 6] = KernelKind::ALL;
 
     pub fn new() -> Self {
         let mut names = Vec::new();
@@ -75,8 +77,33 @@ pub fn fingerprint(call: &CollectiveCall, chunk: usize) -> u64 {
     h
 }
 
+/// Most elements one launch of `kind` may carry, for a workspace of
+/// `slot_bytes` per slot shared by `world` ranks (docs/protocol.md,
+/// "Chunking"). Depends only on what every rank agrees on.
+pub fn chunk_elems(kind: KernelKind, slot_bytes: usize, world: usize, elem: usize) -> usize {
+    let world = world.max(1);
+    let elems = match kind {
+        KernelKind::OneShot | KernelKind::TwoShot | KernelKind::Broadcast => slot_bytes / elem,
+        KernelKind::OneShotPush => push_oneshot_stride(slot_bytes, world) / elem,
+        // Each source's inbox holds one segment; whole segments per launch.
+        KernelKind::TwoShotPush => world * (push_twoshot_stride(slot_bytes, world) / elem),
+        // An LL unit carries 4 data bytes in 8.
+        KernelKind::OneShotLl => ll_stride(slot_bytes, world) / 2 / elem,
+    };
+    debug_assert!(kind != KernelKind::TwoShotPush || segment_elems(elems, world) * elem <= slot_bytes / world);
+    elems.max(1)
+}
+
+/// Whether one launch of `kind` carries a whole call, looping over chunks of
+/// [`chunk_elems`] inside the kernel (one epoch per chunk), instead of one
+/// launch per chunk.
+pub const fn whole_call(kind: KernelKind) -> bool {
+    matches!(kind, KernelKind::OneShotPush | KernelKind::TwoShotPush)
+}
+
 impl CollectiveCall {
-    /// Enqueue the launches for this call on `stream`, one per workspace-sized chunk.
+    /// Enqueue the launches for this call on `stream`: one per workspace-sized
+    /// chunk, or one in all for the kinds that loop over chunks themselves.
     #[allow(clippy::too_many_arguments)]
     pub fn enqueue<D: Device>(
         &self,
@@ -91,7 +118,7 @@ impl CollectiveCall {
         stream: &D::Stream,
     ) -> Result<()> {
         let elem = self.dtype.size();
-        let chunk_elems = ws.slot_bytes() / elem;
+        let chunk_elems = chunk_elems(self.kind, ws.slot_bytes(), ws.world(), elem);
         let name = names.get(self.kind, self.dtype, self.op);
         let base = KernelParams {
             peer_ws: ws.peer_ptrs(),
@@ -109,10 +136,13 @@ impl CollectiveCall {
             ..KernelParams::default()
         };
         debug_assert!(ws.own().len() >= DATA_OFFSET);
+        // The grid is sized for one chunk (a whole-call launch loops over chunks).
+        let grid = grids.grid(self.kind, chunk_elems.min(self.count) * elem);
+        let per_launch = if whole_call(self.kind) { self.count } else { chunk_elems };
         let mut first = 0;
         let mut chunk = 0;
         while first < self.count {
-            let n = chunk_elems.min(self.count - first);
+            let n = per_launch.min(self.count - first);
             let params = KernelParams {
                 input: self.input.offset(first * elem),
                 output: self.output.offset(first * elem),
@@ -120,7 +150,12 @@ impl CollectiveCall {
                 fingerprint: fingerprint(self, chunk),
                 ..base
             };
-            dev.launch(module, name, grids.grid(self.kind, n * elem), &params, stream)?;
+            let grid = if n < chunk_elems {
+                grids.grid(self.kind, n * elem)
+            } else {
+                grid
+            };
+            dev.launch(module, name, grid, &params, stream)?;
             first += n;
             chunk += 1;
         }

@@ -1,14 +1,21 @@
 //! Workspace layout shared by every backend's kernels. Each rank owns one
 //! shareable workspace that all peers map. Offsets are passed to kernels in
-//! [`KernelParams`](crate::device::KernelParams), so kernels hard-code none.
+//! [`KernelParams`](crate::device::KernelParams), so kernels hard-code none
+//! (the LL area follows the data slots, at `data_offset + 4 * slot_bytes`).
 //!
 //! ```text
 //! offset 0          control (local): u32 epoch, u32 blocks_done
 //! FP_OFFSET         fingerprints  u64 [2 parity][MAX_BLOCKS][MAX_RANKS]   written by peers
 //! FLAGS_OFFSET      flags         u32 [2 phase ][MAX_BLOCKS][MAX_RANKS]   written by peers
-//! DATA_OFFSET       slot 0,1: staged input  (parity = epoch & 1)
-//!                   slot 2,3: reduced result (two-shot), parity likewise
+//! DATA_OFFSET       parity region 0: slots 0, 1  (2 * slot_bytes)
+//!                   parity region 1: slots 2, 3  (parity = epoch & 1)
+//! ll_offset(s)      LL fingerprint records  [2 parity][MAX_BLOCKS][MAX_RANKS] x 16 B
+//!                   LL lines, parity 0, then parity 1 (slot_bytes / 2 each)
 //! ```
+//!
+//! A launch with epoch `E` touches only parity region `E & 1` (of any rank)
+//! and the LL area of parity `E & 1`; see docs/protocol.md for how each kind
+//! uses its region.
 
 use crate::device::MAX_RANKS;
 
@@ -22,12 +29,24 @@ pub const FLAGS_OFFSET: usize = FP_OFFSET + FP_BYTES;
 pub const FLAGS_BYTES: usize = 2 * MAX_BLOCKS * MAX_RANKS * 4;
 /// Data starts on a 64 KiB boundary so 16-byte vector access is always aligned.
 pub const DATA_OFFSET: usize = (FLAGS_OFFSET + FLAGS_BYTES).next_multiple_of(64 * 1024);
-/// Number of data slots: two staging, two result.
+/// Number of data slots: two per parity region.
 pub const SLOTS: usize = 4;
+/// LL fingerprint records: 16 bytes (two LL units) per (parity, block, source).
+pub const LL_FP_BYTES: usize = 2 * MAX_BLOCKS * MAX_RANKS * 16;
+
+/// Offset of the LL area (right after the data slots).
+pub const fn ll_offset(slot_bytes: usize) -> usize {
+    DATA_OFFSET + SLOTS * slot_bytes
+}
+
+/// Bytes of LL lines per parity (every source's lines together).
+pub const fn ll_parity_bytes(slot_bytes: usize) -> usize {
+    slot_bytes / 2
+}
 
 /// Bytes of a whole workspace for a given slot size.
 pub const fn workspace_bytes(slot_bytes: usize) -> usize {
-    DATA_OFFSET + SLOTS * slot_bytes
+    ll_offset(slot_bytes) + LL_FP_BYTES + 2 * ll_parity_bytes(slot_bytes)
 }
 
 /// Elements per two-shot segment: ceil(count / world), rounded up to 8 elements
@@ -36,4 +55,22 @@ pub const fn segment_elems(count: usize, world: usize) -> usize {
     count.div_ceil(world).next_multiple_of(8)
 }
 
+/// Per-source sub-buffer stride (bytes) of a push one-shot inside a parity
+/// region (`2 * slot_bytes` shared by `world` sources).
+pub const fn push_oneshot_stride(slot_bytes: usize, world: usize) -> usize {
+    (2 * slot_bytes / world) & !63
+}
+
+/// Per-source inbox stride (bytes) of a push two-shot: the first slot of the
+/// parity region is split among `world` sources; the second holds results.
+pub const fn push_twoshot_stride(slot_bytes: usize, world: usize) -> usize {
+    (slot_bytes / world) & !63
+}
+
+/// Per-source stride (bytes) of LL lines inside one parity's LL area.
+pub const fn ll_stride(slot_bytes: usize, world: usize) -> usize {
+    (ll_parity_bytes(slot_bytes) / world) & !63
+}
+
 const _: () = assert!(DATA_OFFSET % 4096 == 0);
+const _: () = assert!(LL_FP_BYTES % 64 == 0);

@@ -9,7 +9,7 @@ mod launch;
 pub mod layout;
 mod workspace;
 
-pub use dispatch::{AlgoChoice, Algorithm, DispatchTable};
+pub use dispatch::{AlgoChoice, Algorithm, DispatchTable, Step};
 pub use grid::{GridTable, BLOCK_THREADS};
-pub use launch::{fingerprint, CollectiveCall, KernelNames};
+pub use launch::{chunk_elems, fingerprint, whole_call, CollectiveCall, KernelNames};
 pub use workspace::Workspace;

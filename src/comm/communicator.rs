@@ -259,10 +259,9 @@ impl<D: Device> Communicator<D> {
     ) -> Result<()> {
         check_supported(dtype, op)?;
         // Saturating: an overflowing count is rejected by `submit`'s size check.
-        let kind = match self.choose(algo, count.saturating_mul(dtype.size())) {
-            Algorithm::OneShot => KernelKind::OneShot,
-            Algorithm::TwoShot => KernelKind::TwoShot,
-            Algorithm::Ccl => return self.submit_vendor(stream, input, output, count, dtype, op),
+        let algorithm = self.choose(algo, count.saturating_mul(dtype.size()));
+        let Some(kind) = algorithm.kernel_kind() else {
+            return self.submit_vendor(stream, input, output, count, dtype, op);
         };
         self.submit(stream, kind, input, output, count, dtype, op, 0)
     }
