@@ -20,6 +20,13 @@ export FERROCOMM_REQUIRE_GPU=1 FERROCOMM_WORKER_EXE="$BIN/ferrocomm-worker"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PATH="/usr/local/cuda/bin:$PATH"
 NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"
+# Kernels precompiled where the binaries were built (ci/pack-gpu.sh) spare
+# every rank the NVRTC compile; the cache must be private to this user.
+if [ -d .carry/kcache ] && [ -z "${FERROCOMM_CACHE_DIR:-}" ]; then
+    export FERROCOMM_CACHE_DIR=/tmp/ferrocomm-kcache
+    mkdir -p "$FERROCOMM_CACHE_DIR" && chmod 700 "$FERROCOMM_CACHE_DIR"
+    cp .carry/kcache/* "$FERROCOMM_CACHE_DIR"/ 2>/dev/null && chmod 600 "$FERROCOMM_CACHE_DIR"/*
+fi
 failed=0
 
 step() { # name, command...
@@ -63,9 +70,9 @@ fi
 if [[ " $STEPS " == *" bench "* ]]; then
     for w in 2 4; do
         [ "$NGPU" -ge "$w" ] || continue
-        step "bench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --algo all --graph \
+        step "bench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --algo "${BENCH_ALGOS:-all}" --graph \
             --dtype "${BENCH_DTYPES:-bf16}" --min-bytes 1K --max-bytes "${BENCH_MAX:-256M}" \
-            --iters 20 --warmup 5 --json "$LOG/bench_w$w.json"
+            --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}" --json "$LOG/bench_w$w.json"
         cp "$LOG/bench_w$w.log" "$LOG/bench_w$w.txt"
     done
 fi

@@ -25,4 +25,15 @@ strip .carry/bin/* 2>/dev/null || true
 if [ -f ../shared/baselines/torch_allreduce_bench.py ]; then
     cp ../shared/baselines/torch_allreduce_bench.py .carry/
 fi
+# Precompile the CUDA kernels for sm_90 (H100/H200) with the NVRTC wheel that
+# ci/check-kernels-cuda.sh installs, so the GPU machine skips NVRTC.
+NVRTC="$(find .ci-cache -name 'libnvrtc.so.13' 2>/dev/null | head -n 1)"
+if [[ "$FEATURES" == *cuda* ]] && [ -n "$NVRTC" ]; then
+    NVRTC="$(readlink -f "$NVRTC")"
+    rm -rf .carry/kcache && mkdir -p .carry/kcache && chmod 700 .carry/kcache
+    LD_LIBRARY_PATH="$(dirname "$NVRTC")" FERROCOMM_NVRTC_PATH="$NVRTC" FERROCOMM_CACHE_DIR="$PWD/.carry/kcache" \
+        target/release/ferrocomm-worker precompile-cuda --cc "${CUDA_CC:-9.0}"
+else
+    echo "no NVRTC wheel under .ci-cache (run ci/check-kernels-cuda.sh): the GPU machine will compile the kernels itself"
+fi
 du -sh .carry

@@ -29,7 +29,7 @@ mod stream;
 
 pub use driver::drop_error_count;
 pub use memory::{CudaBuffer, CudaHostFlags, CudaPeerBuffer};
-pub use module::CudaModule;
+pub use module::{precompile, CudaModule};
 pub use stream::{CudaEvent, CudaGraph, CudaStream};
 
 use std::ffi::c_void;

@@ -161,6 +161,18 @@ fn image(source: &ModuleSource, cc: (i32, i32), fresh: bool) -> Result<Cached> {
     Ok(c)
 }
 
+/// Compile `source` for compute capability `cc` into the disk cache
+/// (`FERROCOMM_CACHE_DIR`) without a device, so a GPU machine can skip the
+/// NVRTC compile. Needs only libnvrtc (see `FERROCOMM_NVRTC_PATH`).
+pub fn precompile(source: &ModuleSource, cc: (i32, i32)) -> Result<()> {
+    if cache_dir().is_none() {
+        return Err(crate::error::Error::invalid(
+            "precompiling needs a disk cache: set FERROCOMM_CACHE_DIR to a directory",
+        ));
+    }
+    image(source, cc, false).map(|_| ())
+}
+
 fn sanitize(name: &str) -> String {
     let s: String = name
         .chars()

@@ -34,7 +34,7 @@ macro_rules! with_dtype {
 
 const USAGE: &str =
     "usage: ferrocomm-bench [--backend host|cuda|hip] [--world N] [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
-                       [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|all]
+                       [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|oneshot-push|twoshot-push|oneshot-ll|nccl|all]
                        [--graph] [--eager-only] [--json FILE] [--timeout-secs S]
 sizes take K, M, G suffixes (powers of 1024)";
 
@@ -125,7 +125,17 @@ fn parse_args() -> Result<Args> {
         )));
     }
     if a.algos.iter().any(|x| x == "all") {
-        a.algos = vec!["auto".into(), "oneshot".into(), "twoshot".into(), "nccl".into()];
+        a.algos = [
+            "auto",
+            "oneshot-ll",
+            "oneshot-push",
+            "twoshot-push",
+            "oneshot",
+            "twoshot",
+            "nccl",
+        ]
+        .map(String::from)
+        .to_vec();
     }
     Ok(a)
 }

@@ -15,6 +15,8 @@
 //!   `--replays` times, changing the input before every replay and checking
 //!   every output.
 //! - `smoke`: one small launch of every kernel family (for compute-sanitizer).
+//! - `precompile-cuda`: compile the CUDA kernels for `--cc` (default 9.0) into
+//!   `FERROCOMM_CACHE_DIR` with no GPU, so a GPU machine skips NVRTC.
 //!
 //! Each prints one `RESULT ok ...` or `RESULT fail ...` line.
 
@@ -34,6 +36,8 @@ struct Args {
     timeout: Duration,
     max_bytes: usize,
     replays: usize,
+    /// Compute capability for `precompile-cuda`.
+    cc: (i32, i32),
 }
 
 fn parse_args() -> Result<Args> {
@@ -50,6 +54,7 @@ fn parse_args() -> Result<Args> {
         timeout: Duration::from_secs(3),
         max_bytes: 64 << 20,
         replays: 10_000,
+        cc: (9, 0),
     };
     while let Some(flag) = it.next() {
         let value = it
@@ -62,6 +67,10 @@ fn parse_args() -> Result<Args> {
             "--timeout-secs" => a.timeout = Duration::from_secs_f64(value.parse().map_err(|_| bad())?),
             "--max-bytes" => a.max_bytes = value.parse().map_err(|_| bad())?,
             "--replays" => a.replays = value.parse().map_err(|_| bad())?,
+            "--cc" => {
+                let (major, minor) = value.split_once('.').ok_or_else(bad)?;
+                a.cc = (major.parse().map_err(|_| bad())?, minor.parse().map_err(|_| bad())?);
+            }
             _ => return Err(Error::invalid(format!("unknown flag {flag}"))),
         }
     }
@@ -126,6 +135,9 @@ fn main() -> ExitCode {
 
 fn run() -> Result<String> {
     let args = parse_args()?;
+    if args.scenario == "precompile-cuda" {
+        return precompile_cuda(&args);
+    }
     let job = connect()?;
     let (store, rank, world, local) = (job.store.clone(), job.rank, job.world, job.local_rank);
     match args.backend.as_str() {
@@ -288,6 +300,21 @@ fn replay<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
         a.replays,
         start.elapsed().as_secs_f64()
     ))
+}
+
+#[cfg(feature = "cuda")]
+fn precompile_cuda(a: &Args) -> Result<String> {
+    let (major, minor) = a.cc;
+    ferrocomm::backends::cuda::precompile(&ferrocomm::algo::kernels::COLLECTIVES, (major, minor))?;
+    Ok(format!("compiled the CUDA kernels for sm_{major}{minor}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn precompile_cuda(_: &Args) -> Result<String> {
+    Err(Error::NotCompiled {
+        backend: "cuda",
+        feature: "cuda",
+    })
 }
 
 /// Run all-reduces until one fails; succeed iff the failure came within 2x

@@ -132,7 +132,7 @@ impl<D: Device> Communicator<D> {
             &prefix,
             rank,
             world,
-            opts.slot_bytes,
+            opts.slot_bytes_for(device.facts().backend),
             opts.timeout,
         )?;
         let scratch = device.alloc(64, MemKind::Plain)?;

@@ -15,11 +15,13 @@ pub struct CommOptions {
     /// Only paths that give bitwise-identical results across ranks, runs and
     /// algorithms (`FERROCOMM_DETERMINISTIC`, default on).
     pub deterministic: bool,
-    /// Force an algorithm (`FERROCOMM_ALGO=auto|oneshot|twoshot`).
+    /// Force an algorithm (`FERROCOMM_ALGO=auto|oneshot|twoshot|oneshot-ll|oneshot-push|twoshot-push|nccl`).
     pub algo: AlgoChoice,
     /// Bytes per workspace data slot; payloads above it are chunked
-    /// (`FERROCOMM_SLOT_BYTES`, default 8 MiB).
-    pub slot_bytes: usize,
+    /// (`FERROCOMM_SLOT_BYTES`). `None` takes the backend's default: 32 MiB on
+    /// GPUs (measured on H200: large two-shot pushes reach NCCL's bandwidth only
+    /// with slots this big; the workspace is then 160 MiB per rank), 8 MiB on the host.
+    pub slot_bytes: Option<usize>,
     /// Opt-in quantized all-reduce for large f16/bf16 sums
     /// (`FERROCOMM_QUICK_REDUCE=fp8|int8|int6|int4|none`, default none).
     pub quantization: Quantization,
@@ -31,7 +33,7 @@ impl Default for CommOptions {
             timeout: Duration::from_secs(600),
             deterministic: true,
             algo: AlgoChoice::Auto,
-            slot_bytes: 8 << 20,
+            slot_bytes: None,
             quantization: Quantization::None,
         }
     }
@@ -42,6 +44,14 @@ fn env_var(name: &str) -> Option<String> {
 }
 
 impl CommOptions {
+    /// The slot size in force on a backend.
+    pub fn slot_bytes_for(&self, backend: crate::device::BackendKind) -> usize {
+        self.slot_bytes.unwrap_or(match backend {
+            crate::device::BackendKind::Host => 8 << 20,
+            _ => 32 << 20,
+        })
+    }
+
     /// Defaults, overridden by the environment.
     pub fn from_env() -> Result<Self> {
         let mut o = CommOptions::default();
@@ -65,10 +75,11 @@ impl CommOptions {
             o.algo = v.parse()?;
         }
         if let Some(v) = env_var("FERROCOMM_SLOT_BYTES") {
-            o.slot_bytes = v
-                .trim()
-                .parse()
-                .map_err(|_| Error::invalid(format!("FERROCOMM_SLOT_BYTES={v:?} is not a byte count")))?;
+            o.slot_bytes = Some(
+                v.trim()
+                    .parse()
+                    .map_err(|_| Error::invalid(format!("FERROCOMM_SLOT_BYTES={v:?} is not a byte count")))?,
+            );
         }
         if let Some(v) = env_var("FERROCOMM_QUICK_REDUCE") {
             o.quantization = v.parse()?;
@@ -92,7 +103,7 @@ impl CommOptions {
     }
 
     pub fn with_slot_bytes(mut self, bytes: usize) -> Self {
-        self.slot_bytes = bytes;
+        self.slot_bytes = Some(bytes);
         self
     }
 }
