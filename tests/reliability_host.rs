@@ -92,6 +92,9 @@ fn world_too_large_or_bad_rank_is_an_error() {
     let store: std::sync::Arc<dyn ferrocomm::bootstrap::Store> = ferrocomm::bootstrap::InProcStore::new();
     let e = Communicator::new(HostDevice::new(0).unwrap(), store.clone(), 3, 2, CommOptions::default()).err();
     assert!(matches!(e, Some(Error::InvalidArgument(_))), "{e:?}");
-    let e = Communicator::new(HostDevice::new(0).unwrap(), store, 0, 9, CommOptions::default()).err();
+    let e = Communicator::new(HostDevice::new(0).unwrap(), store.clone(), 0, 9, CommOptions::default()).err();
+    assert!(matches!(e, Some(Error::Unsupported(_))), "{e:?}");
+    let quantized = CommOptions::default().with_quantization(ferrocomm::codec::Quantization::Int4);
+    let e = Communicator::new(HostDevice::new(0).unwrap(), store, 0, 1, quantized).err();
     assert!(matches!(e, Some(Error::Unsupported(_))), "{e:?}");
 }

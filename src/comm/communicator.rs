@@ -119,6 +119,14 @@ impl<D: Device> Communicator<D> {
                 "world {world}: ferrocomm's kernels serve up to {MAX_RANKS} ranks on one node"
             )));
         }
+        if opts.quantization != crate::codec::Quantization::None {
+            // Refuse rather than silently run unquantized: the codecs exist
+            // (src/codec), the quick-reduce kernels do not yet.
+            return Err(Error::Unsupported(format!(
+                "quick-reduce ({:?}) is not implemented yet; leave `quantization` at None / unset FERROCOMM_QUICK_REDUCE",
+                opts.quantization
+            )));
+        }
         // Each rank numbers its communicators; creating them in the same order
         // on every rank gives the group a shared key prefix.
         let serial = store.add(&format!("fc/ncomm/{rank}"), 1)?;
