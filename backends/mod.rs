@@ -12,3 +12,6 @@ pub mod hip;
 
 #[cfg(any(feature = "nccl", feature = "rccl"))]
 pub mod ccl;
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod kernel_cache;

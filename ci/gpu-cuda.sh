@@ -52,8 +52,8 @@ if [[ " $STEPS " == *" tests "* ]]; then
             skip+=(--skip "world_$w")
         fi
     done
-    step conformance_cuda_threads "$BIN/conformance_cuda" --test-threads=1 "${skip[@]}"
-    step process_cuda "$BIN/process_cuda" --test-threads=1
+    step conformance_cuda_threads "$BIN/conformance_cuda" --include-ignored --test-threads=1 "${skip[@]}"
+    step process_cuda "$BIN/process_cuda" --include-ignored --test-threads=1
 fi
 
 if [[ " $STEPS " == *" sanitizer "* ]]; then
@@ -63,7 +63,7 @@ if [[ " $STEPS " == *" sanitizer "* ]]; then
         chmod +x "$wrapper"
         # FERROCOMM_CCL=0: the check is of ferrocomm's kernels; NCCL's own init
         # probes kernels for other archs and trips memcheck's API-error report.
-        step "sanitizer_$tool" env FERROCOMM_CCL=0 FERROCOMM_WORKER_EXE="$wrapper" "$BIN/process_cuda" --test-threads=1 smoke
+        step "sanitizer_$tool" env FERROCOMM_CCL=0 FERROCOMM_WORKER_EXE="$wrapper" "$BIN/process_cuda" --include-ignored --test-threads=1 smoke
     done
 fi
 

@@ -147,12 +147,12 @@ if [[ " $STEPS " == *" tests "* ]]; then
             skip+=(--skip "world_$w")
         fi
     done
-    step conformance_hip_threads "$BIN/conformance_hip" --test-threads=1 --nocapture "${skip[@]}"
+    step conformance_hip_threads "$BIN/conformance_hip" --include-ignored --test-threads=1 --nocapture "${skip[@]}"
 fi
 
 if [[ " $STEPS " == *" process "* ]]; then
     if [ -x "$BIN/process_hip" ]; then
-        step process_hip "$BIN/process_hip" --test-threads=1
+        step process_hip "$BIN/process_hip" --include-ignored --test-threads=1
     fi
     for w in 2 4 8; do
         [ "$NGPU" -ge "$w" ] || continue

@@ -40,7 +40,13 @@ fn need(world: usize) -> bool {
     }
 }
 
-ferrocomm::conformance_tests!(cuda_threads, CudaDevice::new, skip_reason, SuiteConfig::default());
+ferrocomm::conformance_tests!(
+    cuda_threads,
+    CudaDevice::new,
+    skip_reason,
+    SuiteConfig::default(),
+    ignore = "needs CUDA GPUs: ci/gpu-cuda.sh runs it with --include-ignored"
+);
 
 /// Runs everywhere: with no driver or no device, opening one is an error,
 /// never a panic; with devices, an ordinal past the last one is an error.
@@ -77,6 +83,7 @@ fn opening_a_missing_device_is_an_error() {
 
 #[test]
 #[serial]
+#[ignore = "needs CUDA GPUs: ci/gpu-cuda.sh runs it with --include-ignored"]
 fn facts_describe_the_device() {
     if !need(1) {
         return;
@@ -98,6 +105,7 @@ fn facts_describe_the_device() {
 /// one), and move bytes both ways through the peer mapping.
 #[test]
 #[serial]
+#[ignore = "needs CUDA GPUs: ci/gpu-cuda.sh runs it with --include-ignored"]
 fn export_import_round_trip() {
     if !need(1) {
         return;
@@ -167,6 +175,7 @@ fn open_fds() -> usize {
 /// releases everything without errors.
 #[test]
 #[serial]
+#[ignore = "needs CUDA GPUs: ci/gpu-cuda.sh runs it with --include-ignored"]
 fn export_import_release_everything() {
     if !need(1) {
         return;
@@ -200,6 +209,7 @@ fn export_import_release_everything() {
 
 #[test]
 #[serial]
+#[ignore = "needs CUDA GPUs: ci/gpu-cuda.sh runs it with --include-ignored"]
 fn events_time_work() {
     if !need(1) {
         return;
@@ -231,6 +241,7 @@ fn events_time_work() {
 
 #[test]
 #[serial]
+#[ignore = "needs CUDA GPUs: ci/gpu-cuda.sh runs it with --include-ignored"]
 fn graph_capture_and_replay_of_a_memset() {
     if !need(1) {
         return;
@@ -268,6 +279,7 @@ fn graph_capture_and_replay_of_a_memset() {
 
 #[test]
 #[serial]
+#[ignore = "needs CUDA GPUs: ci/gpu-cuda.sh runs it with --include-ignored"]
 fn a_compile_error_is_reported_with_its_log() {
     if !need(1) {
         return;
@@ -290,6 +302,7 @@ fn a_compile_error_is_reported_with_its_log() {
 
 #[test]
 #[serial]
+#[ignore = "needs CUDA GPUs: ci/gpu-cuda.sh runs it with --include-ignored"]
 fn modules_compile_once_and_launch_checks_its_arguments() {
     if !need(1) {
         return;
@@ -340,6 +353,7 @@ fn modules_compile_once_and_launch_checks_its_arguments() {
 
 #[test]
 #[serial]
+#[ignore = "needs CUDA GPUs: ci/gpu-cuda.sh runs it with --include-ignored"]
 fn host_flags_are_visible_to_both_sides() {
     if !need(1) {
         return;
@@ -364,6 +378,7 @@ fn host_flags_are_visible_to_both_sides() {
 
 #[test]
 #[serial]
+#[ignore = "needs CUDA GPUs: ci/gpu-cuda.sh runs it with --include-ignored"]
 fn foreign_handles_are_refused() {
     if !need(2) {
         return;

@@ -98,7 +98,13 @@ fn need(world: usize) -> bool {
     }
 }
 
-ferrocomm::conformance_tests!(hip_threads, HipDevice::new, skip_reason, SuiteConfig::default());
+ferrocomm::conformance_tests!(
+    hip_threads,
+    HipDevice::new,
+    skip_reason,
+    SuiteConfig::default(),
+    ignore = "needs ROCm GPUs: ci/gpu-rocm.sh runs it with --include-ignored"
+);
 
 /// Runs everywhere: with no runtime or no device, opening one is an error,
 /// never a panic; with devices, an ordinal past the last one is an error.
@@ -235,6 +241,7 @@ fn hiprtc_reports_compile_errors_with_the_log() {
 
 #[test]
 #[serial]
+#[ignore = "needs ROCm GPUs: ci/gpu-rocm.sh runs it with --include-ignored"]
 fn facts_describe_the_device() {
     if !need(1) {
         return;
@@ -266,6 +273,7 @@ fn facts_describe_the_device() {
 /// handles); ferrocomm-worker runs exercise hipIpcOpenMemHandle.
 #[test]
 #[serial]
+#[ignore = "needs ROCm GPUs: ci/gpu-rocm.sh runs it with --include-ignored"]
 fn export_import_round_trip() {
     if !need(1) {
         return;
@@ -340,6 +348,7 @@ fn open_fds() -> usize {
 /// releases everything without errors.
 #[test]
 #[serial]
+#[ignore = "needs ROCm GPUs: ci/gpu-rocm.sh runs it with --include-ignored"]
 fn export_import_release_everything() {
     if !need(1) {
         return;
@@ -370,6 +379,7 @@ fn export_import_release_everything() {
 
 #[test]
 #[serial]
+#[ignore = "needs ROCm GPUs: ci/gpu-rocm.sh runs it with --include-ignored"]
 fn events_time_work() {
     if !need(1) {
         return;
@@ -400,6 +410,7 @@ fn events_time_work() {
 
 #[test]
 #[serial]
+#[ignore = "needs ROCm GPUs: ci/gpu-rocm.sh runs it with --include-ignored"]
 fn graph_capture_and_replay_of_a_memset() {
     if !need(1) {
         return;
@@ -435,6 +446,7 @@ fn graph_capture_and_replay_of_a_memset() {
 
 #[test]
 #[serial]
+#[ignore = "needs ROCm GPUs: ci/gpu-rocm.sh runs it with --include-ignored"]
 fn a_compile_error_is_reported_with_its_log() {
     if !need(1) {
         return;
@@ -463,6 +475,7 @@ fn a_compile_error_is_reported_with_its_log() {
 
 #[test]
 #[serial]
+#[ignore = "needs ROCm GPUs: ci/gpu-rocm.sh runs it with --include-ignored"]
 fn modules_compile_once_and_launch_checks_its_arguments() {
     if !need(1) {
         return;
@@ -517,6 +530,7 @@ fn modules_compile_once_and_launch_checks_its_arguments() {
 /// every kernel the algorithms launch.
 #[test]
 #[serial]
+#[ignore = "needs ROCm GPUs: ci/gpu-rocm.sh runs it with --include-ignored"]
 fn the_collectives_module_loads_with_every_kernel() {
     if !need(1) {
         return;
@@ -539,6 +553,7 @@ fn the_collectives_module_loads_with_every_kernel() {
 
 #[test]
 #[serial]
+#[ignore = "needs ROCm GPUs: ci/gpu-rocm.sh runs it with --include-ignored"]
 fn host_flags_are_visible_to_both_sides() {
     if !need(1) {
         return;
@@ -562,6 +577,7 @@ fn host_flags_are_visible_to_both_sides() {
 
 #[test]
 #[serial]
+#[ignore = "needs ROCm GPUs: ci/gpu-rocm.sh runs it with --include-ignored"]
 fn foreign_handles_are_refused() {
     if !need(2) {
         return;

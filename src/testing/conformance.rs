@@ -371,9 +371,17 @@ fn context(e: Error, case: &str) -> Error {
 /// 2, 3, 4 and 8 sharing an in-process store. `$make` builds the device for a
 /// rank: `|rank| -> Result<D>`; `$skip` returns `Some(reason)` to skip with
 /// a printed reason (and fails instead when `FERROCOMM_REQUIRE_GPU=1`).
+/// A trailing `ignore = "why"` marks the tests ignored (GPU backends: the
+/// harness then says so, and GPU scripts run them with `--include-ignored`).
 #[macro_export]
 macro_rules! conformance_tests {
     ($backend:ident, $make:expr, $skip:expr, $cfg:expr) => {
+        $crate::conformance_tests!(@tests $backend, $make, $skip, $cfg,);
+    };
+    ($backend:ident, $make:expr, $skip:expr, $cfg:expr, ignore = $why:literal) => {
+        $crate::conformance_tests!(@tests $backend, $make, $skip, $cfg, #[ignore = $why]);
+    };
+    (@tests $backend:ident, $make:expr, $skip:expr, $cfg:expr, $(#[$attr:meta])*) => {
         mod $backend {
             #[allow(unused_imports)]
             use super::*;
@@ -382,10 +390,7 @@ macro_rules! conformance_tests {
                 let skip: Option<String> = $skip(world);
                 if let Some(reason) = skip {
                     if std::env::var("FERROCOMM_REQUIRE_GPU").as_deref() == Ok("1") {
-                        panic!(
-                            "FERROCOMM_REQUIRE_GPU=1 but {} cannot run: {reason}",
-                            stringify!($backend)
-                        );
+                        panic!("FERROCOMM_REQUIRE_GPU=1 but {} cannot run: {reason}", stringify!($backend));
                     }
                     eprintln!("SKIPPED {} world {world}: {reason}", stringify!($backend));
                     return;
@@ -402,27 +407,27 @@ macro_rules! conformance_tests {
                 for (rank, r) in results.into_iter().enumerate() {
                     let report = r.unwrap_or_else(|e| panic!("rank {rank} failed: {e}"));
                     assert!(report.is_ok(), "rank {rank}: {:#?}", report.failures);
-                    assert!(
-                        report.collectives > 100,
-                        "rank {rank} ran only {} collectives",
-                        report.collectives
-                    );
+                    assert!(report.collectives > 100, "rank {rank} ran only {} collectives", report.collectives);
                 }
             }
 
             #[test]
+            $(#[$attr])*
             fn world_2() {
                 run(2)
             }
             #[test]
+            $(#[$attr])*
             fn world_3() {
                 run(3)
             }
             #[test]
+            $(#[$attr])*
             fn world_4() {
                 run(4)
             }
             #[test]
+            $(#[$attr])*
             fn world_8() {
                 run(8)
             }
