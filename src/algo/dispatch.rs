@@ -182,7 +182,11 @@ impl DispatchTable {
         });
         DispatchTable {
             ladders,
-            ccl_min_bytes: 64 << 20,
+            // Never by default: on 4x H200 (BENCHMARKS.md run 2) two-shot push
+            // matches or beats NCCL's busbw at every size up to 256 MiB, so
+            // handing large payloads over would only cost determinism.
+            // NCCL stays reachable with `algo = nccl`.
+            ccl_min_bytes: usize::MAX,
         }
     }
 
