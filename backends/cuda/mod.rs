@@ -43,8 +43,8 @@ use memory::{Plain, Storage, Vmm};
 
 use crate::algo::layout::MAX_BLOCKS;
 use crate::device::{
-    BackendKind, Device, DeviceBuffer, DeviceFacts, DevicePtr, ExportedHandle, KernelParams, LaunchConfig, MemKind,
-    ModuleSource,
+    check_range, BackendKind, Device, DeviceBuffer, DeviceFacts, DevicePtr, ExportedHandle, KernelParams, LaunchConfig,
+    MemKind, ModuleSource,
 };
 use crate::error::{Error, Result};
 
@@ -111,15 +111,6 @@ fn attribute(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
         sys::cuDeviceGetAttribute(&mut v, attr, dev)
     })?;
     Ok(v)
-}
-
-fn check_range(what: &str, buf_len: usize, offset: usize, len: usize) -> Result<()> {
-    match offset.checked_add(len) {
-        Some(end) if end <= buf_len => Ok(()),
-        _ => Err(Error::invalid(format!(
-            "{what}: range {offset}+{len} is outside a buffer of {buf_len} bytes"
-        ))),
-    }
 }
 
 /// What the device supports beyond the basics.
@@ -453,12 +444,7 @@ impl Device for CudaDevice {
         params: &KernelParams,
         stream: &CudaStream,
     ) -> Result<()> {
-        if config.grid == 0 || config.grid as usize > MAX_BLOCKS || config.block == 0 || config.block > BLOCK_THREADS {
-            return Err(Error::invalid(format!(
-                "launch of {kernel} with grid {} x block {}: the grid must be 1..={MAX_BLOCKS} and the block 1..={BLOCK_THREADS}",
-                config.grid, config.block
-            )));
-        }
+        config.check_within(kernel, MAX_BLOCKS, BLOCK_THREADS)?;
         self.same_ctx("module", &module.ctx)?;
         self.enter(stream)?;
         let f = module.function(kernel)?;

@@ -18,8 +18,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::device::{
-    BackendKind, Device, DeviceBuffer, DeviceFacts, DevicePtr, ExportedHandle, KernelParams, LaunchConfig, MemKind,
-    ModuleSource,
+    check_range, BackendKind, Device, DeviceBuffer, DeviceFacts, DevicePtr, ExportedHandle, KernelParams, LaunchConfig,
+    MemKind, ModuleSource,
 };
 use crate::error::{Error, Result};
 
@@ -50,15 +50,6 @@ impl HostDevice {
                 total_memory: 0,
             },
         })
-    }
-}
-
-fn check_range(what: &str, buf_len: usize, offset: usize, len: usize) -> Result<()> {
-    match offset.checked_add(len) {
-        Some(end) if end <= buf_len => Ok(()),
-        _ => Err(Error::invalid(format!(
-            "{what}: range {offset}+{len} is outside a buffer of {buf_len} bytes"
-        ))),
     }
 }
 

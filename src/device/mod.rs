@@ -96,6 +96,29 @@ pub struct LaunchConfig {
     pub block: u32,
 }
 
+impl LaunchConfig {
+    /// An error unless `1 <= grid <= max_grid` and `1 <= block <= max_block`.
+    pub fn check_within(&self, kernel: &str, max_grid: usize, max_block: u32) -> Result<()> {
+        if self.grid == 0 || self.grid as usize > max_grid || self.block == 0 || self.block > max_block {
+            return Err(crate::error::Error::invalid(format!(
+                "launch of {kernel} with grid {} x block {}: the grid must be 1..={max_grid} and the block 1..={max_block}",
+                self.grid, self.block
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// An error unless `offset..offset+len` lies inside a buffer of `buf_len` bytes.
+pub fn check_range(what: &str, buf_len: usize, offset: usize, len: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= buf_len => Ok(()),
+        _ => Err(crate::error::Error::invalid(format!(
+            "{what}: range {offset}+{len} is outside a buffer of {buf_len} bytes"
+        ))),
+    }
+}
+
 /// Embedded kernel sources for one module: the same algorithm written for
 /// each vendor. The host backend runs its Rust twin, looked up by kernel name.
 #[derive(Debug, Clone, Copy)]
