@@ -3,7 +3,7 @@
 # binaries (see ci/pack-gpu.sh), writing logs under $OUT (or ./gpu-logs).
 #
 #   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
-#   STEPS: tests sanitizer bench baseline (default: all)
+#   STEPS: tests sanitizer bench qrbench baseline (default: all)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a
 # shared host's GPUs down. Every test runs with FERROCOMM_REQUIRE_GPU=1, so a
@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(cd "${1:-.carry/bin}" && pwd)"
 shift || true
-STEPS="${*:-tests sanitizer bench baseline}"
+STEPS="${*:-tests sanitizer bench qrbench baseline}"
 LOG="${OUT:-$PWD/gpu-logs}"
 mkdir -p "$LOG"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -74,6 +74,19 @@ if [[ " $STEPS " == *" bench "* ]]; then
             --dtype "${BENCH_DTYPES:-bf16}" --min-bytes 1K --max-bytes "${BENCH_MAX:-256M}" \
             --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}" --json "$LOG/bench_w$w.json"
         cp "$LOG/bench_w$w.log" "$LOG/bench_w$w.txt"
+    done
+fi
+
+if [[ " $STEPS " == *" qrbench "* ]]; then
+    # Quick-reduce per codec next to ferrocomm's two-shot and NCCL, Gaussian
+    # data, relative error per row (issue 5's table).
+    for w in 4 2; do
+        [ "$NGPU" -ge "$w" ] || continue
+        step "qrbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --graph-only \
+            --algo "${QR_ALGOS:-twoshot-push,nccl}" --quantization "${QR_CODECS:-int4,int6,int8,fp8}" \
+            --dtype bf16 --min-bytes "${QR_MIN:-1M}" --max-bytes "${QR_MAX:-256M}" \
+            --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}" --json "$LOG/qrbench_w$w.json"
+        cp "$LOG/qrbench_w$w.log" "$LOG/qrbench_w$w.txt"
     done
 fi
 

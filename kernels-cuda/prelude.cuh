@@ -292,4 +292,44 @@ FC_DEVICE fc_u32 fc_pack_bf16x2(float lo, float hi) {
     return w;
 }
 
+// ---------------------------------------------------------------------------
+// Quick-reduce primitives (kernels-cuda/quickreduce.cu).
+
+// Lane inside the warp.
+FC_DEVICE fc_u32 fc_lane_id() { return threadIdx.x & 31u; }
+// The value of lane (lane ^ mask). Every lane of the warp must call it.
+FC_DEVICE fc_u32 fc_shfl_xor(fc_u32 v, fc_u32 mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+// Correctly rounded f32 division, whatever --prec-div says.
+FC_DEVICE float fc_fdiv(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+// Round to the nearest integer, ties to even (rintf).
+FC_DEVICE float fc_rintf(float x) {
+    float r;
+    asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// FP8 e4m3fn in hardware (sm_89+): two values per conversion, rounded to
+// nearest even and saturated to +-448 (a NaN input never reaches it).
+// `lo` is the byte at the lower address. Older archs use the body's
+// software codec, which gives the same bits.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define FC_HW_E4M3FN 1
+FC_DEVICE fc_u32 fc_e4m3_pack2(float lo, float hi) {
+    fc_u16 r;
+    // cvt ... d, a, b: d's upper byte from a, lower byte from b.
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// Exact: every e4m3 value is an f16 value, and every f16 an f32.
+FC_DEVICE void fc_e4m3_unpack2(fc_u32 two, float& lo, float& hi) {
+    fc_u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((fc_u16)two));
+    fc_unpack_f16x2(h2, lo, hi);
+}
+#endif
+
 #endif // FC_PRELUDE_INCLUDED

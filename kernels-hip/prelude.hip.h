@@ -417,4 +417,43 @@ FC_DEVICE fc_u32 fc_pack_bf16x2(float lo, float hi) {
     return (fc_u32)fc_f32_to_bf16(lo) | ((fc_u32)fc_f32_to_bf16(hi) << 16);
 }
 
+#ifndef FC_HIP_PRELUDE_HOST_TEST
+// ---------------------------------------------------------------------------
+// Quick-reduce primitives (kernels-cuda/quickreduce.cu).
+
+// Lane inside the wave (64 lanes on CDNA).
+FC_DEVICE fc_u32 fc_lane_id() { return __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u)); }
+// The value of lane (lane ^ mask), through ds_bpermute (byte addresses).
+// Every lane of the wave must call it.
+FC_DEVICE fc_u32 fc_shfl_xor(fc_u32 v, fc_u32 mask) {
+    return (fc_u32)__builtin_amdgcn_ds_bpermute((int)((fc_lane_id() ^ mask) << 2), (int)v);
+}
+// Correctly rounded f32 division (clang's HIP default; -ffast-math is refused above).
+FC_DEVICE float fc_fdiv(float a, float b) {
+#pragma clang fp contract(off)
+    return a / b;
+}
+// Round to the nearest integer, ties to even (v_rndne_f32).
+FC_DEVICE float fc_rintf(float x) { return __builtin_rintf(x); }
+
+// FP8 e4m3fnuz in hardware on MI300 (gfx942: v_cvt_pk_fp8_f32 converts to
+// the fnuz flavour, rounding to nearest even). The input is clamped to +-240
+// first, so the conversion saturates as the host codec does (a NaN input
+// never reaches it). `lo` is the byte at the lower address. Other archs use
+// the body's software codec, which gives the same bits. (Compiled in CI; not
+// yet run on an MI300.)
+#if defined(__gfx942__)
+#define FC_HW_E4M3FNUZ 1
+FC_DEVICE fc_u32 fc_e4m3_pack2(float lo, float hi) {
+    lo = __builtin_fminf(__builtin_fmaxf(lo, -240.0f), 240.0f);
+    hi = __builtin_fminf(__builtin_fmaxf(hi, -240.0f), 240.0f);
+    return (fc_u32)__builtin_amdgcn_cvt_pk_fp8_f32(lo, hi, 0, false) & 0xffffu;
+}
+FC_DEVICE void fc_e4m3_unpack2(fc_u32 two, float& lo, float& hi) {
+    lo = __builtin_amdgcn_cvt_f32_fp8((int)two, 0);
+    hi = __builtin_amdgcn_cvt_f32_fp8((int)two, 1);
+}
+#endif
+#endif // !FC_HIP_PRELUDE_HOST_TEST
+
 #endif // FC_PRELUDE_INCLUDED

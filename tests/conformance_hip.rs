@@ -203,7 +203,7 @@ fn hiprtc_compiles_the_collectives_without_a_device() {
     );
     assert!(code.starts_with(b"\x7fELF"), "not an ELF code object");
     assert_eq!(u16::from_le_bytes([code[0x12], code[0x13]]), 224, "not an AMDGPU ELF");
-    let missing: Vec<String> = ferrocomm::algo::kernels::all_kernel_names()
+    let missing: Vec<String> = ferrocomm::algo::kernels::collective_kernel_names()
         .into_iter()
         .filter(|n| !contains(&code, format!("{n}\0").as_bytes()) || !contains(&code, format!("{n}.kd\0").as_bytes()))
         .collect();
@@ -543,7 +543,7 @@ fn the_collectives_module_loads_with_every_kernel() {
         dev.facts().arch,
         started.elapsed().as_secs_f64()
     );
-    let missing: Vec<String> = ferrocomm::algo::kernels::all_kernel_names()
+    let missing: Vec<String> = ferrocomm::algo::kernels::collective_kernel_names()
         .into_iter()
         .filter(|n| !m.has_kernel(n))
         .collect();

@@ -9,20 +9,28 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 
-use crate::algo::kernels::{all_kernel_names, kernel_name, KernelKind, COLLECTIVES};
+use super::quickreduce;
+use crate::algo::kernels::{
+    collective_kernel_names, kernel_name, qr_encode_name, quick_reduce_kernel_names, quick_reduce_name, KernelKind,
+    COLLECTIVES, QR_CODECS, QR_DTYPES, QUICK_REDUCE,
+};
 use crate::algo::layout::{
     ll_parity_bytes, ll_stride, push_oneshot_stride, push_twoshot_stride, segment_elems, LL_FP_BYTES, MAX_BLOCKS,
 };
 use crate::device::{DevicePtr, KernelParams, ERR_CODE_MISMATCH, ERR_CODE_TIMEOUT, MAX_RANKS};
+use crate::codec::Codec;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 
-/// A host entry point: the kernel family and the (dtype, op) its name fixes.
+/// A host entry point, as its name fixes it.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct HostKernel {
-    kind: KernelKind,
-    dtype: DType,
-    op: ReduceOp,
+pub(super) enum HostKernel {
+    /// `fc_<kind>_<dtype>_<op>` of the collectives module.
+    Collective { kind: KernelKind, dtype: DType, op: ReduceOp },
+    /// `fc_qr_<codec>_<dtype>`: the quick-reduce all-reduce.
+    QuickReduce { codec: Codec, dtype: DType },
+    /// `fc_qr_encode_<codec>_<dtype>`: the codec alone.
+    QrEncode { codec: Codec, dtype: DType },
 }
 
 impl HostKernel {
@@ -31,15 +39,26 @@ impl HostKernel {
     /// # Safety
     /// `p` must describe live workspaces (own and peers', laid out as in
     /// `algo::layout`), live input/output ranges of `p.count` elements, and live
-    /// error words, as the algorithm layer guarantees.
+    /// error words, as the algorithm layer guarantees. (`QrEncode` touches only
+    /// the input and an output of `encoded_bytes(count)`.)
     pub(super) unsafe fn call(self, p: &KernelParams) {
         // SAFETY: forwarded from the caller.
         unsafe {
-            match self.dtype {
-                DType::F32 => run::<f32>(self, p),
-                DType::F16 => run::<f16>(self, p),
-                DType::BF16 => run::<bf16>(self, p),
-                DType::I32 => run::<i32>(self, p),
+            match self {
+                HostKernel::Collective { kind, dtype, op } => match dtype {
+                    DType::F32 => launch(p, |l| run::<f32>(l, kind, op)),
+                    DType::F16 => launch(p, |l| run::<f16>(l, kind, op)),
+                    DType::BF16 => launch(p, |l| run::<bf16>(l, kind, op)),
+                    DType::I32 => launch(p, |l| run::<i32>(l, kind, op)),
+                },
+                HostKernel::QuickReduce { codec, dtype } => match dtype {
+                    DType::BF16 => launch(p, |l| quickreduce::all_reduce::<bf16>(l, codec)),
+                    _ => launch(p, |l| quickreduce::all_reduce::<f16>(l, codec)),
+                },
+                HostKernel::QrEncode { codec, dtype } => match dtype {
+                    DType::BF16 => quickreduce::encode_run::<bf16>(p, codec),
+                    _ => quickreduce::encode_run::<f16>(p, codec),
+                },
             }
         }
     }
@@ -47,20 +66,27 @@ impl HostKernel {
 
 /// Kernels of a module, by entry-point name.
 pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>> {
-    if module != COLLECTIVES.name {
-        return Err(Error::invalid(format!("the host backend has no module named {module}")));
-    }
     let mut map = HashMap::new();
-    for dtype in DType::ALL {
-        for kind in KernelKind::ALL {
-            for op in ReduceOp::ALL {
-                if dtype.supports(op) {
-                    map.insert(kernel_name(kind, dtype, op), HostKernel { kind, dtype, op });
+    if module == COLLECTIVES.name {
+        for dtype in DType::ALL {
+            for kind in KernelKind::COLLECTIVES {
+                for op in ReduceOp::ALL.into_iter().filter(|&op| dtype.supports(op)) {
+                    map.insert(kernel_name(kind, dtype, op), HostKernel::Collective { kind, dtype, op });
                 }
             }
         }
+        debug_assert!(collective_kernel_names().iter().all(|n| map.contains_key(n)));
+    } else if module == QUICK_REDUCE.name {
+        for codec in QR_CODECS {
+            for dtype in QR_DTYPES {
+                map.insert(quick_reduce_name(codec, dtype), HostKernel::QuickReduce { codec, dtype });
+                map.insert(qr_encode_name(codec, dtype), HostKernel::QrEncode { codec, dtype });
+            }
+        }
+        debug_assert!(quick_reduce_kernel_names().iter().all(|n| map.contains_key(n)));
+    } else {
+        return Err(Error::invalid(format!("the host backend has no module named {module}")));
     }
-    debug_assert!(all_kernel_names().iter().all(|n| map.contains_key(n)));
     Ok(map)
 }
 
@@ -98,7 +124,7 @@ unsafe fn copy_elems<T>(dst: DevicePtr, src: DevicePtr, first: usize, n: usize) 
 }
 
 /// # Safety: both ranges of `bytes` are live; `dst` writable. They may overlap.
-unsafe fn copy_bytes(dst: DevicePtr, src: DevicePtr, bytes: usize) {
+pub(super) unsafe fn copy_bytes(dst: DevicePtr, src: DevicePtr, bytes: usize) {
     // SAFETY: guaranteed by the caller.
     unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) }
 }
@@ -106,19 +132,19 @@ unsafe fn copy_bytes(dst: DevicePtr, src: DevicePtr, bytes: usize) {
 /// One launch's view of the protocol state (for the kinds that loop over
 /// chunks: one chunk's, with that chunk's epoch).
 #[derive(Clone, Copy)]
-struct Launch<'a> {
-    p: &'a KernelParams,
-    epoch: u32,
+pub(super) struct Launch<'a> {
+    pub(super) p: &'a KernelParams,
+    pub(super) epoch: u32,
     parity: usize,
     block: usize,
 }
 
 impl Launch<'_> {
-    fn me(&self) -> usize {
+    pub(super) fn me(&self) -> usize {
         self.p.rank as usize
     }
 
-    fn world(&self) -> usize {
+    pub(super) fn world(&self) -> usize {
         self.p.world as usize
     }
 
@@ -126,12 +152,12 @@ impl Launch<'_> {
         self.p.peer_ws[self.me()]
     }
 
-    fn slot_bytes(&self) -> usize {
+    pub(super) fn slot_bytes(&self) -> usize {
         self.p.slot_bytes as usize
     }
 
     /// Rank `rank`'s parity region of this launch (two slots).
-    fn region(&self, rank: usize) -> DevicePtr {
+    pub(super) fn region(&self, rank: usize) -> DevicePtr {
         self.p.peer_ws[rank].offset(self.p.data_offset as usize + self.parity * 2 * self.slot_bytes())
     }
 
@@ -162,7 +188,7 @@ impl Launch<'_> {
     }
 
     /// The view of chunk `c` of a launch whose first epoch is `self.epoch`.
-    fn chunk(&self, c: usize) -> Self {
+    pub(super) fn chunk(&self, c: usize) -> Self {
         let epoch = self.epoch.wrapping_add(c as u32);
         Launch {
             epoch,
@@ -185,7 +211,7 @@ impl Launch<'_> {
     }
 
     /// Tell every rank (ourselves included) that this block reached `phase`.
-    fn arrive(&self, phase: usize) {
+    pub(super) fn arrive(&self, phase: usize) {
         let me = self.me();
         for q in 0..self.world() {
             let ws = self.p.peer_ws[q];
@@ -202,7 +228,7 @@ impl Launch<'_> {
 
     /// Wait until every rank reached `phase`; false (with the error words set)
     /// on a deadline or a fingerprint mismatch.
-    fn wait(&self, phase: usize) -> bool {
+    pub(super) fn wait(&self, phase: usize) -> bool {
         let own = self.own_ws();
         let arrived = |s: usize| {
             // SAFETY: flag slot inside our own live workspace.
@@ -283,42 +309,51 @@ fn backoff(spins: &mut u32) {
     }
 }
 
+/// Run one launch's body with the epoch protocol around it: the body gets
+/// the launch's view (epoch `E` = stored epoch + 1) and returns the last epoch
+/// it used, or `None` after a failure (the epoch then stays unpublished).
+///
 /// # Safety: see [`HostKernel::call`].
-unsafe fn run<T: Element>(k: HostKernel, p: &KernelParams) {
+unsafe fn launch(p: &KernelParams, body: impl FnOnce(&Launch) -> Option<u32>) {
     let own = p.peer_ws[p.rank as usize];
     // SAFETY: control words sit at the start of our own workspace.
     let (epoch_word, done_word) = unsafe { (atomic_u32(own), atomic_u32(own.offset(4))) };
+    let epoch = epoch_word.load(Ordering::Acquire).wrapping_add(1);
     let l = Launch {
         p,
-        epoch: epoch_word.load(Ordering::Acquire).wrapping_add(1),
-        parity: 0,
+        epoch,
+        parity: (epoch & 1) as usize,
         block: 0,
-    };
-    let l = Launch {
-        parity: (l.epoch & 1) as usize,
-        ..l
     };
     // A communicator that already failed runs nothing more: no new waits.
     if l.err(0).load(Ordering::Acquire) != 0 {
         return;
     }
-    // SAFETY: forwarded from the caller.
-    let last = unsafe {
-        match k.kind {
-            KernelKind::OneShot => oneshot::<T>(&l, k.op).then_some(l.epoch),
-            KernelKind::TwoShot => twoshot::<T>(&l, k.op).then_some(l.epoch),
-            KernelKind::Broadcast => broadcast::<T>(&l).then_some(l.epoch),
-            KernelKind::OneShotPush => oneshot_push::<T>(&l, k.op),
-            KernelKind::OneShotLl => oneshot_ll::<T>(&l, k.op).then_some(l.epoch),
-            KernelKind::TwoShotPush => twoshot_push::<T>(&l, k.op),
-        }
-    };
     // The last block to finish publishes the (last chunk's) epoch; here the
     // grid is one block.
-    if let Some(epoch) = last {
+    if let Some(epoch) = body(&l) {
         if done_word.fetch_add(1, Ordering::AcqRel) + 1 == 1 {
             done_word.store(0, Ordering::Relaxed);
             epoch_word.store(epoch, Ordering::Release);
+        }
+    }
+}
+
+/// The collectives module's kernels. Returns the last epoch, as [`launch`] wants.
+///
+/// # Safety: see [`HostKernel::call`].
+unsafe fn run<T: Element>(l: &Launch, kind: KernelKind, op: ReduceOp) -> Option<u32> {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match kind {
+            KernelKind::OneShot => oneshot::<T>(l, op).then_some(l.epoch),
+            KernelKind::TwoShot => twoshot::<T>(l, op).then_some(l.epoch),
+            KernelKind::Broadcast => broadcast::<T>(l).then_some(l.epoch),
+            KernelKind::OneShotPush => oneshot_push::<T>(l, op),
+            KernelKind::OneShotLl => oneshot_ll::<T>(l, op).then_some(l.epoch),
+            KernelKind::TwoShotPush => twoshot_push::<T>(l, op),
+            // Not a name of this module (module_kernels never maps it here).
+            KernelKind::QuickReduce => None,
         }
     }
 }
@@ -428,7 +463,7 @@ unsafe fn broadcast<T: Element>(l: &Launch) -> bool {
 }
 
 /// Chunks of `cap` elements that one whole-call launch of `n` elements runs.
-fn chunks(n: usize, cap: usize) -> usize {
+pub(super) fn chunks(n: usize, cap: usize) -> usize {
     n.div_ceil(cap.max(1))
 }
 

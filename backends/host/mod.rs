@@ -9,6 +9,7 @@
 
 mod kernels;
 mod memory;
+mod quickreduce;
 mod stream;
 
 pub use memory::{HostBuffer, HostErrorFlags, HostPeerBuffer};

@@ -4,6 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use super::kernels::KernelKind;
+use crate::codec::{Codec, Fp8Flavor};
 use crate::device::BackendKind;
 use crate::error::{Error, Result};
 
@@ -25,6 +26,10 @@ pub enum Algorithm {
     TwoShotPush,
     /// The vendor library (NCCL/RCCL). Not bitwise equal to the custom paths.
     Ccl,
+    /// Quick-reduce: two-shot push with payloads quantized by the codec
+    /// (docs/quick-reduce.md). f16/bf16 sum only; its result is
+    /// `codec::reference_all_reduce`, not the exact reduction rule.
+    QuickReduce(Codec),
 }
 
 impl Algorithm {
@@ -45,6 +50,11 @@ impl Algorithm {
             Algorithm::OneShotLl => "oneshot-ll",
             Algorithm::TwoShotPush => "twoshot-push",
             Algorithm::Ccl => "ccl",
+            Algorithm::QuickReduce(Codec::Fp8(Fp8Flavor::E4m3Fn)) => "quick-reduce-fp8",
+            Algorithm::QuickReduce(Codec::Fp8(Fp8Flavor::E4m3Fnuz)) => "quick-reduce-fp8fnuz",
+            Algorithm::QuickReduce(Codec::Int8) => "quick-reduce-int8",
+            Algorithm::QuickReduce(Codec::Int6) => "quick-reduce-int6",
+            Algorithm::QuickReduce(Codec::Int4) => "quick-reduce-int4",
         }
     }
 
@@ -57,6 +67,15 @@ impl Algorithm {
             Algorithm::OneShotLl => Some(KernelKind::OneShotLl),
             Algorithm::TwoShotPush => Some(KernelKind::TwoShotPush),
             Algorithm::Ccl => None,
+            Algorithm::QuickReduce(_) => Some(KernelKind::QuickReduce),
+        }
+    }
+
+    /// The codec of a quick-reduce.
+    pub const fn codec(self) -> Option<Codec> {
+        match self {
+            Algorithm::QuickReduce(c) => Some(c),
+            _ => None,
         }
     }
 }
@@ -78,7 +97,11 @@ pub enum AlgoChoice {
 impl FromStr for AlgoChoice {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
+        let key = s.to_ascii_lowercase().replace(['-', '_'], "");
+        if let Some(codec) = key.strip_prefix("quickreduce").or_else(|| key.strip_prefix("qr")) {
+            return Ok(AlgoChoice::Fixed(Algorithm::QuickReduce(codec.parse()?)));
+        }
+        match key.as_str() {
             "" | "auto" => Ok(AlgoChoice::Auto),
             "oneshot" | "oneshotpull" => Ok(AlgoChoice::Fixed(Algorithm::OneShot)),
             "twoshot" | "twoshotpull" => Ok(AlgoChoice::Fixed(Algorithm::TwoShot)),
@@ -88,7 +111,7 @@ impl FromStr for AlgoChoice {
             "ccl" | "nccl" | "rccl" => Ok(AlgoChoice::Fixed(Algorithm::Ccl)),
             _ => Err(Error::invalid(format!(
                 "unknown algorithm {s:?} (expected auto, oneshot, twoshot, oneshot-push, oneshot-ll, \
-                 twoshot-push or nccl)"
+                 twoshot-push, nccl or quick-reduce-<fp8|int8|int6|int4>)"
             ))),
         }
     }
@@ -115,6 +138,9 @@ pub struct DispatchTable {
     /// Smallest payload handed to the vendor library when the caller allows
     /// non-deterministic results and the library is loaded.
     pub ccl_min_bytes: usize,
+    /// Smallest payload quick-reduce takes, per world size, when the caller
+    /// opted in (`CommOptions::quantization`) and the call is an f16/bf16 sum.
+    pub qr_min_bytes: [usize; 9],
 }
 
 impl DispatchTable {
@@ -187,15 +213,35 @@ impl DispatchTable {
             // handing large payloads over would only cost determinism.
             // NCCL stays reachable with `algo = nccl`.
             ccl_min_bytes: usize::MAX,
+            qr_min_bytes: std::array::from_fn(|_| match backend {
+                // Never by default on the host: there quantizing costs far more
+                // than the copies it saves (w4 bf16, 2 cores: 1 MiB two-shot
+                // 3.4 ms, quick-reduce int4 44 ms). It stays reachable as
+                // `algo = quick-reduce-<codec>`, the reference for GPUs.
+                BackendKind::Host => usize::MAX,
+                BackendKind::Cuda | BackendKind::Hip => MIB,
+            }),
         }
     }
 
     /// `ccl_allowed`: the vendor library is loaded and the caller does not
     /// require deterministic results.
-    pub fn choose(&self, choice: AlgoChoice, bytes: usize, world: usize, ccl_allowed: bool) -> Algorithm {
+    /// `quantize`: the caller opted in to quick-reduce with this codec and the
+    /// call is one it can run (f16/bf16 sum).
+    pub fn choose(
+        &self,
+        choice: AlgoChoice,
+        bytes: usize,
+        world: usize,
+        ccl_allowed: bool,
+        quantize: Option<Codec>,
+    ) -> Algorithm {
         match choice {
             AlgoChoice::Fixed(a) => a,
             AlgoChoice::Auto => {
+                if let Some(codec) = quantize.filter(|_| bytes >= self.qr_min_bytes[world.min(8)]) {
+                    return Algorithm::QuickReduce(codec);
+                }
                 if ccl_allowed && bytes >= self.ccl_min_bytes {
                     return Algorithm::Ccl;
                 }
@@ -223,6 +269,15 @@ mod tests {
         );
         assert_eq!("auto".parse::<AlgoChoice>().unwrap(), AlgoChoice::Auto);
         assert!("threeshot".parse::<AlgoChoice>().is_err());
+        for codec in crate::algo::kernels::QR_CODECS {
+            let a = Algorithm::QuickReduce(codec);
+            assert_eq!(a.name().parse::<AlgoChoice>().unwrap(), AlgoChoice::Fixed(a));
+        }
+        assert_eq!(
+            "qr-int6".parse::<AlgoChoice>().unwrap(),
+            AlgoChoice::Fixed(Algorithm::QuickReduce(Codec::Int6))
+        );
+        assert!("quick-reduce-int3".parse::<AlgoChoice>().is_err());
     }
 
     #[test]
@@ -234,7 +289,13 @@ mod tests {
                 assert_eq!(ladder.last().map(|s| s.max_bytes), Some(usize::MAX));
                 assert!(ladder.windows(2).all(|w| w[0].max_bytes < w[1].max_bytes));
                 assert!(ladder.iter().all(|s| Algorithm::CUSTOM.contains(&s.algo)));
-                assert_ne!(t.choose(AlgoChoice::Auto, usize::MAX, world, false), Algorithm::Ccl);
+                assert_ne!(t.choose(AlgoChoice::Auto, usize::MAX, world, false, None), Algorithm::Ccl);
+                let qr = Algorithm::QuickReduce(Codec::Int4);
+                if backend != BackendKind::Host {
+                    assert_eq!(t.choose(AlgoChoice::Auto, 256 << 20, world, false, Some(Codec::Int4)), qr);
+                }
+                assert_ne!(t.choose(AlgoChoice::Auto, 1024, world, false, Some(Codec::Int4)), qr);
+                assert_ne!(t.choose(AlgoChoice::Auto, 256 << 20, world, false, None), qr);
             }
         }
     }

@@ -26,7 +26,7 @@ pub struct GridTable {
     /// every peer, so all blocks of a launch must be resident at once.
     cap: u32,
     /// Indexed like [`KernelKind::ALL`].
-    rules: [GridRule; 6],
+    rules: [GridRule; 7],
 }
 
 fn env_usize(name: &str, min: usize, max: usize) -> Result<Option<usize>> {
@@ -51,6 +51,7 @@ fn env_prefix(kind: KernelKind) -> &'static str {
         KernelKind::OneShotPush => "ONESHOT_PUSH",
         KernelKind::OneShotLl => "ONESHOT_LL",
         KernelKind::TwoShotPush => "TWOSHOT_PUSH",
+        KernelKind::QuickReduce => "QUICK_REDUCE",
     }
 }
 
@@ -72,6 +73,9 @@ fn default_rule(kind: KernelKind) -> GridRule {
         // replay: w2 256 KiB 9.44 vs 10.43 us, 1 MiB 11.28 vs 11.47; w4 1 MiB
         // 14.12 vs 14.23; equal from 2 MiB up, where 128 blocks are reached).
         KernelKind::TwoShotPush => (16 << 10, 128, 0),
+        // Quick-reduce: as the push two-shot (it runs from 1 MiB up, where
+        // that means 64..128 blocks).
+        KernelKind::QuickReduce => (16 << 10, 128, 0),
     };
     GridRule {
         bytes_per_block,
@@ -83,9 +87,10 @@ fn default_rule(kind: KernelKind) -> GridRule {
 impl GridTable {
     /// Defaults per kind (see [`default_rule`]), each overridable with
     /// `FERROCOMM_<KIND>_MAX_BLOCKS` (1..=128) and `FERROCOMM_<KIND>_BLOCK_BYTES`,
-    /// `<KIND>` one of ONESHOT, TWOSHOT, ONESHOT_PUSH, ONESHOT_LL, TWOSHOT_PUSH.
+    /// `<KIND>` one of ONESHOT, TWOSHOT, ONESHOT_PUSH, ONESHOT_LL, TWOSHOT_PUSH,
+    /// QUICK_REDUCE.
     pub fn new(facts: &DeviceFacts) -> Result<Self> {
-        let mut rules = [default_rule(KernelKind::OneShot); 6];
+        let mut rules = [default_rule(KernelKind::OneShot); 7];
         for (rule, kind) in rules.iter_mut().zip(KernelKind::ALL) {
             let prefix = env_prefix(kind);
             *rule = default_rule(kind);

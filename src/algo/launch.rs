@@ -4,11 +4,13 @@
 use std::time::Duration;
 
 use super::grid::GridTable;
-use super::kernels::{kernel_name, KernelKind};
+use super::kernels::{kernel_name, quick_reduce_name, KernelKind, QR_CODECS, QR_DTYPES};
 use super::layout::{
-    ll_stride, push_oneshot_stride, push_twoshot_stride, segment_elems, DATA_OFFSET, FLAGS_OFFSET, FP_OFFSET,
+    ll_stride, push_oneshot_stride, push_twoshot_stride, qr_segment_blocks, segment_elems, DATA_OFFSET, FLAGS_OFFSET,
+    FP_OFFSET,
 };
 use super::workspace::Workspace;
+use crate::codec::{Codec, BLOCK};
 use crate::device::{Device, DeviceBuffer, DevicePtr, HostFlags, KernelParams};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
@@ -16,10 +18,12 @@ use crate::error::Result;
 /// Entry-point names, built once so the hot path does not format strings.
 pub struct KernelNames {
     names: Vec<String>,
+    /// Quick-reduce, indexed like `QR_CODECS` x `QR_DTYPES`.
+    qr: Vec<String>,
 }
 
 impl KernelNames {
-    const KINDS: [KernelKind; 6] = KernelKind::ALL;
+    const KINDS: [KernelKind; 6] = KernelKind::COLLECTIVES;
 
     pub fn new() -> Self {
         let mut names = Vec::new();
@@ -30,10 +34,20 @@ impl KernelNames {
                 }
             }
         }
-        KernelNames { names }
+        let qr = QR_CODECS
+            .iter()
+            .flat_map(|&c| QR_DTYPES.iter().map(move |&d| quick_reduce_name(c, d)))
+            .collect();
+        KernelNames { names, qr }
     }
 
-    pub fn get(&self, kind: KernelKind, dtype: DType, op: ReduceOp) -> &str {
+    /// The entry point of a call: quick-reduce names carry the codec.
+    pub fn get(&self, kind: KernelKind, dtype: DType, op: ReduceOp, codec: Option<Codec>) -> &str {
+        if let (KernelKind::QuickReduce, Some(codec)) = (kind, codec) {
+            let c = QR_CODECS.iter().position(|&x| x == codec).unwrap_or(0);
+            let d = QR_DTYPES.iter().position(|&x| x == dtype).unwrap_or(0);
+            return &self.qr[c * QR_DTYPES.len() + d];
+        }
         let k = Self::KINDS.iter().position(|&x| x == kind).unwrap_or(0);
         &self.names[(k * DType::ALL.len() + dtype as usize) * ReduceOp::ALL.len() + op as usize]
     }
@@ -55,6 +69,8 @@ pub struct CollectiveCall {
     pub root: usize,
     pub input: DevicePtr,
     pub output: DevicePtr,
+    /// Quick-reduce's codec (`None` for every other kind).
+    pub codec: Option<Codec>,
 }
 
 /// 64-bit FNV-1a over what must agree across ranks for one launch.
@@ -66,6 +82,7 @@ pub fn fingerprint(call: &CollectiveCall, chunk: usize) -> u64 {
         call.count as u64,
         chunk as u64,
         call.root as u64,
+        call.codec.map_or(0, |c| QR_CODECS.iter().position(|&x| x == c).unwrap_or(0) as u64 + 1),
     ];
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for w in words {
@@ -80,9 +97,14 @@ pub fn fingerprint(call: &CollectiveCall, chunk: usize) -> u64 {
 /// Most elements one launch of `kind` may carry, for a workspace of
 /// `slot_bytes` per slot shared by `world` ranks (docs/protocol.md,
 /// "Chunking"). Depends only on what every rank agrees on.
-pub fn chunk_elems(kind: KernelKind, slot_bytes: usize, world: usize, elem: usize) -> usize {
+pub fn chunk_elems(kind: KernelKind, codec: Option<Codec>, slot_bytes: usize, world: usize, elem: usize) -> usize {
     let world = world.max(1);
     let elems = match kind {
+        // Whole segments of `capb` codec blocks each (docs/quick-reduce.md).
+        KernelKind::QuickReduce => {
+            let code_bytes = codec.map_or(32, |c| c.code_bytes());
+            world * BLOCK * qr_segment_blocks(code_bytes, slot_bytes, world)
+        }
         KernelKind::OneShot | KernelKind::TwoShot | KernelKind::Broadcast => slot_bytes / elem,
         KernelKind::OneShotPush => push_oneshot_stride(slot_bytes, world) / elem,
         // Each source's inbox holds one segment; whole segments per launch.
@@ -98,7 +120,10 @@ pub fn chunk_elems(kind: KernelKind, slot_bytes: usize, world: usize, elem: usiz
 /// [`chunk_elems`] inside the kernel (one epoch per chunk), instead of one
 /// launch per chunk.
 pub const fn whole_call(kind: KernelKind) -> bool {
-    matches!(kind, KernelKind::OneShotPush | KernelKind::TwoShotPush)
+    matches!(
+        kind,
+        KernelKind::OneShotPush | KernelKind::TwoShotPush | KernelKind::QuickReduce
+    )
 }
 
 impl CollectiveCall {
@@ -118,8 +143,8 @@ impl CollectiveCall {
         stream: &D::Stream,
     ) -> Result<()> {
         let elem = self.dtype.size();
-        let chunk_elems = chunk_elems(self.kind, ws.slot_bytes(), ws.world(), elem);
-        let name = names.get(self.kind, self.dtype, self.op);
+        let chunk_elems = chunk_elems(self.kind, self.codec, ws.slot_bytes(), ws.world(), elem);
+        let name = names.get(self.kind, self.dtype, self.op, self.codec);
         let base = KernelParams {
             peer_ws: ws.peer_ptrs(),
             error_flags: flags.device_ptr(),

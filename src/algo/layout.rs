@@ -67,6 +67,18 @@ pub const fn push_twoshot_stride(slot_bytes: usize, world: usize) -> usize {
     (slot_bytes / world) & !63
 }
 
+/// Per-source inbox stride (bytes) of quick-reduce: like the push two-shot's,
+/// on a 256-byte boundary (docs/quick-reduce.md).
+pub const fn qr_stride(slot_bytes: usize, world: usize) -> usize {
+    (slot_bytes / world) & !255
+}
+
+/// Codec blocks one quick-reduce inbox holds: codes of `capb` blocks, then
+/// their `capb` scales.
+pub const fn qr_segment_blocks(code_bytes: usize, slot_bytes: usize, world: usize) -> usize {
+    qr_stride(slot_bytes, world) / (code_bytes + 2)
+}
+
 /// Per-source stride (bytes) of LL lines inside one parity's LL area.
 pub const fn ll_stride(slot_bytes: usize, world: usize) -> usize {
     (ll_parity_bytes(slot_bytes) / world) & !63

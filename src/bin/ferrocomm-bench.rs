@@ -6,6 +6,14 @@
 //! after warm-up, median over iterations, inputs rotated across buffers so
 //! the cache does not flatter small sizes; eager launches and, with
 //! `--graph`, graph replays. Every row is checked exactly (#wrong).
+//!
+//! `--quantization int4,int6,int8,fp8` adds a quick-reduce row per codec
+//! (f16/bf16 sums) next to the `--algo` rows, feeds Gaussian data instead of
+//! small integers, and prints each row's relative error against an fp64 sum
+//! (`relerr`, over up to 4096 sampled blocks). Quick-reduce rows are checked
+//! bit for bit against `codec::reference_all_reduce`, ferrocomm's other rows
+//! against the exact rule, on the same samples; NCCL rows are not bitwise
+//! comparable on such data (`#wrong` shows `-`).
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -13,7 +21,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferrocomm::algo::AlgoChoice;
+use ferrocomm::algo::kernels::QR_DTYPES;
+use ferrocomm::algo::{AlgoChoice, Algorithm};
+use ferrocomm::codec::{self, Half16, Quantization};
 use ferrocomm::bootstrap::{store_all_gather, Store, TcpStore};
 use ferrocomm::device::Device;
 use ferrocomm::testing::data::{self, Values};
@@ -35,7 +45,7 @@ macro_rules! with_dtype {
 const USAGE: &str =
     "usage: ferrocomm-bench [--backend host|cuda|hip] [--world N] [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
                        [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|oneshot-push|twoshot-push|oneshot-ll|nccl|all]
-                       [--graph] [--eager-only] [--json FILE] [--timeout-secs S]
+                       [--graph] [--graph-only] [--eager-only] [--json FILE] [--timeout-secs S] [--quantization int4,int6,int8,fp8]
 sizes take K, M, G suffixes (powers of 1024)";
 
 #[derive(Clone, Debug)]
@@ -53,6 +63,8 @@ struct Args {
     eager: bool,
     json: Option<PathBuf>,
     timeout: Duration,
+    /// Quick-reduce codecs to add rows for (Gaussian data, relative error).
+    quantization: Vec<Quantization>,
 }
 
 fn parse_size(s: &str) -> Result<usize> {
@@ -84,6 +96,7 @@ fn parse_args() -> Result<Args> {
         eager: true,
         json: None,
         timeout: Duration::from_secs(60),
+        quantization: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -107,6 +120,17 @@ fn parse_args() -> Result<Args> {
             "--algo" => a.algos = value()?.split(',').map(String::from).collect(),
             "--graph" => a.graph = true,
             "--eager-only" => a.graph = false,
+            "--graph-only" => {
+                a.graph = true;
+                a.eager = false
+            }
+            "--quantization" => {
+                a.quantization = value()?
+                    .split(',')
+                    .map(str::parse)
+                    .filter(|q| q.as_ref().map_or(true, |q| *q != Quantization::None))
+                    .collect::<Result<_>>()?
+            }
             "--json" => a.json = Some(PathBuf::from(value()?)),
             "--timeout-secs" => {
                 a.timeout = Duration::from_secs(
@@ -123,6 +147,9 @@ fn parse_args() -> Result<Args> {
         return Err(Error::invalid(format!(
             "need --iters > 0, --world > 0 and --min-bytes <= --max-bytes\n{USAGE}"
         )));
+    }
+    if !a.quantization.is_empty() && (a.op != ReduceOp::Sum || a.dtypes.iter().any(|d| !QR_DTYPES.contains(d))) {
+        return Err(Error::invalid("--quantization runs f16/bf16 sums only"));
     }
     if a.algos.iter().any(|x| x == "all") {
         a.algos = [
@@ -226,7 +253,10 @@ struct Row {
     mode: &'static str,
     time_us: f64,
     cpu_us: f64,
-    wrong: usize,
+    /// Elements that differ from the reference; `None`: not bitwise comparable.
+    wrong: Option<usize>,
+    /// ‖out − exact‖ / ‖exact‖ against an fp64 sum (with `--quantization`).
+    relerr: Option<f64>,
 }
 
 /// Bytes of input rotated through per size, so repeated runs do not sit in
@@ -238,8 +268,25 @@ const OPS_PER_SAMPLE: usize = 20;
 
 fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Result<()> {
     let world = a.world;
-    let opts = CommOptions::from_env()?.with_timeout(a.timeout);
+    let mut opts = CommOptions::from_env()?.with_timeout(a.timeout);
+    if let Some(&q) = a.quantization.first() {
+        // Compiles quick-reduce at creation, not inside the first capture.
+        opts = opts.with_quantization(q);
+    }
+    let backend = dev.facts().backend;
     let comm = Communicator::new(dev, store.clone(), rank, world, opts)?;
+    let quantized = !a.quantization.is_empty();
+    let mut algos: Vec<(String, AlgoChoice)> = Vec::new();
+    for algo in &a.algos {
+        let choice = algo_choice(algo).ok_or_else(|| Error::invalid(format!("unknown --algo {algo:?}")))?;
+        algos.push((algo.clone(), choice));
+    }
+    for q in &a.quantization {
+        if let Some(codec) = q.codec(backend) {
+            let qr = Algorithm::QuickReduce(codec);
+            algos.push((qr.to_string(), AlgoChoice::Fixed(qr)));
+        }
+    }
     let mut rows = Vec::new();
     let mut seq = 0usize;
     if rank == 0 {
@@ -248,8 +295,8 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
             a.backend, a.iters, a.warmup
         );
         println!(
-            "{:>12} {:>12} {:>5} {:>5} {:>8} {:>6} {:>10} {:>9} {:>9} {:>8} {:>7}",
-            "size", "count", "dtype", "op", "algo", "mode", "time_us", "algbw", "busbw", "cpu_us", "#wrong"
+            "{:>12} {:>12} {:>5} {:>5} {:>20} {:>6} {:>10} {:>9} {:>9} {:>8} {:>7} {:>8}",
+            "size", "count", "dtype", "op", "algo", "mode", "time_us", "algbw", "busbw", "cpu_us", "#wrong", "relerr"
         );
     }
     for &dtype in &a.dtypes {
@@ -259,12 +306,16 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
             let count = bytes / dtype.size();
             // Inputs and the exact expected output, made once per size.
             let seed = bytes as u64;
-            let input = with_dtype!(dtype, input_bytes(seed, rank, count, a.op));
-            let want = with_dtype!(dtype, reference_bytes(seed, world, count, a.op));
-            for algo in &a.algos {
-                let Some(choice) = algo_choice(algo) else {
-                    return Err(Error::invalid(format!("unknown --algo {algo:?}")));
-                };
+            let values = if quantized { Values::Random } else { Values::Exact };
+            let input = with_dtype!(dtype, input_bytes(seed, rank, count, a.op, values));
+            // Gaussian data: checked on samples; small integers: the whole output.
+            let want = if quantized {
+                Vec::new()
+            } else {
+                with_dtype!(dtype, reference_bytes(seed, world, count, a.op))
+            };
+            for (algo, choice) in &algos {
+                let choice = *choice;
                 if choice == AlgoChoice::Fixed(ferrocomm::algo::Algorithm::Ccl) && !comm.has_vendor_library() {
                     if rank == 0 && bytes == a.min_bytes.max(dtype.size()) {
                         println!("# no {algo} rows: the vendor library is not built in or not loaded");
@@ -278,9 +329,20 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
                 };
                 for &mode in modes {
                     seq += 1;
-                    let mut row = measure(&comm, a, dtype, count, choice, mode, &input, &want)?;
+                    let (mut row, got) = measure(&comm, a, dtype, count, choice, mode, &input)?;
+                    if quantized {
+                        let algorithm = comm.choose(choice, count, dtype, a.op);
+                        let (wrong, relerr) = match dtype {
+                            DType::F16 => check_samples::<half::f16>(seed, world, &got, algorithm),
+                            _ => check_samples::<half::bf16>(seed, world, &got, algorithm),
+                        };
+                        row.wrong = wrong;
+                        row.relerr = Some(relerr);
+                    } else {
+                        row.wrong = Some(count_wrong(&got, &want, dtype));
+                    }
                     row.algo = match choice {
-                        AlgoChoice::Auto => format!("auto:{}", comm.choose(choice, bytes)),
+                        AlgoChoice::Auto => format!("auto:{}", comm.choose(choice, count, dtype, a.op)),
                         AlgoChoice::Fixed(ferrocomm::algo::Algorithm::Ccl) => algo.clone(),
                         AlgoChoice::Fixed(x) => x.to_string(),
                     };
@@ -298,7 +360,7 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     if let (0, Some(path)) = (rank, &a.json) {
         std::fs::write(path, to_json(&rows, a)).map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
     }
-    let wrong: usize = rows.iter().map(|r| r.wrong).sum();
+    let wrong: usize = rows.iter().filter_map(|r| r.wrong).sum();
     if wrong > 0 {
         return Err(Error::Aborted(format!("{wrong} wrong elements in total")));
     }
@@ -318,8 +380,7 @@ fn measure<D: Device>(
     choice: AlgoChoice,
     mode: &'static str,
     input: &[u8],
-    want: &[u8],
-) -> Result<Row> {
+) -> Result<(Row, Vec<u8>)> {
     let dev = comm.device();
     let bytes = count * dtype.size();
     let nbuf = (ROTATE_BYTES / bytes.max(1)).clamp(1, 8);
@@ -366,18 +427,12 @@ fn measure<D: Device>(
         .iter()
         .map(|(e0, e1)| dev.elapsed_ms(e0, e1).map(|ms| ms as f64 * 1e3 / OPS_PER_SAMPLE as f64))
         .collect::<Result<_>>()?;
-    // Check the result exactly, from a poisoned output.
+    // The output of one more run, from a poisoned buffer, for the checks.
     dev.memset(&output, 0, bytes, 0x7F, &stream)?;
     run(0)?;
     let mut got = vec![0u8; bytes];
     dev.copy_to_host(&output, 0, &mut got, &stream)?;
-    // Bitwise comparison, element by element.
-    let wrong = got
-        .chunks(dtype.size())
-        .zip(want.chunks(dtype.size()))
-        .filter(|(g, w)| g != w)
-        .count();
-    Ok(Row {
+    let row = Row {
         bytes,
         count,
         dtype,
@@ -386,14 +441,75 @@ fn measure<D: Device>(
         mode,
         time_us: median(&mut times),
         cpu_us: median(&mut cpu),
-        wrong,
-    })
+        wrong: None,
+        relerr: None,
+    };
+    Ok((row, got))
+}
+
+/// Elements whose bytes differ.
+fn count_wrong(got: &[u8], want: &[u8], dtype: DType) -> usize {
+    got.chunks(dtype.size())
+        .zip(want.chunks(dtype.size()))
+        .filter(|(g, w)| g != w)
+        .count()
+}
+
+/// Blocks of 32 elements sampled from an output of `count`: up to 4096,
+/// evenly spread, the last (maybe partial) one included.
+fn sample_blocks(count: usize) -> Vec<usize> {
+    let blocks = count.div_ceil(codec::BLOCK);
+    let step = blocks.div_ceil(4096).max(1);
+    let mut v: Vec<usize> = (0..blocks).step_by(step).collect();
+    if v.last() != Some(&(blocks - 1)) {
+        v.push(blocks - 1);
+    }
+    v
+}
+
+/// With Gaussian inputs: (#wrong on the sampled blocks against the
+/// algorithm's own reference, or `None` for the vendor library; the relative
+/// error against the fp64 sum on the same blocks).
+fn check_samples<S: data::FromF64 + Half16>(
+    seed: u64,
+    world: usize,
+    got: &[u8],
+    algorithm: Algorithm,
+) -> (Option<usize>, f64) {
+    let got: Vec<S> = data::from_bytes(got);
+    let count = got.len();
+    let (mut wrong, mut num, mut den) = (0usize, 0.0f64, 0.0f64);
+    let x = |r: usize, i: usize| S::from_f64(data::input_value(seed, r, i, ReduceOp::Sum, Values::Random));
+    for k in sample_blocks(count) {
+        let (lo, hi) = (k * codec::BLOCK, ((k + 1) * codec::BLOCK).min(count));
+        let want: Vec<S> = match algorithm {
+            Algorithm::QuickReduce(c) => {
+                let ins: Vec<Vec<S>> = (0..world).map(|r| (lo..hi).map(|i| x(r, i)).collect()).collect();
+                let refs: Vec<&[S]> = ins.iter().map(|v| v.as_slice()).collect();
+                codec::reference_all_reduce::<S>(c, &refs)
+            }
+            _ => data::reference::<S>(seed, world, lo, hi - lo, ReduceOp::Sum, Values::Random),
+        };
+        wrong += got[lo..hi]
+            .iter()
+            .zip(&want)
+            .filter(|(g, w)| Half16::to_bits(**g) != Half16::to_bits(**w))
+            .count();
+        for (i, g) in (lo..hi).zip(&got[lo..hi]) {
+            let exact: f64 = (0..world).map(|r| x(r, i).to_f64()).sum();
+            num += (g.to_f64() - exact).powi(2);
+            den += exact.powi(2);
+        }
+    }
+    let relerr = if den > 0.0 { (num / den).sqrt() } else { 0.0 };
+    let comparable = !matches!(algorithm, Algorithm::Ccl);
+    (comparable.then_some(wrong), relerr)
 }
 
 /// Bench inputs are small integers, so every algorithm's result is exact and
 /// `#wrong` is a bitwise count against [`reference_bytes`].
-fn input_bytes<T: data::FromF64>(seed: u64, rank: usize, count: usize, op: ReduceOp) -> Vec<u8> {
-    data::to_bytes(&data::make_input::<T>(seed, rank, 0, count, op, Values::Exact))
+fn input_bytes<T: data::FromF64>(seed: u64, rank: usize, count: usize, op: ReduceOp, values: Values) -> Vec<u8> {
+    data::to_bytes(&data::make_input::<T>(seed, rank, 0, count, op, values))
 }
 
 fn reference_bytes<T: data::FromF64>(seed: u64, world: usize, count: usize, op: ReduceOp) -> Vec<u8> {
@@ -411,12 +527,12 @@ fn median(v: &mut [f64]) -> f64 {
 
 /// Report the slowest rank's median time and the sum of wrong elements.
 fn agree(store: &Arc<dyn Store>, seq: usize, rank: usize, world: usize, row: Row, timeout: Duration) -> Result<Row> {
-    let mine = [row.time_us.to_le_bytes(), (row.wrong as f64).to_le_bytes()].concat();
+    let mine = [row.time_us.to_le_bytes(), (row.wrong.unwrap_or(0) as f64).to_le_bytes()].concat();
     let all = store_all_gather(store.as_ref(), &format!("bench/{seq}"), rank, world, &mine, timeout)?;
     let field = |b: &Vec<u8>, i: usize| f64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
     Ok(Row {
         time_us: all.iter().map(|b| field(b, 0)).fold(0.0, f64::max),
-        wrong: all.iter().map(|b| field(b, 1) as usize).sum(),
+        wrong: row.wrong.map(|_| all.iter().map(|b| field(b, 1) as usize).sum()),
         ..row
     })
 }
@@ -428,9 +544,11 @@ fn bandwidths(row: &Row, world: usize) -> (f64, f64) {
 
 fn print_row(r: &Row, world: usize) {
     let (algbw, busbw) = bandwidths(r, world);
+    let wrong = r.wrong.map_or("-".to_string(), |w| w.to_string());
+    let relerr = r.relerr.map_or("-".to_string(), |e| format!("{e:.4}"));
     println!(
-        "{:>12} {:>12} {:>5} {:>5} {:>8} {:>6} {:>10.2} {:>9.2} {:>9.2} {:>8.2} {:>7}",
-        r.bytes, r.count, r.dtype, r.op, r.algo, r.mode, r.time_us, algbw, busbw, r.cpu_us, r.wrong
+        "{:>12} {:>12} {:>5} {:>5} {:>20} {:>6} {:>10.2} {:>9.2} {:>9.2} {:>8.2} {:>7} {:>8}",
+        r.bytes, r.count, r.dtype, r.op, r.algo, r.mode, r.time_us, algbw, busbw, r.cpu_us, wrong, relerr
     );
 }
 
@@ -443,7 +561,7 @@ fn to_json(rows: &[Row], a: &Args) -> String {
         let (algbw, busbw) = bandwidths(r, a.world);
         let _ = write!(
             s,
-            "{}{{\"size\":{},\"count\":{},\"dtype\":\"{}\",\"op\":\"{}\",\"algo\":\"{}\",\"mode\":\"{}\",\"time_us\":{:.3},\"algbw\":{:.3},\"busbw\":{:.3},\"cpu_us\":{:.3},\"wrong\":{}}}",
+            "{}{{\"size\":{},\"count\":{},\"dtype\":\"{}\",\"op\":\"{}\",\"algo\":\"{}\",\"mode\":\"{}\",\"time_us\":{:.3},\"algbw\":{:.3},\"busbw\":{:.3},\"cpu_us\":{:.3},\"wrong\":{},\"relerr\":{}}}",
             if i == 0 { "" } else { "," },
             r.bytes,
             r.count,
@@ -455,7 +573,8 @@ fn to_json(rows: &[Row], a: &Args) -> String {
             algbw,
             busbw,
             r.cpu_us,
-            r.wrong
+            r.wrong.map_or("null".to_string(), |w| w.to_string()),
+            r.relerr.map_or("null".to_string(), |e| format!("{e:.6}"))
         );
     }
     s.push_str("]}\n");

@@ -305,7 +305,9 @@ fn replay<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
 #[cfg(feature = "cuda")]
 fn precompile_cuda(a: &Args) -> Result<String> {
     let (major, minor) = a.cc;
-    ferrocomm::backends::cuda::precompile(&ferrocomm::algo::kernels::COLLECTIVES, (major, minor))?;
+    for module in ferrocomm::algo::kernels::ALL_MODULES {
+        ferrocomm::backends::cuda::precompile(module, (major, minor))?;
+    }
     Ok(format!("compiled the CUDA kernels for sm_{major}{minor}"))
 }
 

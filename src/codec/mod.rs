@@ -31,8 +31,12 @@
 //!    finite (`s == 0`, or `s` so tiny that `1/s` overflows) the scale is stored
 //!    as `+0` and every code is 0: the block decodes to 0.
 //!    Otherwise `v_i = x_i * inv`, and
-//!    - integer: `q_i = clamp(rint(v_i), qmin, qmax)`, stored as `b`-bit two's
-//!      complement, packed little-endian (element `i` at bit `b*i` of the block);
+//!    - integer: `q_i = clamp(rint(v_i), qmin, qmax)` in `b`-bit two's
+//!      complement. INT4 and INT8 pack element `i` at bit `b*i` of the block's
+//!      codes (little-endian). INT6 splits each code: the low 4 bits of
+//!      element `i` at bit `4i` of the first 16 bytes, the high 2 bits at bit
+//!      `2i` of the last 8 (so a GPU thread holding 8 elements reads one
+//!      aligned word of each, as AITER's INT6 does);
 //!    - FP8: `q_i = e4m3(v_i)` rounded to nearest even, saturating to +-max.
 //! 5. Decoding: `x'_i = f32(q_i) * s` (FP8: the e4m3 value times `s`).
 //!
@@ -246,11 +250,15 @@ impl Half16 for bf16 {
 
 /// Round half to even in f32 (what `rintf` / `cvt.rni` do).
 fn rint(v: f32) -> f32 {
-    let r = v.round();
-    if (v - v.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
-        r - v.signum()
-    } else {
-        r
+    v.round_ties_even()
+}
+
+/// Where code `i` of a block lives: (byte, bit shift, width) pieces, low bits first.
+fn code_pieces(codec: Codec, i: usize) -> [(usize, u32, u32); 2] {
+    match codec {
+        Codec::Int6 => [(i / 2, 4 * (i as u32 % 2), 4), (16 + i / 4, 2 * (i as u32 % 4), 2)],
+        Codec::Int4 => [(i / 2, 4 * (i as u32 % 2), 4), (0, 0, 0)],
+        _ => [(i, 0, 8), (0, 0, 0)],
     }
 }
 
@@ -278,10 +286,13 @@ pub fn encode_block<S: Half16>(codec: Codec, x: &[f32], codes: &mut [u8]) -> u16
     }
     match codec.int_range() {
         Some((qmin, qmax)) => {
-            let bits = codec.bits();
             for (i, v) in x.iter().enumerate() {
-                let q = (rint(v * inv) as i32).clamp(qmin, qmax);
-                put_bits(codes, i * bits, bits, (q as u32) & ((1 << bits) - 1));
+                let q = (rint(v * inv) as i32).clamp(qmin, qmax) as u32;
+                let mut low = 0;
+                for (byte, shift, width) in code_pieces(codec, i).into_iter().filter(|p| p.2 > 0) {
+                    codes[byte] |= (((q >> low) & ((1 << width) - 1)) << shift) as u8;
+                    low += width;
+                }
             }
         }
         None => {
@@ -310,28 +321,19 @@ pub fn decode_block<S: Half16>(codec: Codec, codes: &[u8], scale_bits: u16, out:
             }
         }
         _ => {
-            let bits = codec.bits();
+            let bits = codec.bits() as u32;
             for (i, o) in out.iter_mut().enumerate() {
-                let raw = get_bits(codes, i * bits, bits);
+                let mut raw = 0u32;
+                let mut low = 0;
+                for (byte, shift, width) in code_pieces(codec, i).into_iter().filter(|p| p.2 > 0) {
+                    raw |= ((codes[byte] as u32 >> shift) & ((1 << width) - 1)) << low;
+                    low += width;
+                }
                 let q = ((raw << (32 - bits)) as i32) >> (32 - bits); // sign-extend
                 *o = q as f32 * s;
             }
         }
     }
-}
-
-fn put_bits(buf: &mut [u8], bit: usize, width: usize, value: u32) {
-    for k in 0..width {
-        if value & (1 << k) != 0 {
-            buf[(bit + k) / 8] |= 1 << ((bit + k) % 8);
-        }
-    }
-}
-
-fn get_bits(buf: &[u8], bit: usize, width: usize) -> u32 {
-    (0..width).fold(0, |v, k| {
-        v | ((((buf[(bit + k) / 8] >> ((bit + k) % 8)) & 1) as u32) << k)
-    })
 }
 
 /// Encode a run of elements in the wire format (codes, then scales).

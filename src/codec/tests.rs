@@ -152,6 +152,20 @@ fn int_codes_are_packed_little_endian_two_complement() {
 }
 
 #[test]
+fn int6_codes_split_into_nibbles_and_two_bit_parts() {
+    // absmax 32 -> scale -1: codes are -x. Element 0: -32 = 0b10_0000,
+    // element 1: 5 = 0b00_0101, element 5: -1 = 0b11_1111.
+    let mut x = [0f32; BLOCK];
+    x[0] = 32.0;
+    x[1] = -5.0;
+    x[5] = 1.0;
+    let (out, wire) = round_trip::<f16>(Codec::Int6, &x);
+    assert_eq!(&wire[..3], &[0x50, 0x00, 0xf0]); // low nibbles, element i at bit 4i
+    assert_eq!(&wire[16..18], &[0x02, 0x0c]); // high 2-bit parts, element i at bit 2i
+    assert_eq!((out[0], out[1], out[5]), (32.0, -5.0, 1.0));
+}
+
+#[test]
 fn wire_sizes_and_bad_buffers() {
     assert_eq!(Codec::Int4.encoded_bytes(32), 18);
     assert_eq!(Codec::Int6.encoded_bytes(33), 2 * 26);

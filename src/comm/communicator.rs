@@ -5,9 +5,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::options::CommOptions;
 use super::vendor::Vendor;
 use super::work::Work;
-use crate::algo::kernels::{KernelKind, COLLECTIVES};
+use crate::algo::kernels::{KernelKind, COLLECTIVES, QR_DTYPES, QUICK_REDUCE};
 use crate::algo::{AlgoChoice, Algorithm, CollectiveCall, DispatchTable, GridTable, KernelNames, Workspace};
 use crate::bootstrap::{store_barrier, Store};
+use crate::codec::Codec;
 use crate::device::{
     Device, DeviceBuffer, HostFlags, MemKind, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE, ERR_CODE_TIMEOUT,
     ERR_WORDS, MAX_RANKS,
@@ -25,6 +26,9 @@ enum Phase {
 struct Resources<D: Device> {
     ws: Workspace<D>,
     module: D::Module,
+    /// Loaded at creation when the caller opted in to quick-reduce, else on
+    /// the first quick-reduce call.
+    qr_module: Option<D::Module>,
     scratch: D::Buffer,
     vendor: Vendor,
 }
@@ -119,14 +123,6 @@ impl<D: Device> Communicator<D> {
                 "world {world}: ferrocomm's kernels serve up to {MAX_RANKS} ranks on one node"
             )));
         }
-        if opts.quantization != crate::codec::Quantization::None {
-            // Refuse rather than silently run unquantized: the codecs exist
-            // (src/codec), the quick-reduce kernels do not yet.
-            return Err(Error::Unsupported(format!(
-                "quick-reduce ({:?}) is not implemented yet; leave `quantization` at None / unset FERROCOMM_QUICK_REDUCE",
-                opts.quantization
-            )));
-        }
         // Each rank numbers its communicators; creating them in the same order
         // on every rank gives the group a shared key prefix.
         let serial = store.add(&format!("fc/ncomm/{rank}"), 1)?;
@@ -134,6 +130,12 @@ impl<D: Device> Communicator<D> {
         let stream = device.create_stream()?;
         let flags = device.alloc_host_flags(ERR_WORDS)?;
         let module = device.load_module(&COLLECTIVES)?;
+        // Opted-in communicators compile quick-reduce now, not on the first
+        // large call (which may be inside a graph capture).
+        let qr_module = match opts.quantization.codec(device.facts().backend) {
+            Some(_) => Some(device.load_module(&QUICK_REDUCE)?),
+            None => None,
+        };
         let ws = Workspace::create(
             &device,
             store.as_ref(),
@@ -156,6 +158,7 @@ impl<D: Device> Communicator<D> {
                     res: Some(Resources {
                         ws,
                         module,
+                        qr_module,
                         scratch,
                         vendor,
                     }),
@@ -210,10 +213,19 @@ impl<D: Device> Communicator<D> {
         self.inner.device.copy_to_host(buf, offset, out, &self.inner.stream)
     }
 
-    /// The algorithm dispatch would pick for `bytes` of payload.
-    pub fn choose(&self, algo: AlgoChoice, bytes: usize) -> Algorithm {
+    /// The algorithm dispatch would pick for an all-reduce of `count` x `dtype`.
+    pub fn choose(&self, algo: AlgoChoice, count: usize, dtype: DType, op: ReduceOp) -> Algorithm {
         let ccl_allowed = self.inner.has_vendor && !self.inner.opts.deterministic;
-        self.inner.table.choose(algo, bytes, self.inner.world, ccl_allowed)
+        let quantize = self
+            .inner
+            .opts
+            .quantization
+            .codec(self.inner.device.facts().backend)
+            .filter(|_| quick_reduce_supports(dtype, op));
+        let bytes = count.saturating_mul(dtype.size());
+        self.inner
+            .table
+            .choose(algo, bytes, self.inner.world, ccl_allowed, quantize)
     }
 
     /// Whether NCCL/RCCL is loaded underneath this communicator.
@@ -267,10 +279,19 @@ impl<D: Device> Communicator<D> {
     ) -> Result<()> {
         check_supported(dtype, op)?;
         // Saturating: an overflowing count is rejected by `submit`'s size check.
-        let algorithm = self.choose(algo, count.saturating_mul(dtype.size()));
+        let algorithm = self.choose(algo, count, dtype, op);
         let Some(kind) = algorithm.kernel_kind() else {
             return self.submit_vendor(stream, input, output, count, dtype, op);
         };
+        if let Some(codec) = algorithm.codec() {
+            if !quick_reduce_supports(dtype, op) {
+                return Err(Error::Unsupported(format!(
+                    "{algorithm} reduces f16 or bf16 sums only, not {dtype} {op}"
+                )));
+            }
+            check_buffers(input, output, count, dtype)?;
+            return self.submit_ptrs(stream, kind, Some(codec), input.ptr(), output.ptr(), count, dtype, op, 0);
+        }
         self.submit(stream, kind, input, output, count, dtype, op, 0)
     }
 
@@ -311,6 +332,7 @@ impl<D: Device> Communicator<D> {
         self.submit_ptrs(
             &self.inner.stream,
             KernelKind::OneShot,
+            None,
             ptr,
             ptr,
             1,
@@ -385,7 +407,7 @@ impl<D: Device> Communicator<D> {
         root: usize,
     ) -> Result<()> {
         check_buffers(input, output, count, dtype)?;
-        self.submit_ptrs(stream, kind, input.ptr(), output.ptr(), count, dtype, op, root)
+        self.submit_ptrs(stream, kind, None, input.ptr(), output.ptr(), count, dtype, op, root)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -393,6 +415,7 @@ impl<D: Device> Communicator<D> {
         &self,
         stream: &D::Stream,
         kind: KernelKind,
+        codec: Option<Codec>,
         input: crate::device::DevicePtr,
         output: crate::device::DevicePtr,
         count: usize,
@@ -401,9 +424,19 @@ impl<D: Device> Communicator<D> {
         root: usize,
     ) -> Result<()> {
         // Holding the lock while enqueuing keeps launch order equal to call order.
-        let st = self.lock_active()?;
-        let res = st.res.as_ref().ok_or(Error::Finalized)?;
+        let mut st = self.lock_active()?;
         let inner = &*self.inner;
+        if codec.is_some() {
+            let res = st.res.as_mut().ok_or(Error::Finalized)?;
+            if res.qr_module.is_none() {
+                res.qr_module = Some(inner.device.load_module(&QUICK_REDUCE)?);
+            }
+        }
+        let res = st.res.as_ref().ok_or(Error::Finalized)?;
+        let module = match (&res.qr_module, codec) {
+            (Some(m), Some(_)) => m,
+            _ => &res.module,
+        };
         if count == 0 {
             return Ok(());
         }
@@ -421,10 +454,11 @@ impl<D: Device> Communicator<D> {
             root,
             input,
             output,
+            codec,
         };
         call.enqueue(
             &inner.device,
-            &res.module,
+            module,
             &inner.names,
             &inner.grids,
             &res.ws,
@@ -434,6 +468,11 @@ impl<D: Device> Communicator<D> {
             stream,
         )
     }
+}
+
+/// Whether quick-reduce can run an all-reduce of this dtype and op.
+fn quick_reduce_supports(dtype: DType, op: ReduceOp) -> bool {
+    QR_DTYPES.contains(&dtype) && op == ReduceOp::Sum
 }
 
 /// Bytes of `count` x `dtype`, if both buffers hold that many.

@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 
 /// Poison byte: 0x7F7F... is a huge finite number or NaN in every dtype and
 /// never a valid result of the inputs used here.
-const POISON: u8 = 0x7F;
+pub(super) const POISON: u8 = 0x7F;
 
 /// What the suite covers.
 #[derive(Debug, Clone)]
@@ -69,10 +69,10 @@ impl SuiteReport {
 /// multiple of 16 bytes, and around vector and segment boundaries.
 const MATRIX_COUNTS: [usize; 10] = [0, 1, 2, 3, 7, 17, 255, 1000, 4099, 65_541];
 
-struct Suite<'a, D: Device> {
-    comm: &'a Communicator<D>,
-    cfg: &'a SuiteConfig,
-    report: SuiteReport,
+pub(super) struct Suite<'a, D: Device> {
+    pub(super) comm: &'a Communicator<D>,
+    pub(super) cfg: &'a SuiteConfig,
+    pub(super) report: SuiteReport,
     /// Output hashes in case order, compared across ranks at the end.
     hashes: Vec<u64>,
 }
@@ -86,6 +86,7 @@ pub fn run_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &Sui
     s.random_sizes()?;
     s.broadcasts()?;
     s.graph_replay()?;
+    s.quick_reduce()?;
     comm.barrier()?.wait(Some(cfg.timeout))?;
     s.report.collectives += 1;
     s.compare_across_ranks(store)?;
@@ -102,6 +103,40 @@ pub fn run_smoke<D: Device>(comm: &Communicator<D>, cfg: &SuiteConfig) -> Result
     }
     s.broadcasts()?;
     s.graph_replay()?;
+    for codec in crate::algo::kernels::QR_CODECS {
+        s.qr_case::<bf16>(codec, 4099, false, true)?;
+    }
+    Ok(s.report)
+}
+
+/// Quick-reduce over several chunks, for a communicator created with small
+/// slots and `quantization` set: every codec at 2.5 chunks (in place and
+/// not), and dispatch picking quick-reduce for large f16/bf16 sums only (on
+/// GPUs; the host never picks it by itself).
+pub fn run_quick_reduce_chunked<D: Device>(comm: &Communicator<D>, cfg: &SuiteConfig) -> Result<SuiteReport> {
+    let mut s = Suite::new(comm, cfg);
+    let big = 64 << 20;
+    let auto = comm.choose(AlgoChoice::Auto, big, DType::BF16, ReduceOp::Sum);
+    let host = comm.device().facts().backend == crate::device::BackendKind::Host;
+    if auto.codec().is_none() && !host {
+        s.fail(format!("dispatch picked {auto} for a 128 MiB bf16 sum with quantization on"));
+    }
+    let plain = comm.choose(AlgoChoice::Auto, big, DType::F32, ReduceOp::Sum);
+    if plain.codec().is_some() {
+        s.fail(format!("dispatch picked {plain} for an f32 sum"));
+    }
+    let slot = comm.options().slot_bytes_for(comm.device().facts().backend);
+    for (k, codec) in crate::algo::kernels::QR_CODECS.into_iter().enumerate() {
+        let chunk = crate::algo::chunk_elems(
+            crate::algo::kernels::KernelKind::QuickReduce,
+            Some(codec),
+            slot,
+            comm.size(),
+            2,
+        );
+        s.qr_case::<bf16>(codec, chunk * 5 / 2 + 7, k % 2 == 0, true)?;
+        s.qr_case::<f16>(codec, chunk * 2, k % 2 == 1, false)?;
+    }
     Ok(s.report)
 }
 
@@ -228,7 +263,7 @@ impl<D: Device> Suite<'_, D> {
         Ok(())
     }
 
-    fn check<T: FromF64>(&mut self, case: &str, got: &[u8], want: &[T]) -> Result<()> {
+    pub(super) fn check<T: FromF64>(&mut self, case: &str, got: &[u8], want: &[T]) -> Result<()> {
         let got_t: Vec<T> = data::from_bytes(got);
         let wrong = data::count_wrong(&got_t, want);
         self.report.collectives += 1;
@@ -314,7 +349,7 @@ impl<D: Device> Suite<'_, D> {
             captured?;
             for replay in 0..self.cfg.graph_replays {
                 let case = format!("graph replay {replay} {algo} bf16 sum count={count} rank={rank}");
-                let seed = self.cfg.seed ^ ((replay as u64 + 1) * 7919) ^ algo as u64;
+                let seed = self.cfg.seed ^ ((replay as u64 + 1) * 7919) ^ data::hash_bytes(algo.name().as_bytes());
                 let input = data::make_input::<bf16>(seed, rank, 0, count, ReduceOp::Sum, Values::Random);
                 dev.memset(&out, 0, count * 2, POISON, &stream)?;
                 dev.copy_from_host(&inp, 0, &data::to_bytes(&input), &stream)?;
@@ -349,14 +384,14 @@ impl<D: Device> Suite<'_, D> {
         Ok(())
     }
 
-    fn fail(&mut self, msg: String) {
+    pub(super) fn fail(&mut self, msg: String) {
         if self.report.failures.len() < 50 {
             self.report.failures.push(msg);
         }
     }
 }
 
-fn context(e: Error, case: &str) -> Error {
+pub(super) fn context(e: Error, case: &str) -> Error {
     match e {
         Error::Timeout { what, after, missing } => Error::Timeout {
             what: format!("{what} ({case})"),
@@ -409,6 +444,45 @@ macro_rules! conformance_tests {
                     assert!(report.is_ok(), "rank {rank}: {:#?}", report.failures);
                     assert!(report.collectives > 100, "rank {rank} ran only {} collectives", report.collectives);
                 }
+            }
+
+            /// Quick-reduce over several chunks (1 MiB slots), opted in.
+            fn run_chunked(world: usize) {
+                let skip: Option<String> = $skip(world);
+                if let Some(reason) = skip {
+                    if std::env::var("FERROCOMM_REQUIRE_GPU").as_deref() == Ok("1") {
+                        panic!("FERROCOMM_REQUIRE_GPU=1 but {} cannot run: {reason}", stringify!($backend));
+                    }
+                    eprintln!("SKIPPED {} world {world}: {reason}", stringify!($backend));
+                    return;
+                }
+                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
+                let results = $crate::testing::harness::run_thread_ranks(world, |rank, world, store| {
+                    let dev = $make(rank)?;
+                    let opts = $crate::CommOptions::default()
+                        .with_timeout(cfg.timeout)
+                        .with_slot_bytes(1 << 20)
+                        .with_quantization($crate::codec::Quantization::Int4);
+                    let comm = $crate::Communicator::new(dev, store.clone(), rank, world, opts)?;
+                    let report = $crate::testing::conformance::run_quick_reduce_chunked(&comm, &cfg)?;
+                    comm.finalize()?;
+                    Ok(report)
+                });
+                for (rank, r) in results.into_iter().enumerate() {
+                    let report = r.unwrap_or_else(|e| panic!("rank {rank} failed: {e}"));
+                    assert!(report.is_ok(), "rank {rank}: {:#?}", report.failures);
+                }
+            }
+
+            #[test]
+            $(#[$attr])*
+            fn quick_reduce_chunked_world_2() {
+                run_chunked(2)
+            }
+            #[test]
+            $(#[$attr])*
+            fn quick_reduce_chunked_world_4() {
+                run_chunked(4)
             }
 
             #[test]

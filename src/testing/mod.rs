@@ -6,3 +6,4 @@ pub mod conformance;
 pub mod data;
 pub mod harness;
 pub mod launch;
+pub mod quick_reduce;
