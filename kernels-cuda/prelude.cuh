@@ -70,7 +70,7 @@ struct FcParams {
     fc_u32 dtype;
     fc_u32 op;
     fc_u32 root;                  // broadcast root
-    fc_u32 reserved;
+    fc_u32 aux;                   // quick-reduce: codec blocks per inbox segment
 };
 
 // Every field is naturally aligned and follows one of at least its alignment,
@@ -303,6 +303,12 @@ FC_DEVICE fc_u32 fc_shfl_xor(fc_u32 v, fc_u32 mask) { return __shfl_xor_sync(0xf
 FC_DEVICE float fc_fdiv(float a, float b) {
     float r;
     asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+// Correctly rounded f32 reciprocal (1.0f / x), cheaper than the division.
+FC_DEVICE float fc_frcp(float x) {
+    float r;
+    asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(x));
     return r;
 }
 // Round to the nearest integer, ties to even (rintf).

@@ -29,8 +29,9 @@ namespace fc {
 
 // ===========================================================================
 // Codecs (src/codec/mod.rs). CODE_BYTES: one 32-element block's codes.
-// DIV: the exact scale is absmax / DIV (the most negative code for integers,
-// the largest finite value for FP8).
+// div(): the exact scale is absmax / div() (the most negative code for
+// integers, the largest finite value for FP8); recip(): 1 / div() where that
+// is a power of two, so multiplying by it is the correctly rounded division.
 
 template <int C>
 struct QrCodec;
@@ -38,26 +39,31 @@ template <>
 struct QrCodec<FC_QR_INT4> {
     enum { INT = 1, FNUZ = 0, CODE_BYTES = 16, QMIN = -8, QMAX = 7, MASK = 0xf };
     FC_DEVICE float div() { return -8.0f; }
+    FC_DEVICE float recip() { return -0.125f; }
 };
 template <>
 struct QrCodec<FC_QR_INT6> {
     enum { INT = 1, FNUZ = 0, CODE_BYTES = 24, QMIN = -32, QMAX = 31, MASK = 0x3f };
     FC_DEVICE float div() { return -32.0f; }
+    FC_DEVICE float recip() { return -0.03125f; }
 };
 template <>
 struct QrCodec<FC_QR_INT8> {
     enum { INT = 1, FNUZ = 0, CODE_BYTES = 32, QMIN = -128, QMAX = 127, MASK = 0xff };
     FC_DEVICE float div() { return -128.0f; }
+    FC_DEVICE float recip() { return -0.0078125f; }
 };
 template <>
 struct QrCodec<FC_QR_FP8> {
     enum { INT = 0, FNUZ = 0, CODE_BYTES = 32, QMIN = 0, QMAX = 0, MASK = 0xff };
     FC_DEVICE float div() { return 448.0f; }
+    FC_DEVICE float recip() { return 0.0f; }
 };
 template <>
 struct QrCodec<FC_QR_FP8FNUZ> {
     enum { INT = 0, FNUZ = 1, CODE_BYTES = 32, QMIN = 0, QMAX = 0, MASK = 0xff };
     FC_DEVICE float div() { return 240.0f; }
+    FC_DEVICE float recip() { return 0.0f; }
 };
 
 // The canonical quiet NaN of the 16-bit type (src/codec Half16::NAN_BITS).
@@ -149,10 +155,10 @@ FC_DEVICE void qr_fp8_unpack2(fc_u32 two, float& lo, float& hi) {
 
 // ===========================================================================
 // One thread's part of a block: 8 elements' codes and the block's scale.
-// Layout inside a block's codes (thread j of the block holds elements
-// 8j..8j+7): INT4 `lo` = 8 nibbles at byte 4j; 8-bit codecs `lo`, `hi` = 8
-// bytes at byte 8j; INT6 `lo` = the low nibbles at byte 4j and `hi` = the
-// high 2-bit parts at byte 16 + 2j.
+// Thread j of a block holds elements 8j..8j+7: INT4 `lo` = 8 nibbles at
+// byte 4j of the block's codes; 8-bit codecs `lo`, `hi` = 8 bytes at byte
+// 8j; INT6 `lo` = the low nibbles at byte 4j of plane 0 (16 bytes a block)
+// and `hi` = the high 2-bit parts at byte 2j of plane 1 (8 bytes a block).
 struct QrCodes {
     fc_u32 lo, hi, scale;
 };
@@ -184,13 +190,13 @@ FC_DEVICE QrCodes qr_encode(const float (&x)[8]) {
         c.scale = qr_nan_bits(T());
         return c;
     }
-    float exact = fc_fdiv(fc_u32_as_f32(amax), K::div());
+    float exact = K::INT ? fc_fmul(fc_u32_as_f32(amax), K::recip()) : fc_fdiv(fc_u32_as_f32(amax), K::div());
     // Integers: the largest magnitude takes the most negative code, so flip
     // the scale's sign when that element is negative (only then).
     if (K::INT && neg > pos) exact = -exact;
     const fc_u16 sb = T::from_acc(exact);
     const float s = T::to_acc(sb);
-    const float inv = fc_fdiv(1.0f, s);
+    const float inv = fc_frcp(s);
     if ((fc_f32_as_u32(inv) & 0x7f800000u) == 0x7f800000u) return c; // scale 0 or tiny: the block is 0
     c.scale = sb;
     if (K::INT) {
@@ -270,8 +276,9 @@ FC_DEVICE fc_vec16 qr_decode_out(const QrCodes& c) {
 }
 
 // ===========================================================================
-// Encoded runs in memory: `blocks` blocks' codes, then their scales (`run`
-// is 16-byte aligned). Thread j (0..3) of block k.
+// Encoded runs in memory (src/codec): each code plane of `blocks` blocks in
+// turn, then their scales (`run` is 16-byte aligned). Thread j (0..3) of
+// block k; a warp's lanes touch contiguous bytes of every plane.
 
 template <int C>
 FC_DEVICE QrCodes qr_load_codes(const char* run, fc_u64 blocks, fc_u64 k, fc_u32 j) {
@@ -282,8 +289,8 @@ FC_DEVICE QrCodes qr_load_codes(const char* run, fc_u64 blocks, fc_u64 k, fc_u32
         c.lo = fc_load(reinterpret_cast<const fc_u32*>(at + 4u * j));
         c.hi = 0u;
     } else if (C == FC_QR_INT6) {
-        c.lo = fc_load(reinterpret_cast<const fc_u32*>(at + 4u * j));
-        c.hi = fc_load(reinterpret_cast<const fc_u16*>(at + 16u + 2u * j));
+        c.lo = fc_load(reinterpret_cast<const fc_u32*>(run + k * 16u + 4u * j));
+        c.hi = fc_load(reinterpret_cast<const fc_u16*>(run + blocks * 16u + k * 8u + 2u * j));
     } else {
         const fc_u64 w = fc_load(reinterpret_cast<const fc_u64*>(at + 8u * j));
         c.lo = (fc_u32)w;
@@ -300,8 +307,8 @@ FC_DEVICE void qr_store_codes(char* run, fc_u64 blocks, fc_u64 k, fc_u32 j, cons
     if (C == FC_QR_INT4) {
         fc_store(reinterpret_cast<fc_u32*>(at + 4u * j), c.lo);
     } else if (C == FC_QR_INT6) {
-        fc_store(reinterpret_cast<fc_u32*>(at + 4u * j), c.lo);
-        fc_store(reinterpret_cast<fc_u16*>(at + 16u + 2u * j), (fc_u16)c.hi);
+        fc_store(reinterpret_cast<fc_u32*>(run + k * 16u + 4u * j), c.lo);
+        fc_store(reinterpret_cast<fc_u16*>(run + blocks * 16u + k * 8u + 2u * j), (fc_u16)c.hi);
     } else {
         fc_store(reinterpret_cast<fc_u64*>(at + 8u * j), (fc_u64)c.lo | ((fc_u64)c.hi << 32));
     }
@@ -340,13 +347,14 @@ FC_DEVICE void qr_store_y(char* base, fc_u64 e, fc_u64 hi, bool aligned, const f
 // per chunk, the next chunk's first stage overlapping this chunk's gather.
 //
 // Geometry: inbox stride S = (slot_bytes / world) & ~255 bytes holds one
-// encoded segment of up to `capb` = S / (CODE_BYTES + 2) blocks (codes of
-// capb blocks, then capb scales: fixed positions whatever the chunk, so a
-// block touches the same bytes in every chunk). A full chunk is world
-// segments of cap = 32 * capb elements. Chunk c of n elements has segments
-// of seg = round_up(ceil(n / world), 32); block b owns elements
-// [b*per, (b+1)*per) of every segment, per = round_up(ceil(m / nb), 32) with
-// m = cap when the launch has several chunks, else seg.
+// encoded segment of up to `capb` = p.aux blocks (the host's choice, at most
+// S / (CODE_BYTES + 2); a run of capb blocks: fixed positions whatever the
+// chunk, so a block touches the same bytes in every chunk). A launch of count elements runs nchunk =
+// ceil(count / (world * 32 * capb)) chunks of `chunk` = ceil(count / nchunk)
+// rounded up to world * 32 elements (the last may be shorter). Chunk c of n
+// elements has segments of seg = round_up(ceil(n / world), 32); block b owns
+// elements [b*per, (b+1)*per) of every segment, per =
+// round_up(ceil(chunk / world / nb), 32).
 //
 // Per chunk c:
 //   S1(c): for every rank d, encode our piece of segment d into inbox [rank]
@@ -377,7 +385,7 @@ FC_DEVICE Range qr_piece(fc_u64 n, fc_u64 seg, fc_u64 per, fc_u32 d, fc_u32 b) {
 FC_DEVICE fc_u64 qr_groups(const Range& r) { return round_up32(r.hi - r.lo) / 8u; }
 
 // How many groups a thread handles per loop trip (loads issued together).
-#define FC_QR_UNROLL 2
+#define FC_QR_UNROLL 4
 
 template <int C, class T>
 FC_DEVICE void qr_stage1(const FcParams& p, fc_u64 first, fc_u64 n, fc_u64 seg, fc_u64 per, fc_u64 capb,
@@ -485,17 +493,17 @@ FC_DEVICE void qr_stage3(const FcParams& p, char* output, fc_u64 n, fc_u64 seg, 
 
 template <int C, class T>
 FC_DEVICE void quickreduce(const FcParams& p) {
-    typedef QrCodec<C> K;
     char* own = fc_ptr<char>(p.peer_ws[p.rank]);
     const fc_u32 e0 = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
     const fc_u32 b = fc_block_id();
     const fc_u32 nb = fc_grid_blocks();
     const fc_u32 world = p.world;
-    const fc_u64 capb = qr_stride(p) / (K::CODE_BYTES + 2u);
-    const fc_u64 cap = capb * 32u;
-    const fc_u64 chunk = cap * world;
-    const fc_u64 nchunk = div_ceil(p.count, chunk);
-    const fc_u64 per = round_up32(div_ceil(nchunk > 1 ? cap : round_up32(div_ceil(p.count, world)), nb));
+    const fc_u64 capb = p.aux; // codec blocks per segment (algo::layout::qr_segment_blocks)
+    // Equal chunks of at most world * 32 * capb elements (algo::layout::qr_chunking),
+    // so every block has work in every chunk.
+    const fc_u64 nchunk = p.count == 0 ? 1 : div_ceil(p.count, (fc_u64)world * 32u * capb);
+    const fc_u64 chunk = div_ceil(div_ceil(p.count, nchunk), (fc_u64)world * 32u) * world * 32u;
+    const fc_u64 per = round_up32(div_ceil(chunk / world, nb));
     const bool in_aligned = aligned16(p.input);
     const bool out_aligned = aligned16(p.output);
 

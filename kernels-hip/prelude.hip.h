@@ -94,7 +94,7 @@ struct FcParams {
     fc_u32 dtype;
     fc_u32 op;
     fc_u32 root;                  // broadcast root
-    fc_u32 reserved;
+    fc_u32 aux;    // quick-reduce: codec blocks per inbox segment
 };
 
 // No padding (every field follows one of at least its alignment), so the size
@@ -433,6 +433,8 @@ FC_DEVICE float fc_fdiv(float a, float b) {
 #pragma clang fp contract(off)
     return a / b;
 }
+// Correctly rounded f32 reciprocal (1.0f / x).
+FC_DEVICE float fc_frcp(float x) { return fc_fdiv(1.0f, x); }
 // Round to the nearest integer, ties to even (v_rndne_f32).
 FC_DEVICE float fc_rintf(float x) { return __builtin_rintf(x); }
 

@@ -3,11 +3,11 @@
 //! as the GPU kernels, with a grid of one block), using `crate::codec` for
 //! every block, so its bytes and its output are the reference.
 
-use crate::algo::layout::{qr_segment_blocks, qr_stride};
+use crate::algo::layout::{qr_chunking, qr_stride};
 use crate::codec::{self, Codec, Half16, BLOCK};
 use crate::device::{DevicePtr, KernelParams};
 
-use super::kernels::{chunks, copy_bytes, Launch};
+use super::kernels::{copy_bytes, Launch};
 
 /// Read `n` elements at `ptr` (any alignment).
 ///
@@ -43,11 +43,13 @@ impl Run {
         let cb = self.codec.code_bytes();
         let mut codes = [0u8; 32];
         let scale = codec::encode_block::<S>(self.codec, x, &mut codes[..cb]);
-        // SAFETY: block k's codes and scale lie inside the run.
+        // SAFETY: block k's code planes and scale lie inside the run.
         unsafe {
-            copy_bytes(self.at.offset(k * cb), DevicePtr(codes.as_ptr() as u64), cb);
+            for (run_at, block_at, len) in self.codec.code_ranges(self.blocks, k) {
+                copy_bytes(self.at.offset(run_at), DevicePtr(codes[block_at..].as_ptr() as u64), len);
+            }
             let s = scale.to_le_bytes();
-            copy_bytes(self.at.offset(self.blocks * cb + 2 * k), DevicePtr(s.as_ptr() as u64), 2);
+            copy_bytes(self.at.offset(self.codec.scale_offset(self.blocks, k)), DevicePtr(s.as_ptr() as u64), 2);
         }
     }
 
@@ -58,10 +60,12 @@ impl Run {
         let cb = self.codec.code_bytes();
         let mut codes = [0u8; 32];
         let mut s = [0u8; 2];
-        // SAFETY: block k's codes and scale lie inside the run.
+        // SAFETY: block k's code planes and scale lie inside the run.
         unsafe {
-            copy_bytes(DevicePtr(codes.as_mut_ptr() as u64), self.at.offset(k * cb), cb);
-            copy_bytes(DevicePtr(s.as_mut_ptr() as u64), self.at.offset(self.blocks * cb + 2 * k), 2);
+            for (run_at, block_at, len) in self.codec.code_ranges(self.blocks, k) {
+                copy_bytes(DevicePtr(codes[block_at..].as_mut_ptr() as u64), self.at.offset(run_at), len);
+            }
+            copy_bytes(DevicePtr(s.as_mut_ptr() as u64), self.at.offset(self.codec.scale_offset(self.blocks, k)), 2);
         }
         let mut out = [0f32; BLOCK];
         codec::decode_block::<S>(self.codec, &codes[..cb], u16::from_le_bytes(s), &mut out);
@@ -88,9 +92,9 @@ pub(super) unsafe fn all_reduce<S: Half16>(l: &Launch, codec: Codec) -> Option<u
     let world = l.world();
     let me = l.me();
     let stride = qr_stride(l.slot_bytes(), world);
-    let capb = qr_segment_blocks(codec.code_bytes(), l.slot_bytes(), world);
-    let chunk = world * BLOCK * capb;
-    let nchunk = chunks(count, chunk);
+    // Codec blocks per segment, as the host side of the algorithm chose it.
+    let capb = l.p.aux as usize;
+    let (chunk, nchunk) = qr_chunking(count, world * BLOCK * capb, world);
     // (first element, elements, segment) of chunk c.
     let geometry = |c: usize| {
         let first = c * chunk;

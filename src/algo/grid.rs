@@ -27,7 +27,12 @@ pub struct GridTable {
     cap: u32,
     /// Indexed like [`KernelKind::ALL`].
     rules: [GridRule; 7],
+    /// Quick-reduce's largest chunk of input (`FERROCOMM_QUICK_REDUCE_CHUNK_BYTES`).
+    qr_chunk_bytes: usize,
 }
+
+/// Quick-reduce's default largest chunk of input (see `GridTable::new`).
+pub const QR_CHUNK_BYTES: usize = 64 << 20;
 
 fn env_usize(name: &str, min: usize, max: usize) -> Result<Option<usize>> {
     match std::env::var(name) {
@@ -101,11 +106,18 @@ impl GridTable {
                 rule.bytes_per_block = n;
             }
         }
+        let qr_chunk_bytes = env_usize("FERROCOMM_QUICK_REDUCE_CHUNK_BYTES", 1 << 16, 1 << 40)?.unwrap_or(QR_CHUNK_BYTES);
         Ok(GridTable {
             host: facts.backend == BackendKind::Host,
             cap: (MAX_BLOCKS as u32).min(facts.multiprocessors).max(1),
             rules,
+            qr_chunk_bytes,
         })
+    }
+
+    /// Quick-reduce's largest chunk of input, in bytes.
+    pub fn qr_chunk_bytes(&self) -> usize {
+        self.qr_chunk_bytes
     }
 
     pub fn rule(&self, kind: KernelKind) -> GridRule {

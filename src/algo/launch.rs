@@ -97,14 +97,25 @@ pub fn fingerprint(call: &CollectiveCall, chunk: usize) -> u64 {
 /// Most elements one launch of `kind` may carry, for a workspace of
 /// `slot_bytes` per slot shared by `world` ranks (docs/protocol.md,
 /// "Chunking"). Depends only on what every rank agrees on.
-pub fn chunk_elems(kind: KernelKind, codec: Option<Codec>, slot_bytes: usize, world: usize, elem: usize) -> usize {
+/// Codec blocks per quick-reduce segment (`KernelParams::aux`).
+fn qr_blocks(codec: Option<Codec>, slot_bytes: usize, world: usize, chunk_bytes: usize) -> usize {
+    let code_bytes = codec.map_or(32, |c| c.code_bytes());
+    qr_segment_blocks(code_bytes, slot_bytes, world.max(1), chunk_bytes)
+}
+
+/// `chunk_bytes`: quick-reduce's largest chunk of input ([`GridTable::qr_chunk_bytes`]).
+pub fn chunk_elems(
+    kind: KernelKind,
+    codec: Option<Codec>,
+    slot_bytes: usize,
+    world: usize,
+    elem: usize,
+    chunk_bytes: usize,
+) -> usize {
     let world = world.max(1);
     let elems = match kind {
         // Whole segments of `capb` codec blocks each (docs/quick-reduce.md).
-        KernelKind::QuickReduce => {
-            let code_bytes = codec.map_or(32, |c| c.code_bytes());
-            world * BLOCK * qr_segment_blocks(code_bytes, slot_bytes, world)
-        }
+        KernelKind::QuickReduce => world * BLOCK * qr_blocks(codec, slot_bytes, world, chunk_bytes),
         KernelKind::OneShot | KernelKind::TwoShot | KernelKind::Broadcast => slot_bytes / elem,
         KernelKind::OneShotPush => push_oneshot_stride(slot_bytes, world) / elem,
         // Each source's inbox holds one segment; whole segments per launch.
@@ -143,7 +154,8 @@ impl CollectiveCall {
         stream: &D::Stream,
     ) -> Result<()> {
         let elem = self.dtype.size();
-        let chunk_elems = chunk_elems(self.kind, self.codec, ws.slot_bytes(), ws.world(), elem);
+        let chunk_bytes = grids.qr_chunk_bytes();
+        let chunk_elems = chunk_elems(self.kind, self.codec, ws.slot_bytes(), ws.world(), elem, chunk_bytes);
         let name = names.get(self.kind, self.dtype, self.op, self.codec);
         let base = KernelParams {
             peer_ws: ws.peer_ptrs(),
@@ -158,6 +170,7 @@ impl CollectiveCall {
             dtype: self.dtype as u32,
             op: self.op as u32,
             root: self.root as u32,
+            aux: qr_blocks(self.codec, ws.slot_bytes(), ws.world(), chunk_bytes) as u32,
             ..KernelParams::default()
         };
         debug_assert!(ws.own().len() >= DATA_OFFSET);

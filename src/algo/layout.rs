@@ -73,13 +73,35 @@ pub const fn qr_stride(slot_bytes: usize, world: usize) -> usize {
     (slot_bytes / world) & !255
 }
 
-/// Codec blocks one quick-reduce inbox holds: codes of `capb` blocks, then
-/// their `capb` scales.
-pub const fn qr_segment_blocks(code_bytes: usize, slot_bytes: usize, world: usize) -> usize {
-    qr_stride(slot_bytes, world) / (code_bytes + 2)
+/// Codec blocks per quick-reduce segment (a run of them fills at most one
+/// inbox): what fits the inbox, and no more than a chunk of `chunk_bytes` of
+/// 16-bit input needs (smaller chunks keep each chunk's encoded traffic in
+/// L2 and pipeline the stages).
+pub const fn qr_segment_blocks(code_bytes: usize, slot_bytes: usize, world: usize, chunk_bytes: usize) -> usize {
+    let fit = qr_stride(slot_bytes, world) / (code_bytes + 2);
+    let want = chunk_bytes / 2 / world / 32;
+    if fit < want {
+        fit
+    } else if want > 0 {
+        want
+    } else {
+        1
+    }
 }
 
-/// Per-source stride (bytes) of LL lines inside one parity's LL area.
+/// Quick-reduce's chunks for `count` elements when a chunk holds at most
+/// `cap` (a multiple of `32 * world`): (elements per chunk, chunks). The
+/// chunks are equal (the last may be shorter), so every GPU block has work in
+/// every chunk; a chunk is a multiple of `32 * world` elements.
+pub const fn qr_chunking(count: usize, cap: usize, world: usize) -> (usize, usize) {
+    let nchunk = count.div_ceil(cap);
+    if nchunk == 0 {
+        return (cap, 0);
+    }
+    (count.div_ceil(nchunk).next_multiple_of(32 * world), nchunk)
+}
+
+
 pub const fn ll_stride(slot_bytes: usize, world: usize) -> usize {
     (ll_parity_bytes(slot_bytes) / world) & !63
 }

@@ -4,16 +4,19 @@
 //! # Wire format
 //!
 //! Data is cut into blocks of [`BLOCK`] = 32 elements (the last one padded
-//! with zeros). A run of `B` blocks is encoded as `B` code blocks of
-//! [`Codec::code_bytes`] each, followed by `B` little-endian 16-bit scales:
+//! with zeros). A block's codes ([`Codec::code_bytes`]) are one or two
+//! planes ([`Codec::planes`]): INT4, INT8 and FP8 one (16, 32, 32 bytes),
+//! INT6 two (16 bytes of low nibbles, 8 bytes of high 2-bit parts). A run of
+//! `B` blocks stores each plane of every block in turn, then `B`
+//! little-endian 16-bit scales:
 //!
 //! ```text
-//! [codes of block 0][codes of block 1] ... [codes of block B-1][scale 0][scale 1] ... [scale B-1]
+//! [plane 0 of block 0] ... [plane 0 of block B-1]([plane 1 of block 0] ... [plane 1 of block B-1])[scale 0] ... [scale B-1]
 //! ```
 //!
-//! Codes and scales are apart so a GPU reads codes with 16-byte vectors. The
-//! scale has the input's 16-bit type (f16 for f16, bf16 for bf16), so every
-//! scale a block can need is representable.
+//! Planes and scales are apart so the lanes of a GPU warp, 8 elements each,
+//! touch contiguous memory. The scale has the input's 16-bit type (f16 for
+//! f16, bf16 for bf16), so every scale a block can need is representable.
 //!
 //! # Encoding one block (all arithmetic in f32, round to nearest even)
 //!
@@ -100,6 +103,32 @@ impl Codec {
     /// Bytes that `elems` elements encode to.
     pub const fn encoded_bytes(self, elems: usize) -> usize {
         elems.div_ceil(BLOCK) * (self.code_bytes() + 2)
+    }
+
+    /// Bytes of each plane of a block's codes (they add up to `code_bytes`).
+    pub const fn planes(self) -> &'static [usize] {
+        match self {
+            Codec::Int6 => &[16, 8],
+            Codec::Int4 => &[16],
+            Codec::Int8 | Codec::Fp8(_) => &[32],
+        }
+    }
+
+    /// Where block `k`'s codes lie in a run of `blocks` blocks: for each
+    /// plane, (offset in the run, offset in the block's codes, length).
+    pub fn code_ranges(self, blocks: usize, k: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+        let (mut run_at, mut block_at) = (0, 0);
+        self.planes().iter().map(move |&len| {
+            let r = (run_at + k * len, block_at, len);
+            run_at += blocks * len;
+            block_at += len;
+            r
+        })
+    }
+
+    /// Offset of block `k`'s scale in a run of `blocks` blocks.
+    pub const fn scale_offset(self, blocks: usize, k: usize) -> usize {
+        blocks * self.code_bytes() + 2 * k
     }
 
     fn int_range(self) -> Option<(i32, i32)> {
@@ -336,7 +365,7 @@ pub fn decode_block<S: Half16>(codec: Codec, codes: &[u8], scale_bits: u16, out:
     }
 }
 
-/// Encode a run of elements in the wire format (codes, then scales).
+/// Encode a run of elements in the wire format (code planes, then scales).
 pub fn encode<S: Half16>(codec: Codec, input: &[S], out: &mut [u8]) -> Result<()> {
     let blocks = input.len().div_ceil(BLOCK);
     if out.len() != codec.encoded_bytes(input.len()) {
@@ -348,16 +377,20 @@ pub fn encode<S: Half16>(codec: Codec, input: &[S], out: &mut [u8]) -> Result<()
             out.len()
         )));
     }
-    let (codes, scales) = out.split_at_mut(blocks * codec.code_bytes());
     let mut x = [0f32; BLOCK];
+    let mut codes = [0u8; 32];
+    let codes = &mut codes[..codec.code_bytes()];
     for (b, chunk) in input.chunks(BLOCK).enumerate() {
         x.fill(0.0);
         for (xi, v) in x.iter_mut().zip(chunk) {
             *xi = v.to_f32();
         }
-        let cb = codec.code_bytes();
-        let sb = encode_block::<S>(codec, &x, &mut codes[b * cb..(b + 1) * cb]);
-        scales[2 * b..2 * b + 2].copy_from_slice(&sb.to_le_bytes());
+        let sb = encode_block::<S>(codec, &x, codes);
+        for (run_at, block_at, len) in codec.code_ranges(blocks, b) {
+            out[run_at..run_at + len].copy_from_slice(&codes[block_at..block_at + len]);
+        }
+        let at = codec.scale_offset(blocks, b);
+        out[at..at + 2].copy_from_slice(&sb.to_le_bytes());
     }
     Ok(())
 }
@@ -374,11 +407,15 @@ pub fn decode<S: Half16>(codec: Codec, input: &[u8], out: &mut [f32]) -> Result<
             input.len()
         )));
     }
-    let (codes, scales) = input.split_at(blocks * codec.code_bytes());
-    let cb = codec.code_bytes();
+    let mut codes = [0u8; 32];
+    let codes = &mut codes[..codec.code_bytes()];
     for (b, chunk) in out.chunks_mut(BLOCK).enumerate() {
-        let sb = u16::from_le_bytes([scales[2 * b], scales[2 * b + 1]]);
-        decode_block::<S>(codec, &codes[b * cb..(b + 1) * cb], sb, chunk);
+        for (run_at, block_at, len) in codec.code_ranges(blocks, b) {
+            codes[block_at..block_at + len].copy_from_slice(&input[run_at..run_at + len]);
+        }
+        let at = codec.scale_offset(blocks, b);
+        let sb = u16::from_le_bytes([input[at], input[at + 1]]);
+        decode_block::<S>(codec, codes, sb, chunk);
     }
     Ok(())
 }

@@ -47,7 +47,8 @@ pub struct KernelParams {
     pub op: u32,
     /// Root rank for broadcast; unused elsewhere.
     pub root: u32,
-    pub reserved: u32,
+    /// Quick-reduce: codec blocks per inbox segment (`algo::layout::qr_segment_blocks`).
+    pub aux: u32,
 }
 
 /// Size of the ABI struct; the device headers assert the same number.

@@ -133,6 +133,7 @@ pub fn run_quick_reduce_chunked<D: Device>(comm: &Communicator<D>, cfg: &SuiteCo
             slot,
             comm.size(),
             2,
+            crate::algo::GridTable::new(comm.device().facts())?.qr_chunk_bytes(),
         );
         s.qr_case::<bf16>(codec, chunk * 5 / 2 + 7, k % 2 == 0, true)?;
         s.qr_case::<f16>(codec, chunk * 2, k % 2 == 1, false)?;
