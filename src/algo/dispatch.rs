@@ -219,7 +219,12 @@ impl DispatchTable {
                 // 3.4 ms, quick-reduce int4 44 ms). It stays reachable as
                 // `algo = quick-reduce-<codec>`, the reference for GPUs.
                 BackendKind::Host => usize::MAX,
-                BackendKind::Cuda | BackendKind::Hip => MIB,
+                // From 4 MiB every codec matches or beats the push two-shot on
+                // H200 (bf16, graph replay, us; BENCHMARKS.md):
+                //   w4  2 MiB: two-shot 19.2, int4 21.0, int8 22.0
+                //       4 MiB: two-shot 28.5, int4 25.0, int6 27.9, int8 27.6, fp8 28.8
+                //   w2  2 MiB: two-shot 14.7, int4 16.2; 4 MiB: 20.9 vs int4 18.8, int8 19.8
+                BackendKind::Cuda | BackendKind::Hip => 4 * MIB,
             }),
         }
     }

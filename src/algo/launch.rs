@@ -103,7 +103,7 @@ fn qr_blocks(codec: Option<Codec>, slot_bytes: usize, world: usize, chunk_bytes:
     qr_segment_blocks(code_bytes, slot_bytes, world.max(1), chunk_bytes)
 }
 
-/// `chunk_bytes`: quick-reduce's largest chunk of input ([`GridTable::qr_chunk_bytes`]).
+/// `chunk_bytes`: quick-reduce's largest chunk, encoded ([`GridTable::qr_chunk_bytes`]).
 pub fn chunk_elems(
     kind: KernelKind,
     codec: Option<Codec>,

@@ -74,12 +74,12 @@ pub const fn qr_stride(slot_bytes: usize, world: usize) -> usize {
 }
 
 /// Codec blocks per quick-reduce segment (a run of them fills at most one
-/// inbox): what fits the inbox, and no more than a chunk of `chunk_bytes` of
-/// 16-bit input needs (smaller chunks keep each chunk's encoded traffic in
-/// L2 and pipeline the stages).
+/// inbox): what fits the inbox, and no more than a chunk of `chunk_bytes`
+/// encoded bytes (all segments together) holds. Smaller chunks keep a
+/// chunk's inboxes and results in L2 (measured on H200, BENCHMARKS.md).
 pub const fn qr_segment_blocks(code_bytes: usize, slot_bytes: usize, world: usize, chunk_bytes: usize) -> usize {
     let fit = qr_stride(slot_bytes, world) / (code_bytes + 2);
-    let want = chunk_bytes / 2 / world / 32;
+    let want = chunk_bytes / world / (code_bytes + 2);
     if fit < want {
         fit
     } else if want > 0 {
