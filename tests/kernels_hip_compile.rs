@@ -40,7 +40,10 @@ const SHARED_BODY: &str = include_str!("../kernels-cuda/collectives.cu");
 const SHARED_FILES: [(&str, &str); 3] = [
     ("kernels-cuda/common.cuh", include_str!("../kernels-cuda/common.cuh")),
     ("kernels-cuda/collectives.cu", SHARED_BODY),
-    ("kernels-cuda/quickreduce.cu", include_str!("../kernels-cuda/quickreduce.cu")),
+    (
+        "kernels-cuda/quickreduce.cu",
+        include_str!("../kernels-cuda/quickreduce.cu"),
+    ),
 ];
 
 /// Threads per block the backend compiles for (`ferrocomm::algo::BLOCK_THREADS`).

@@ -17,8 +17,8 @@ use crate::algo::kernels::{
 use crate::algo::layout::{
     ll_parity_bytes, ll_stride, push_oneshot_stride, push_twoshot_stride, segment_elems, LL_FP_BYTES, MAX_BLOCKS,
 };
-use crate::device::{DevicePtr, KernelParams, ERR_CODE_MISMATCH, ERR_CODE_TIMEOUT, MAX_RANKS};
 use crate::codec::Codec;
+use crate::device::{DevicePtr, KernelParams, ERR_CODE_MISMATCH, ERR_CODE_TIMEOUT, MAX_RANKS};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -26,7 +26,11 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy)]
 pub(super) enum HostKernel {
     /// `fc_<kind>_<dtype>_<op>` of the collectives module.
-    Collective { kind: KernelKind, dtype: DType, op: ReduceOp },
+    Collective {
+        kind: KernelKind,
+        dtype: DType,
+        op: ReduceOp,
+    },
     /// `fc_qr_<codec>_<dtype>`: the quick-reduce all-reduce.
     QuickReduce { codec: Codec, dtype: DType },
     /// `fc_qr_encode_<codec>_<dtype>`: the codec alone.
@@ -79,7 +83,10 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
     } else if module == QUICK_REDUCE.name {
         for codec in QR_CODECS {
             for dtype in QR_DTYPES {
-                map.insert(quick_reduce_name(codec, dtype), HostKernel::QuickReduce { codec, dtype });
+                map.insert(
+                    quick_reduce_name(codec, dtype),
+                    HostKernel::QuickReduce { codec, dtype },
+                );
                 map.insert(qr_encode_name(codec, dtype), HostKernel::QrEncode { codec, dtype });
             }
         }

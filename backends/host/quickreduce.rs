@@ -46,10 +46,18 @@ impl Run {
         // SAFETY: block k's code planes and scale lie inside the run.
         unsafe {
             for (run_at, block_at, len) in self.codec.code_ranges(self.blocks, k) {
-                copy_bytes(self.at.offset(run_at), DevicePtr(codes[block_at..].as_ptr() as u64), len);
+                copy_bytes(
+                    self.at.offset(run_at),
+                    DevicePtr(codes[block_at..].as_ptr() as u64),
+                    len,
+                );
             }
             let s = scale.to_le_bytes();
-            copy_bytes(self.at.offset(self.codec.scale_offset(self.blocks, k)), DevicePtr(s.as_ptr() as u64), 2);
+            copy_bytes(
+                self.at.offset(self.codec.scale_offset(self.blocks, k)),
+                DevicePtr(s.as_ptr() as u64),
+                2,
+            );
         }
     }
 
@@ -63,9 +71,17 @@ impl Run {
         // SAFETY: block k's code planes and scale lie inside the run.
         unsafe {
             for (run_at, block_at, len) in self.codec.code_ranges(self.blocks, k) {
-                copy_bytes(DevicePtr(codes[block_at..].as_mut_ptr() as u64), self.at.offset(run_at), len);
+                copy_bytes(
+                    DevicePtr(codes[block_at..].as_mut_ptr() as u64),
+                    self.at.offset(run_at),
+                    len,
+                );
             }
-            copy_bytes(DevicePtr(s.as_mut_ptr() as u64), self.at.offset(self.codec.scale_offset(self.blocks, k)), 2);
+            copy_bytes(
+                DevicePtr(s.as_mut_ptr() as u64),
+                self.at.offset(self.codec.scale_offset(self.blocks, k)),
+                2,
+            );
         }
         let mut out = [0f32; BLOCK];
         codec::decode_block::<S>(self.codec, &codes[..cb], u16::from_le_bytes(s), &mut out);

@@ -294,10 +294,16 @@ mod tests {
                 assert_eq!(ladder.last().map(|s| s.max_bytes), Some(usize::MAX));
                 assert!(ladder.windows(2).all(|w| w[0].max_bytes < w[1].max_bytes));
                 assert!(ladder.iter().all(|s| Algorithm::CUSTOM.contains(&s.algo)));
-                assert_ne!(t.choose(AlgoChoice::Auto, usize::MAX, world, false, None), Algorithm::Ccl);
+                assert_ne!(
+                    t.choose(AlgoChoice::Auto, usize::MAX, world, false, None),
+                    Algorithm::Ccl
+                );
                 let qr = Algorithm::QuickReduce(Codec::Int4);
                 if backend != BackendKind::Host {
-                    assert_eq!(t.choose(AlgoChoice::Auto, 256 << 20, world, false, Some(Codec::Int4)), qr);
+                    assert_eq!(
+                        t.choose(AlgoChoice::Auto, 256 << 20, world, false, Some(Codec::Int4)),
+                        qr
+                    );
                 }
                 assert_ne!(t.choose(AlgoChoice::Auto, 1024, world, false, Some(Codec::Int4)), qr);
                 assert_ne!(t.choose(AlgoChoice::Auto, 256 << 20, world, false, None), qr);

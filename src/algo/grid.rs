@@ -111,7 +111,8 @@ impl GridTable {
                 rule.bytes_per_block = n;
             }
         }
-        let qr_chunk_bytes = env_usize("FERROCOMM_QUICK_REDUCE_CHUNK_BYTES", 1 << 16, 1 << 40)?.unwrap_or(QR_CHUNK_BYTES);
+        let qr_chunk_bytes =
+            env_usize("FERROCOMM_QUICK_REDUCE_CHUNK_BYTES", 1 << 16, 1 << 40)?.unwrap_or(QR_CHUNK_BYTES);
         Ok(GridTable {
             host: facts.backend == BackendKind::Host,
             cap: (MAX_BLOCKS as u32).min(facts.multiprocessors).max(1),

@@ -82,7 +82,8 @@ pub fn fingerprint(call: &CollectiveCall, chunk: usize) -> u64 {
         call.count as u64,
         chunk as u64,
         call.root as u64,
-        call.codec.map_or(0, |c| QR_CODECS.iter().position(|&x| x == c).unwrap_or(0) as u64 + 1),
+        call.codec
+            .map_or(0, |c| QR_CODECS.iter().position(|&x| x == c).unwrap_or(0) as u64 + 1),
     ];
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for w in words {

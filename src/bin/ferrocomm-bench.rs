@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use ferrocomm::algo::kernels::QR_DTYPES;
 use ferrocomm::algo::{AlgoChoice, Algorithm};
-use ferrocomm::codec::{self, Half16, Quantization};
 use ferrocomm::bootstrap::{store_all_gather, Store, TcpStore};
+use ferrocomm::codec::{self, Half16, Quantization};
 use ferrocomm::device::Device;
 use ferrocomm::testing::data::{self, Values};
 use ferrocomm::testing::launch::run_process_ranks;

@@ -290,7 +290,17 @@ impl<D: Device> Communicator<D> {
                 )));
             }
             check_buffers(input, output, count, dtype)?;
-            return self.submit_ptrs(stream, kind, Some(codec), input.ptr(), output.ptr(), count, dtype, op, 0);
+            return self.submit_ptrs(
+                stream,
+                kind,
+                Some(codec),
+                input.ptr(),
+                output.ptr(),
+                count,
+                dtype,
+                op,
+                0,
+            );
         }
         self.submit(stream, kind, input, output, count, dtype, op, 0)
     }

@@ -119,7 +119,9 @@ pub fn run_quick_reduce_chunked<D: Device>(comm: &Communicator<D>, cfg: &SuiteCo
     let auto = comm.choose(AlgoChoice::Auto, big, DType::BF16, ReduceOp::Sum);
     let host = comm.device().facts().backend == crate::device::BackendKind::Host;
     if auto.codec().is_none() && !host {
-        s.fail(format!("dispatch picked {auto} for a 128 MiB bf16 sum with quantization on"));
+        s.fail(format!(
+            "dispatch picked {auto} for a 128 MiB bf16 sum with quantization on"
+        ));
     }
     let plain = comm.choose(AlgoChoice::Auto, big, DType::F32, ReduceOp::Sum);
     if plain.codec().is_some() {

@@ -130,14 +130,19 @@ impl<D: Device> Suite<'_, D> {
         let dtype = <S as Half16>::DTYPE;
         let bytes = count * 2;
         let algo = Algorithm::QuickReduce(codec);
-        let case = format!("{algo} {dtype} count={count} in_place={in_place} special={special} world={world} rank={rank}");
+        let case =
+            format!("{algo} {dtype} count={count} in_place={in_place} special={special} world={world} rank={rank}");
         let seed = self.cfg.seed ^ data::hash_bytes(case.split(" rank=").next().unwrap_or("").as_bytes());
         let xs = inputs::<S>(seed, world, count, special);
         let refs: Vec<&[S]> = xs.iter().map(|x| x.as_slice()).collect();
         let want = codec::reference_all_reduce::<S>(codec, &refs);
 
         let inp = comm.alloc(bytes.max(1))?;
-        let out = if in_place { None } else { Some(comm.alloc(bytes.max(1))?) };
+        let out = if in_place {
+            None
+        } else {
+            Some(comm.alloc(bytes.max(1))?)
+        };
         let dst = out.as_ref().unwrap_or(&inp);
         comm.device().memset(dst, 0, bytes.max(1), POISON, comm.stream())?;
         comm.write(&inp, 0, &data::to_bytes(&xs[rank]))?;
