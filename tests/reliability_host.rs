@@ -94,7 +94,15 @@ fn world_too_large_or_bad_rank_is_an_error() {
     assert!(matches!(e, Some(Error::InvalidArgument(_))), "{e:?}");
     let e = Communicator::new(HostDevice::new(0).unwrap(), store.clone(), 0, 9, CommOptions::default()).err();
     assert!(matches!(e, Some(Error::Unsupported(_))), "{e:?}");
+    // Quick-reduce: opting in works; a dtype it cannot carry is refused, not
+    // silently run another way.
     let quantized = CommOptions::default().with_quantization(ferrocomm::codec::Quantization::Int4);
-    let e = Communicator::new(HostDevice::new(0).unwrap(), store, 0, 1, quantized).err();
+    let comm = Communicator::new(HostDevice::new(0).unwrap(), store, 0, 1, quantized).unwrap();
+    let buf = comm.alloc(64).unwrap();
+    let qr = ferrocomm::algo::AlgoChoice::Fixed(ferrocomm::algo::Algorithm::QuickReduce(ferrocomm::codec::Codec::Int4));
+    let e = comm
+        .all_reduce_with(qr, &buf, &buf, 16, DType::F32, ReduceOp::Sum)
+        .err();
     assert!(matches!(e, Some(Error::Unsupported(_))), "{e:?}");
+    comm.finalize().unwrap();
 }

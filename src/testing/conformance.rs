@@ -16,7 +16,7 @@ use half::{bf16, f16};
 use super::data::{self, FromF64, Values};
 use crate::algo::{AlgoChoice, Algorithm};
 use crate::bootstrap::{store_all_gather, Store};
-use crate::comm::Communicator;
+use crate::comm::{CommOptions, Communicator};
 use crate::device::Device;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -405,6 +405,53 @@ pub(super) fn context(e: Error, case: &str) -> Error {
     }
 }
 
+/// Run `suite` on `world` thread ranks sharing an in-process store, each
+/// with a communicator made by `make(rank)` and `opts` applied to the
+/// defaults, and assert every rank passed with at least `min_collectives`.
+/// `skip` (a reason) skips with a message, or fails when
+/// `FERROCOMM_REQUIRE_GPU=1`. The body of [`conformance_tests!`].
+#[allow(clippy::too_many_arguments)]
+pub fn run_thread_suite<D: Device>(
+    backend: &str,
+    world: usize,
+    skip: Option<String>,
+    make: &(dyn Fn(usize) -> Result<D> + Sync),
+    opts: impl Fn(CommOptions) -> CommOptions + Sync,
+    suite: impl Fn(&Communicator<D>, &dyn Store, &SuiteConfig) -> Result<SuiteReport> + Sync,
+    cfg: &SuiteConfig,
+    min_collectives: usize,
+) {
+    if let Some(reason) = skip {
+        if std::env::var("FERROCOMM_REQUIRE_GPU").as_deref() == Ok("1") {
+            panic!("FERROCOMM_REQUIRE_GPU=1 but {backend} cannot run: {reason}");
+        }
+        eprintln!("SKIPPED {backend} world {world}: {reason}");
+        return;
+    }
+    let results = super::harness::run_thread_ranks(world, |rank, world, store| {
+        let dev = make(rank)?;
+        let comm = Communicator::new(
+            dev,
+            store.clone(),
+            rank,
+            world,
+            opts(CommOptions::default().with_timeout(cfg.timeout)),
+        )?;
+        let report = suite(&comm, store.as_ref(), cfg)?;
+        comm.finalize()?;
+        Ok(report)
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let report = r.unwrap_or_else(|e| panic!("rank {rank} failed: {e}"));
+        assert!(report.is_ok(), "rank {rank}: {:#?}", report.failures);
+        assert!(
+            report.collectives >= min_collectives,
+            "rank {rank} ran only {} collectives",
+            report.collectives
+        );
+    }
+}
+
 /// Instantiate the conformance tests for a backend: thread ranks at worlds
 /// 2, 3, 4 and 8 sharing an in-process store. `$make` builds the device for a
 /// rank: `|rank| -> Result<D>`; `$skip` returns `Some(reason)` to skip with
@@ -425,56 +472,32 @@ macro_rules! conformance_tests {
             use super::*;
 
             fn run(world: usize) {
-                let skip: Option<String> = $skip(world);
-                if let Some(reason) = skip {
-                    if std::env::var("FERROCOMM_REQUIRE_GPU").as_deref() == Ok("1") {
-                        panic!("FERROCOMM_REQUIRE_GPU=1 but {} cannot run: {reason}", stringify!($backend));
-                    }
-                    eprintln!("SKIPPED {} world {world}: {reason}", stringify!($backend));
-                    return;
-                }
                 let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
-                let results = $crate::testing::harness::run_thread_ranks(world, |rank, world, store| {
-                    let dev = $make(rank)?;
-                    let opts = $crate::CommOptions::default().with_timeout(cfg.timeout);
-                    let comm = $crate::Communicator::new(dev, store.clone(), rank, world, opts)?;
-                    let report = $crate::testing::conformance::run_suite(&comm, store.as_ref(), &cfg)?;
-                    comm.finalize()?;
-                    Ok(report)
-                });
-                for (rank, r) in results.into_iter().enumerate() {
-                    let report = r.unwrap_or_else(|e| panic!("rank {rank} failed: {e}"));
-                    assert!(report.is_ok(), "rank {rank}: {:#?}", report.failures);
-                    assert!(report.collectives > 100, "rank {rank} ran only {} collectives", report.collectives);
-                }
+                $crate::testing::conformance::run_thread_suite(
+                    stringify!($backend),
+                    world,
+                    $skip(world),
+                    &$make,
+                    |o| o,
+                    |comm, store, cfg| $crate::testing::conformance::run_suite(comm, store, cfg),
+                    &cfg,
+                    100,
+                );
             }
 
             /// Quick-reduce over several chunks (1 MiB slots), opted in.
             fn run_chunked(world: usize) {
-                let skip: Option<String> = $skip(world);
-                if let Some(reason) = skip {
-                    if std::env::var("FERROCOMM_REQUIRE_GPU").as_deref() == Ok("1") {
-                        panic!("FERROCOMM_REQUIRE_GPU=1 but {} cannot run: {reason}", stringify!($backend));
-                    }
-                    eprintln!("SKIPPED {} world {world}: {reason}", stringify!($backend));
-                    return;
-                }
                 let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
-                let results = $crate::testing::harness::run_thread_ranks(world, |rank, world, store| {
-                    let dev = $make(rank)?;
-                    let opts = $crate::CommOptions::default()
-                        .with_timeout(cfg.timeout)
-                        .with_slot_bytes(1 << 20)
-                        .with_quantization($crate::codec::Quantization::Int4);
-                    let comm = $crate::Communicator::new(dev, store.clone(), rank, world, opts)?;
-                    let report = $crate::testing::conformance::run_quick_reduce_chunked(&comm, &cfg)?;
-                    comm.finalize()?;
-                    Ok(report)
-                });
-                for (rank, r) in results.into_iter().enumerate() {
-                    let report = r.unwrap_or_else(|e| panic!("rank {rank} failed: {e}"));
-                    assert!(report.is_ok(), "rank {rank}: {:#?}", report.failures);
-                }
+                $crate::testing::conformance::run_thread_suite(
+                    stringify!($backend),
+                    world,
+                    $skip(world),
+                    &$make,
+                    |o| o.with_slot_bytes(1 << 20).with_quantization($crate::codec::Quantization::Int4),
+                    |comm, _, cfg| $crate::testing::conformance::run_quick_reduce_chunked(comm, cfg),
+                    &cfg,
+                    1,
+                );
             }
 
             #[test]
