@@ -470,7 +470,7 @@ unsafe fn broadcast<T: Element>(l: &Launch) -> bool {
 }
 
 /// Chunks of `cap` elements that one whole-call launch of `n` elements runs.
-pub(super) fn chunks(n: usize, cap: usize) -> usize {
+fn chunks(n: usize, cap: usize) -> usize {
     n.div_ceil(cap.max(1))
 }
 

@@ -40,9 +40,16 @@ impl Run {
     ///
     /// # Safety: the run's memory is live and writable.
     unsafe fn put<S: Half16>(&self, k: usize, x: &[f32; BLOCK]) {
-        let cb = self.codec.code_bytes();
-        let mut codes = [0u8; 32];
-        let scale = codec::encode_block::<S>(self.codec, x, &mut codes[..cb]);
+        let block = Encoded::of::<S>(self.codec, x);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.put_encoded(k, &block) };
+    }
+
+    /// Store an encoded block as block `k`.
+    ///
+    /// # Safety: the run's memory is live and writable.
+    unsafe fn put_encoded(&self, k: usize, block: &Encoded) {
+        let (codes, scale) = (&block.codes, block.scale);
         // SAFETY: block k's code planes and scale lie inside the run.
         unsafe {
             for (run_at, block_at, len) in self.codec.code_ranges(self.blocks, k) {
@@ -61,11 +68,10 @@ impl Run {
         }
     }
 
-    /// Decode block `k` to f32.
+    /// Load block `k`.
     ///
     /// # Safety: the run's memory is live.
-    unsafe fn get<S: Half16>(&self, k: usize) -> [f32; BLOCK] {
-        let cb = self.codec.code_bytes();
+    unsafe fn get(&self, k: usize) -> Encoded {
         let mut codes = [0u8; 32];
         let mut s = [0u8; 2];
         // SAFETY: block k's code planes and scale lie inside the run.
@@ -83,9 +89,36 @@ impl Run {
                 2,
             );
         }
-        let mut out = [0f32; BLOCK];
-        codec::decode_block::<S>(self.codec, &codes[..cb], u16::from_le_bytes(s), &mut out);
-        out
+        Encoded {
+            codes,
+            scale: u16::from_le_bytes(s),
+        }
+    }
+}
+
+/// One encoded block: its codes (the first `code_bytes`) and scale bits.
+struct Encoded {
+    codes: [u8; 32],
+    scale: u16,
+}
+
+impl Encoded {
+    fn of<S: Half16>(codec: Codec, x: &[f32; BLOCK]) -> Self {
+        let mut codes = [0u8; 32];
+        let scale = codec::encode_block::<S>(codec, x, &mut codes[..codec.code_bytes()]);
+        Encoded { codes, scale }
+    }
+
+    /// Decoded values, in f32 (what the owner sums).
+    fn values<S: Half16>(&self, codec: Codec) -> [f32; BLOCK] {
+        let mut y = [0f32; BLOCK];
+        codec::decode_block::<S>(codec, &self.codes[..codec.code_bytes()], self.scale, &mut y);
+        y
+    }
+
+    /// Decoded values, rounded to `S` (what lands in the output).
+    fn decode<S: Half16>(&self, codec: Codec) -> [S; BLOCK] {
+        self.values::<S>(codec).map(S::from_f32)
     }
 }
 
@@ -159,7 +192,7 @@ pub(super) unsafe fn all_reduce<S: Half16>(l: &Launch, codec: Codec) -> Option<u
             let mut acc = [0f32; BLOCK];
             for src in 0..world {
                 // SAFETY: inbox [src] holds this segment's blocks.
-                let y = unsafe { run(me, &l, 0, src).get::<S>(b) };
+                let y = unsafe { run(me, &l, 0, src).get(b) }.values::<S>(codec);
                 for (a, y) in acc.iter_mut().zip(y) {
                     *a = if src == 0 { y } else { *a + y };
                 }
@@ -168,16 +201,12 @@ pub(super) unsafe fn all_reduce<S: Half16>(l: &Launch, codec: Codec) -> Option<u
             for (m, a) in mid.iter_mut().zip(acc).take(valid) {
                 *m = S::from_f32(a).to_f32();
             }
+            let block = Encoded::of::<S>(codec, &mid);
             for k in 1..world {
                 // SAFETY: result slot [me] of every peer holds capb blocks.
-                unsafe { run((me + k) % world, &l, 1, me).put::<S>(b, &mid) };
+                unsafe { run((me + k) % world, &l, 1, me).put_encoded(b, &block) };
             }
-            let mut codes = [0u8; 32];
-            let cb = codec.code_bytes();
-            let scale = codec::encode_block::<S>(codec, &mid, &mut codes[..cb]);
-            let mut y = [0f32; BLOCK];
-            codec::decode_block::<S>(codec, &codes[..cb], scale, &mut y);
-            out.extend(y[..valid].iter().map(|&v| S::from_f32(v)));
+            out.extend_from_slice(&block.decode::<S>(codec)[..valid]);
         }
         // SAFETY: our segment lies inside the output chunk.
         unsafe { write_elems(output.offset(a * 2), &out) };
@@ -194,8 +223,8 @@ pub(super) unsafe fn all_reduce<S: Half16>(l: &Launch, codec: Codec) -> Option<u
             let mut out = Vec::with_capacity(len);
             for b in 0..len.div_ceil(BLOCK) {
                 // SAFETY: result slot [r] holds segment r's blocks.
-                let y = unsafe { run(me, &l, 1, r).get::<S>(b) };
-                out.extend(y[..BLOCK.min(len - b * BLOCK)].iter().map(|&v| S::from_f32(v)));
+                let y = unsafe { run(me, &l, 1, r).get(b) }.decode::<S>(codec);
+                out.extend_from_slice(&y[..BLOCK.min(len - b * BLOCK)]);
             }
             // SAFETY: segment r lies inside the output chunk.
             unsafe { write_elems(output.offset(a * 2), &out) };

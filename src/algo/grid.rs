@@ -83,8 +83,8 @@ fn default_rule(kind: KernelKind) -> GridRule {
         // replay: w2 256 KiB 9.44 vs 10.43 us, 1 MiB 11.28 vs 11.47; w4 1 MiB
         // 14.12 vs 14.23; equal from 2 MiB up, where 128 blocks are reached).
         KernelKind::TwoShotPush => (16 << 10, 128, 0),
-        // Quick-reduce: as the push two-shot (it runs from 1 MiB up, where
-        // that means 64..128 blocks).
+        // Quick-reduce: as the push two-shot (dispatch takes it from 4 MiB
+        // up, where that means 128 blocks).
         KernelKind::QuickReduce => (16 << 10, 128, 0),
     };
     GridRule {

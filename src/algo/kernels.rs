@@ -126,6 +126,11 @@ pub const QR_CODECS: [Codec; 5] = [
     Codec::Int4,
 ];
 
+/// A codec's position in [`QR_CODECS`] (every codec has one).
+pub fn qr_codec_index(codec: Codec) -> usize {
+    QR_CODECS.iter().position(|&c| c == codec).unwrap_or(0)
+}
+
 /// `fc_qr_<codec>_<dtype>`: the quick-reduce all-reduce (sum).
 pub fn quick_reduce_name(codec: Codec, dtype: DType) -> String {
     format!("fc_qr_{}_{}", codec.name(), dtype.name())

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::grid::GridTable;
-use super::kernels::{kernel_name, quick_reduce_name, KernelKind, QR_CODECS, QR_DTYPES};
+use super::kernels::{kernel_name, qr_codec_index, quick_reduce_name, KernelKind, QR_CODECS, QR_DTYPES};
 use super::layout::{
     ll_stride, push_oneshot_stride, push_twoshot_stride, qr_segment_blocks, segment_elems, DATA_OFFSET, FLAGS_OFFSET,
     FP_OFFSET,
@@ -44,7 +44,7 @@ impl KernelNames {
     /// The entry point of a call: quick-reduce names carry the codec.
     pub fn get(&self, kind: KernelKind, dtype: DType, op: ReduceOp, codec: Option<Codec>) -> &str {
         if let (KernelKind::QuickReduce, Some(codec)) = (kind, codec) {
-            let c = QR_CODECS.iter().position(|&x| x == codec).unwrap_or(0);
+            let c = qr_codec_index(codec);
             let d = QR_DTYPES.iter().position(|&x| x == dtype).unwrap_or(0);
             return &self.qr[c * QR_DTYPES.len() + d];
         }
@@ -82,8 +82,7 @@ pub fn fingerprint(call: &CollectiveCall, chunk: usize) -> u64 {
         call.count as u64,
         chunk as u64,
         call.root as u64,
-        call.codec
-            .map_or(0, |c| QR_CODECS.iter().position(|&x| x == c).unwrap_or(0) as u64 + 1),
+        call.codec.map_or(0, |c| qr_codec_index(c) as u64 + 1),
     ];
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for w in words {
@@ -95,16 +94,16 @@ pub fn fingerprint(call: &CollectiveCall, chunk: usize) -> u64 {
     h
 }
 
-/// Most elements one launch of `kind` may carry, for a workspace of
-/// `slot_bytes` per slot shared by `world` ranks (docs/protocol.md,
-/// "Chunking"). Depends only on what every rank agrees on.
 /// Codec blocks per quick-reduce segment (`KernelParams::aux`).
 fn qr_blocks(codec: Option<Codec>, slot_bytes: usize, world: usize, chunk_bytes: usize) -> usize {
     let code_bytes = codec.map_or(32, |c| c.code_bytes());
     qr_segment_blocks(code_bytes, slot_bytes, world.max(1), chunk_bytes)
 }
 
-/// `chunk_bytes`: quick-reduce's largest chunk, encoded ([`GridTable::qr_chunk_bytes`]).
+/// Most elements one launch of `kind` may carry, for a workspace of
+/// `slot_bytes` per slot shared by `world` ranks (docs/protocol.md,
+/// "Chunking"). Depends only on what every rank agrees on. `chunk_bytes`:
+/// quick-reduce's largest chunk, encoded ([`GridTable::qr_chunk_bytes`]).
 pub fn chunk_elems(
     kind: KernelKind,
     codec: Option<Codec>,
@@ -171,7 +170,10 @@ impl CollectiveCall {
             dtype: self.dtype as u32,
             op: self.op as u32,
             root: self.root as u32,
-            aux: qr_blocks(self.codec, ws.slot_bytes(), ws.world(), chunk_bytes) as u32,
+            aux: match self.codec {
+                Some(_) => qr_blocks(self.codec, ws.slot_bytes(), ws.world(), chunk_bytes) as u32,
+                None => 0,
+            },
             ..KernelParams::default()
         };
         debug_assert!(ws.own().len() >= DATA_OFFSET);

@@ -101,6 +101,7 @@ pub const fn qr_chunking(count: usize, cap: usize, world: usize) -> (usize, usiz
     (count.div_ceil(nchunk).next_multiple_of(32 * world), nchunk)
 }
 
+/// Per-source stride (bytes) of LL lines inside one parity's LL area.
 pub const fn ll_stride(slot_bytes: usize, world: usize) -> usize {
     (ll_parity_bytes(slot_bytes) / world) & !63
 }

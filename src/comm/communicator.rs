@@ -283,26 +283,13 @@ impl<D: Device> Communicator<D> {
         let Some(kind) = algorithm.kernel_kind() else {
             return self.submit_vendor(stream, input, output, count, dtype, op);
         };
-        if let Some(codec) = algorithm.codec() {
-            if !quick_reduce_supports(dtype, op) {
-                return Err(Error::Unsupported(format!(
-                    "{algorithm} reduces f16 or bf16 sums only, not {dtype} {op}"
-                )));
-            }
-            check_buffers(input, output, count, dtype)?;
-            return self.submit_ptrs(
-                stream,
-                kind,
-                Some(codec),
-                input.ptr(),
-                output.ptr(),
-                count,
-                dtype,
-                op,
-                0,
-            );
+        let codec = algorithm.codec();
+        if codec.is_some() && !quick_reduce_supports(dtype, op) {
+            return Err(Error::Unsupported(format!(
+                "{algorithm} reduces f16 or bf16 sums only, not {dtype} {op}"
+            )));
         }
-        self.submit(stream, kind, input, output, count, dtype, op, 0)
+        self.submit(stream, kind, codec, input, output, count, dtype, op, 0)
     }
 
     /// Copy `count` elements of `input` on `root` into `output` on every rank.
@@ -323,6 +310,7 @@ impl<D: Device> Communicator<D> {
         self.submit(
             &self.inner.stream,
             KernelKind::Broadcast,
+            None,
             input,
             output,
             count,
@@ -409,6 +397,7 @@ impl<D: Device> Communicator<D> {
         &self,
         stream: &D::Stream,
         kind: KernelKind,
+        codec: Option<Codec>,
         input: &D::Buffer,
         output: &D::Buffer,
         count: usize,
@@ -417,7 +406,7 @@ impl<D: Device> Communicator<D> {
         root: usize,
     ) -> Result<()> {
         check_buffers(input, output, count, dtype)?;
-        self.submit_ptrs(stream, kind, None, input.ptr(), output.ptr(), count, dtype, op, root)
+        self.submit_ptrs(stream, kind, codec, input.ptr(), output.ptr(), count, dtype, op, root)
     }
 
     #[allow(clippy::too_many_arguments)]
