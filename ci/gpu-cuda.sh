@@ -16,7 +16,7 @@ STEPS="${*:-tests sanitizer bench qrbench baseline}"
 LOG="${OUT:-$PWD/gpu-logs}"
 mkdir -p "$LOG"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export FERROCOMM_REQUIRE_GPU=1 FERROCOMM_WORKER_EXE="$BIN/ferrocomm-worker"
+export FERROCOMM_REQUIRE_GPU=1 FERROCOMM_TEST_FULL=1 FERROCOMM_WORKER_EXE="$BIN/ferrocomm-worker"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PATH="/usr/local/cuda/bin:$PATH"
 NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"

@@ -33,6 +33,8 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 #[doc(hidden)]
+pub mod log;
+#[doc(hidden)]
 pub mod testing;
 
 pub use comm::{CommOptions, Communicator, Work};

@@ -14,8 +14,16 @@ fn run(args: &[&str], world: usize, timeout_secs: u64) -> Vec<RankOutput> {
 }
 
 fn conformance(world: usize) {
+    // Ranks as processes exercise what threads do not (fd passing, the TCP
+    // store, separate address spaces); the large payloads are the thread
+    // suite's, unless the full sweep is asked for.
+    let max_bytes = if ferrocomm::testing::conformance::full_sweep() {
+        "67108864"
+    } else {
+        "4194304"
+    };
     let outs = run(
-        &["conformance", "--backend", "host", "--timeout-secs", "60"],
+        &["conformance", "--backend", "host", "--timeout-secs", "60", "--max-bytes", max_bytes],
         world,
         600,
     );

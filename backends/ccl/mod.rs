@@ -674,8 +674,10 @@ impl Drop for CclComm {
             }
         };
         if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
-            eprintln!(
-                "ferrocomm: {} {} failed while dropping a communicator: {}",
+            // Nobody receives a Result from Drop: the one place this is told.
+            crate::fc_log!(
+                tracing::Level::ERROR,
+                "{} {} failed while dropping a communicator: {}",
                 self.lib.flavor.name(),
                 if finished { "ncclCommDestroy" } else { "ncclCommAbort" },
                 self.lib.result_string(r)

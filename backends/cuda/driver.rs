@@ -344,8 +344,9 @@ pub(super) fn drop_check(call: &'static str, r: sys::CUresult) {
     }
     DROP_ERRORS.fetch_add(1, Ordering::Relaxed);
     if !DROP_ERROR_PRINTED.swap(true, Ordering::Relaxed) {
-        eprintln!(
-            "ferrocomm: cuda {call} failed while releasing a resource: {} (later release errors are only counted)",
+        crate::fc_log!(
+            tracing::Level::ERROR,
+            "cuda {call} failed while releasing a resource: {} (later release errors are only counted)",
             describe(r)
         );
     }

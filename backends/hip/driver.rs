@@ -635,8 +635,9 @@ pub(super) fn drop_check(call: &'static str, r: HipError) {
     clear_last_error();
     DROP_ERRORS.fetch_add(1, Ordering::Relaxed);
     if !DROP_ERROR_PRINTED.swap(true, Ordering::Relaxed) {
-        eprintln!(
-            "ferrocomm: hip {call} failed while releasing a resource: {} (later release errors are only counted)",
+        crate::fc_log!(
+            tracing::Level::ERROR,
+            "hip {call} failed while releasing a resource: {} (later release errors are only counted)",
             describe(r)
         );
     }

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 
+use super::futex;
 use super::quickreduce;
+use super::reduce::{Lanes, Tiles};
 use crate::algo::kernels::{
     collective_kernel_names, kernel_name, qr_encode_name, quick_reduce_kernel_names, quick_reduce_name, KernelKind,
     COLLECTIVES, QR_CODECS, QR_DTYPES, QUICK_REDUCE,
@@ -19,7 +21,7 @@ use crate::algo::layout::{
 };
 use crate::codec::Codec;
 use crate::device::{DevicePtr, KernelParams, ERR_CODE_MISMATCH, ERR_CODE_TIMEOUT, MAX_RANKS};
-use crate::dtype::{DType, Element, ReduceOp};
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
 /// A host entry point, as its name fixes it.
@@ -109,18 +111,6 @@ unsafe fn atomic_u32<'a>(addr: DevicePtr) -> &'a AtomicU32 {
 unsafe fn atomic_u64<'a>(addr: DevicePtr) -> &'a AtomicU64 {
     // SAFETY: guaranteed by the caller; AtomicU64 has u64's layout.
     unsafe { &*(addr.0 as *const AtomicU64) }
-}
-
-/// # Safety: `base + i*size_of::<T>()` is a live element.
-unsafe fn load<T: Copy>(base: DevicePtr, i: usize) -> T {
-    // SAFETY: guaranteed by the caller; user buffers need not be aligned.
-    unsafe { (base.0 as *const T).add(i).read_unaligned() }
-}
-
-/// # Safety: `base + i*size_of::<T>()` is a live, writable element.
-unsafe fn store<T: Copy>(base: DevicePtr, i: usize, v: T) {
-    // SAFETY: guaranteed by the caller.
-    unsafe { (base.0 as *mut T).add(i).write_unaligned(v) }
 }
 
 /// # Safety: both ranges are live; `dst` writable. Ranges may overlap (in place).
@@ -228,7 +218,9 @@ impl Launch<'_> {
                     atomic_u64(self.fp_addr(ws, me)).store(self.p.fingerprint, Ordering::Relaxed);
                 }
                 // Release: our data writes (and the fingerprint) happen-before the flag.
-                atomic_u32(self.flag_addr(ws, phase, me)).store(self.epoch, Ordering::Release);
+                let flag = atomic_u32(self.flag_addr(ws, phase, me));
+                flag.store(self.epoch, Ordering::Release);
+                futex::wake_all(flag);
             }
         }
     }
@@ -237,12 +229,10 @@ impl Launch<'_> {
     /// on a deadline or a fingerprint mismatch.
     pub(super) fn wait(&self, phase: usize) -> bool {
         let own = self.own_ws();
-        let arrived = |s: usize| {
-            // SAFETY: flag slot inside our own live workspace.
-            let f = unsafe { atomic_u32(self.flag_addr(own, phase, s)) }.load(Ordering::Acquire);
-            f.wrapping_sub(self.epoch) as i32 >= 0
-        };
-        if !self.spin_all(arrived) {
+        // SAFETY: flag slots inside our own live workspace.
+        let flag = |s: usize| unsafe { atomic_u32(self.flag_addr(own, phase, s)) };
+        let arrived = |s: usize| flag(s).load(Ordering::Acquire).wrapping_sub(self.epoch) as i32 >= 0;
+        if !self.spin_all(arrived, flag) {
             return false;
         }
         if phase == 0 {
@@ -258,10 +248,18 @@ impl Launch<'_> {
         true
     }
 
-    /// Spin until `ready(s)` holds for every source `s`, each checked until it
-    /// holds once. On the deadline: the sources still missing go into
-    /// `err[1]`, the code is set, and false is returned.
-    fn spin_all(&self, mut ready: impl FnMut(usize) -> bool) -> bool {
+    /// Wait until `ready(s)` holds for every source `s`, each checked until it
+    /// holds once; `word(s)` is the word a writer changes (and wakes) when
+    /// `ready(s)` may have become true. Spins briefly, then sleeps on that
+    /// word, so ranks that outnumber the cores do not burn them. On the
+    /// deadline: the sources still missing go into `err[1]`, the code is set,
+    /// and false is returned.
+    pub(super) fn spin_all<'w>(
+        &self,
+        mut ready: impl FnMut(usize) -> bool,
+        word: impl Fn(usize) -> &'w AtomicU32,
+    ) -> bool {
+        const SPINS: u32 = 200;
         let world = self.world();
         let mut done = vec![false; world];
         let start = Instant::now();
@@ -273,16 +271,30 @@ impl Launch<'_> {
                     *d = ready(s);
                 }
             }
-            if done.iter().all(|&d| d) {
+            let Some(waiting) = done.iter().position(|&d| !d) else {
                 return true;
-            }
-            if start.elapsed() > limit {
+            };
+            let elapsed = start.elapsed();
+            if elapsed > limit {
                 let missing = (0..world).filter(|&s| !done[s]).fold(0u32, |m, s| m | (1 << s));
                 self.err(1).fetch_or(missing, Ordering::AcqRel);
                 self.fail(ERR_CODE_TIMEOUT);
                 return false;
             }
-            backoff(&mut spins);
+            spins += 1;
+            if spins < SPINS {
+                std::hint::spin_loop();
+                continue;
+            }
+            // Read the word, then re-check: a store (and its wake) between the
+            // check and the sleep changes the word, so the sleep returns at once.
+            let w = word(waiting);
+            let seen = w.load(Ordering::Acquire);
+            if ready(waiting) {
+                done[waiting] = true;
+                continue;
+            }
+            futex::wait(w, seen, (limit - elapsed).min(Duration::from_millis(50)));
         }
     }
 
@@ -301,18 +313,6 @@ impl Launch<'_> {
         {
             self.err(3).store(self.epoch, Ordering::Release);
         }
-    }
-}
-
-/// Spin briefly, then yield, then sleep: host ranks may outnumber cores.
-fn backoff(spins: &mut u32) {
-    *spins += 1;
-    if *spins < 64 {
-        std::hint::spin_loop();
-    } else if *spins < 256 {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(Duration::from_micros(20));
     }
 }
 
@@ -349,7 +349,7 @@ unsafe fn launch(p: &KernelParams, body: impl FnOnce(&Launch) -> Option<u32>) {
 /// The collectives module's kernels. Returns the last epoch, as [`launch`] wants.
 ///
 /// # Safety: see [`HostKernel::call`].
-unsafe fn run<T: Element>(l: &Launch, kind: KernelKind, op: ReduceOp) -> Option<u32> {
+unsafe fn run<T: Lanes>(l: &Launch, kind: KernelKind, op: ReduceOp) -> Option<u32> {
     // SAFETY: forwarded from the caller.
     unsafe {
         match kind {
@@ -370,36 +370,15 @@ unsafe fn run<T: Element>(l: &Launch, kind: KernelKind, op: ReduceOp) -> Option<
 /// stored as element `i` of every `outs` buffer.
 ///
 /// # Safety: every `srcs` range of `n` elements is live, every `outs` range
-/// live and writable. An output may equal a source (in place): each tile is
-/// read whole before it is written.
-unsafe fn reduce_range<T: Element>(l: &Launch, op: ReduceOp, srcs: &[DevicePtr], n: usize, outs: &[DevicePtr]) {
-    const TILE: usize = 1024;
-    let world = l.world();
-    debug_assert_eq!(srcs.len(), world);
-    let mut acc: Vec<T::Acc> = Vec::with_capacity(TILE.min(n));
-    let mut start = 0;
-    while start < n {
-        let len = TILE.min(n - start);
-        acc.clear();
-        // SAFETY (all loads/stores below): guaranteed by the caller's range contract.
-        acc.extend((start..start + len).map(|i| unsafe { load::<T>(srcs[0], i) }.to_acc()));
-        for &src in &srcs[1..] {
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = T::combine(op, *a, unsafe { load::<T>(src, start + j) }.to_acc());
-            }
-        }
-        for (j, a) in acc.iter().enumerate() {
-            let v = T::from_acc(T::finish(op, *a, world));
-            for &out in outs {
-                unsafe { store(out, start + j, v) };
-            }
-        }
-        start += len;
-    }
+/// live and writable. An output may equal a source (in place).
+unsafe fn reduce_range<T: Lanes>(l: &Launch, op: ReduceOp, srcs: &[DevicePtr], n: usize, outs: &[DevicePtr]) {
+    debug_assert_eq!(srcs.len(), l.world());
+    // SAFETY: forwarded from the caller.
+    unsafe { Tiles::<T>::new().reduce(op, l.world(), srcs, n, outs) }
 }
 
 /// # Safety: see [`HostKernel::call`].
-unsafe fn oneshot<T: Element>(l: &Launch, op: ReduceOp) -> bool {
+unsafe fn oneshot<T: Lanes>(l: &Launch, op: ReduceOp) -> bool {
     let n = l.p.count as usize;
     let me = l.me();
     // SAFETY: the input and slot each hold `count` elements.
@@ -415,7 +394,7 @@ unsafe fn oneshot<T: Element>(l: &Launch, op: ReduceOp) -> bool {
 }
 
 /// # Safety: see [`HostKernel::call`].
-unsafe fn twoshot<T: Element>(l: &Launch, op: ReduceOp) -> bool {
+unsafe fn twoshot<T: Lanes>(l: &Launch, op: ReduceOp) -> bool {
     let n = l.p.count as usize;
     let world = l.world();
     let me = l.me();
@@ -453,7 +432,7 @@ unsafe fn twoshot<T: Element>(l: &Launch, op: ReduceOp) -> bool {
 }
 
 /// # Safety: see [`HostKernel::call`].
-unsafe fn broadcast<T: Element>(l: &Launch) -> bool {
+unsafe fn broadcast<T: Lanes>(l: &Launch) -> bool {
     let n = l.p.count as usize;
     let root = l.p.root as usize;
     if l.me() == root {
@@ -479,7 +458,7 @@ fn chunks(n: usize, cap: usize) -> usize {
 /// after the flags, reduce from our own region. Returns the last epoch.
 ///
 /// # Safety: see [`HostKernel::call`].
-unsafe fn oneshot_push<T: Element>(l: &Launch, op: ReduceOp) -> Option<u32> {
+unsafe fn oneshot_push<T: Lanes>(l: &Launch, op: ReduceOp) -> Option<u32> {
     let count = l.p.count as usize;
     let me = l.me();
     let world = l.world();
@@ -521,7 +500,7 @@ unsafe fn oneshot_push<T: Element>(l: &Launch, op: ReduceOp) -> Option<u32> {
 /// from our result slot into the output. Returns the last epoch.
 ///
 /// # Safety: see [`HostKernel::call`].
-unsafe fn twoshot_push<T: Element>(l: &Launch, op: ReduceOp) -> Option<u32> {
+unsafe fn twoshot_push<T: Lanes>(l: &Launch, op: ReduceOp) -> Option<u32> {
     let count = l.p.count as usize;
     let world = l.world();
     let me = l.me();
@@ -542,7 +521,10 @@ unsafe fn twoshot_push<T: Element>(l: &Launch, op: ReduceOp) -> Option<u32> {
     let stage1 = |c: usize| {
         let l = l.chunk(c);
         let (first, n, seg) = geometry(c);
-        for k in 1..=world {
+        // Our own segment is not staged: only we read inbox [rank] of our
+        // region, so S2 reads it straight from the input (host memory traffic
+        // is the host backend's cost; peers cannot tell the difference).
+        for k in 1..world {
             let d = (me + k) % world;
             let (a, len) = seg_range(n, seg, d);
             let src = l.p.input.offset((first + a) * size);
@@ -562,7 +544,12 @@ unsafe fn twoshot_push<T: Element>(l: &Launch, op: ReduceOp) -> Option<u32> {
         }
         // S2: our segment, from our inboxes, to our output and every peer.
         let (a, len) = seg_range(n, seg, me);
-        let srcs: Vec<DevicePtr> = (0..world).map(|s| l.region(me).offset(s * stride)).collect();
+        let srcs: Vec<DevicePtr> = (0..world)
+            .map(|s| match s == me {
+                true => l.p.input.offset((first + a) * size),
+                false => l.region(me).offset(s * stride),
+            })
+            .collect();
         let mut outs = vec![output.offset(a * size)];
         outs.extend((1..world).map(|k| result((me + k) % world).offset(me * stride)));
         // SAFETY: the segment lies inside every inbox, result slot and the output.
@@ -584,6 +571,15 @@ unsafe fn twoshot_push<T: Element>(l: &Launch, op: ReduceOp) -> Option<u32> {
     Some(l.epoch.wrapping_add(nchunk as u32 - 1))
 }
 
+/// The flag half (high 32 bits, little-endian) of the LL unit at `unit`, as
+/// a futex word. Only its address and a plain load are used: the unit itself
+/// is written and read as one 8-byte atomic.
+fn ll_flag_word<'a>(unit: DevicePtr) -> &'a AtomicU32 {
+    // SAFETY: LL units lie inside live, 8-byte aligned workspaces; the flag
+    // half is the aligned u32 at offset 4.
+    unsafe { atomic_u32(unit.offset(4)) }
+}
+
 /// An LL unit: 4 data bytes (low half) and the launch's flag (high half),
 /// written and read as one 8-byte atomic.
 fn ll_unit(word: u32, flag: u32) -> u64 {
@@ -598,7 +594,7 @@ fn ll_unit(word: u32, flag: u32) -> u64 {
 /// later.
 ///
 /// # Safety: see [`HostKernel::call`].
-unsafe fn oneshot_ll<T: Element>(l: &Launch, op: ReduceOp) -> bool {
+unsafe fn oneshot_ll<T: Lanes>(l: &Launch, op: ReduceOp) -> bool {
     let n = l.p.count as usize;
     let world = l.world();
     let me = l.me();
@@ -626,29 +622,36 @@ unsafe fn oneshot_ll<T: Element>(l: &Launch, op: ReduceOp) -> bool {
     for k in 1..world {
         let q = (me + k) % world;
         let rec = l.ll_fp_addr(q, me);
-        unit_at(rec).store(ll_unit(fp as u32, flag), Ordering::Release);
         unit_at(rec.offset(8)).store(ll_unit((fp >> 32) as u32, flag), Ordering::Release);
+        unit_at(rec).store(ll_unit(fp as u32, flag), Ordering::Release);
+        futex::wake_all(ll_flag_word(rec));
     }
+    // A reader sleeps on the flag half of a record's first unit, which its
+    // writer stores last (after the data units) and wakes.
+    let record_word = |s: usize| ll_flag_word(l.ll_fp_addr(me, s));
     // Fingerprint records: wait, compare, clear.
     let mut fps = [0u64; MAX_RANKS];
-    let got = l.spin_all(|s| {
-        if s == me {
-            fps[s] = fp;
-            return true;
-        }
-        let rec = l.ll_fp_addr(me, s);
-        let (lo, hi) = (
-            unit_at(rec).load(Ordering::Acquire),
-            unit_at(rec.offset(8)).load(Ordering::Acquire),
-        );
-        let ok = (lo >> 32) as u32 == flag && (hi >> 32) as u32 == flag;
-        if ok {
-            fps[s] = (lo & 0xffff_ffff) | (hi << 32);
-            unit_at(rec).store(0, Ordering::Relaxed);
-            unit_at(rec.offset(8)).store(0, Ordering::Relaxed);
-        }
-        ok
-    });
+    let got = l.spin_all(
+        |s| {
+            if s == me {
+                fps[s] = fp;
+                return true;
+            }
+            let rec = l.ll_fp_addr(me, s);
+            let (lo, hi) = (
+                unit_at(rec).load(Ordering::Acquire),
+                unit_at(rec.offset(8)).load(Ordering::Acquire),
+            );
+            let ok = (lo >> 32) as u32 == flag && (hi >> 32) as u32 == flag;
+            if ok {
+                fps[s] = (lo & 0xffff_ffff) | (hi << 32);
+                unit_at(rec).store(0, Ordering::Relaxed);
+                unit_at(rec.offset(8)).store(0, Ordering::Relaxed);
+            }
+            ok
+        },
+        record_word,
+    );
     if !got {
         return false;
     }
@@ -659,24 +662,27 @@ unsafe fn oneshot_ll<T: Element>(l: &Launch, op: ReduceOp) -> bool {
     // Data: every unit of every peer, in order; each cleared once read.
     let mut bufs: Vec<Vec<u8>> = (0..world).map(|_| Vec::new()).collect();
     let mut next = vec![0usize; world];
-    let got = l.spin_all(|s| {
-        if s == me {
-            return true;
-        }
-        let lines = l.ll_lines(me, s);
-        let buf = &mut bufs[s];
-        while next[s] < words {
-            let unit = unit_at(lines.offset(next[s] * 8));
-            let v = unit.load(Ordering::Acquire);
-            if (v >> 32) as u32 != flag {
-                return false;
+    let got = l.spin_all(
+        |s| {
+            if s == me {
+                return true;
             }
-            buf.extend_from_slice(&(v as u32).to_le_bytes());
-            unit.store(0, Ordering::Relaxed);
-            next[s] += 1;
-        }
-        true
-    });
+            let lines = l.ll_lines(me, s);
+            let buf = &mut bufs[s];
+            while next[s] < words {
+                let unit = unit_at(lines.offset(next[s] * 8));
+                let v = unit.load(Ordering::Acquire);
+                if (v >> 32) as u32 != flag {
+                    return false;
+                }
+                buf.extend_from_slice(&(v as u32).to_le_bytes());
+                unit.store(0, Ordering::Relaxed);
+                next[s] += 1;
+            }
+            true
+        },
+        record_word,
+    );
     if !got {
         return false;
     }

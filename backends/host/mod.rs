@@ -7,9 +7,11 @@
 //! records the queued work, and replay queues it again. Kernels are Rust
 //! functions in [`kernels`] that follow `docs/protocol.md` exactly.
 
+mod futex;
 mod kernels;
 mod memory;
 mod quickreduce;
+mod reduce;
 mod stream;
 
 pub use memory::{HostBuffer, HostErrorFlags, HostPeerBuffer};
@@ -138,6 +140,14 @@ impl Device for HostDevice {
 
     fn query(&self, event: &HostEvent) -> Result<bool> {
         Ok(event.is_done())
+    }
+
+    fn runtime_info(&self) -> String {
+        format!("host kernels (Rust), {} CPU threads", self.facts.multiprocessors)
+    }
+
+    fn wait_event_for(&self, event: &HostEvent, timeout: std::time::Duration) -> Result<bool> {
+        Ok(event.wait_for(timeout))
     }
 
     fn wait_event(&self, stream: &HostStream, event: &HostEvent) -> Result<()> {

@@ -5,7 +5,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
@@ -193,6 +193,20 @@ impl HostEvent {
     pub(super) fn is_done(&self) -> bool {
         let e = lock(&self.0.state);
         e.done >= e.target
+    }
+
+    /// Block until the event is done or `timeout` passes; true when done.
+    pub(super) fn wait_for(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut e = lock(&self.0.state);
+        while e.done < e.target {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            e = self.0.cv.wait_timeout(e, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        true
     }
 
     pub(super) fn elapsed_ms(start: &HostEvent, end: &HostEvent) -> Result<f32> {

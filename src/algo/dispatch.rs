@@ -150,15 +150,17 @@ impl DispatchTable {
         const MIB: usize = 1024 * KIB;
         use Algorithm::*;
         let ladders: [Vec<Step>; 9] = std::array::from_fn(|world| match backend {
-            // The host backend's cost is memory bandwidth, not latency.
-            BackendKind::Host => {
-                let oneshot_max = match world {
-                    0..=2 => 256 * KIB,
-                    3 | 4 => 128 * KIB,
-                    _ => 64 * KIB,
-                };
-                vec![step(oneshot_max, OneShot), step(usize::MAX, TwoShot)]
-            }
+            // The host backend's cost is memory traffic (DRAM-bound copies and
+            // reductions), not latency. On a 2-core VM (bf16 sum, processes,
+            // `ferrocomm-bench --backend host --algo ...`, median us per op):
+            //   w2  1M: oneshot 461, twoshot 426, twoshot-push 367
+            //       4M: oneshot 2495, twoshot 2515, twoshot-push 1504
+            //   w4  256K: oneshot 441, twoshot 273, twoshot-push 264
+            //       4M: oneshot 8701, twoshot 4165, twoshot-push 4646
+            // Below 64 KiB the rows are scheduling noise (4-8 threads on 2
+            // cores); the one-shot is the simplest there. The push two-shot
+            // stages only the segments peers reduce.
+            BackendKind::Host => vec![step(64 * KIB, OneShot), step(usize::MAX, TwoShotPush)],
             // GPUs: measured on 4x H200 (NV18), bf16 sum, CUDA-graph replay,
             // median us per op (ferrocomm-bench --graph --iters 10 --warmup 3,
             // NCCL 2.x in the same run, NVLS off; 8 MiB slots):

@@ -48,8 +48,20 @@ impl Fp8Flavor {
         }
     }
 
-    /// Value of a code (NaN codes give NaN).
+    /// Value of a code (NaN codes give NaN): [`Fp8Flavor::decode_exact`],
+    /// looked up (the reference codecs decode every element of a test).
     pub fn decode(self, code: u8) -> f32 {
+        static FN: OnceLock<[f32; 256]> = OnceLock::new();
+        static FNUZ: OnceLock<[f32; 256]> = OnceLock::new();
+        let cell = match self {
+            Fp8Flavor::E4m3Fn => &FN,
+            Fp8Flavor::E4m3Fnuz => &FNUZ,
+        };
+        cell.get_or_init(|| std::array::from_fn(|c| self.decode_exact(c as u8)))[code as usize]
+    }
+
+    /// Value of a code, from the format's definition.
+    fn decode_exact(self, code: u8) -> f32 {
         let nan = match self {
             Fp8Flavor::E4m3Fn => code & 0x7F == 0x7F,
             Fp8Flavor::E4m3Fnuz => code == 0x80,

@@ -151,6 +151,23 @@ impl<D: Device> Communicator<D> {
         let table = DispatchTable::default_for(device.facts().backend);
         let grids = GridTable::new(device.facts())?;
         let has_vendor = vendor.available();
+        if crate::log::enabled(tracing::Level::INFO) {
+            let f = device.facts();
+            crate::fc_log!(
+                tracing::Level::INFO,
+                "communicator {prefix} ready: rank {rank} of {world}, backend {} device {} ({}, {}, {} SMs/CUs), \
+                 workspace {} MiB ({} MiB slots), library underneath {}, runtime: {}",
+                f.backend.name(),
+                f.ordinal,
+                f.name,
+                f.arch,
+                f.multiprocessors,
+                ws.own().len() >> 20,
+                ws.slot_bytes() >> 20,
+                vendor.describe(),
+                device.runtime_info()
+            );
+        }
         Ok(Communicator {
             inner: Arc::new(Inner {
                 state: Mutex::new(State {
@@ -223,9 +240,16 @@ impl<D: Device> Communicator<D> {
             .codec(self.inner.device.facts().backend)
             .filter(|_| quick_reduce_supports(dtype, op));
         let bytes = count.saturating_mul(dtype.size());
-        self.inner
+        let chosen = self
+            .inner
             .table
-            .choose(algo, bytes, self.inner.world, ccl_allowed, quantize)
+            .choose(algo, bytes, self.inner.world, ccl_allowed, quantize);
+        crate::fc_log!(
+            tracing::Level::DEBUG,
+            "dispatch: all_reduce {count} x {dtype} {op} ({bytes} bytes, world {}, asked {algo:?}) -> {chosen}",
+            self.inner.world
+        );
+        chosen
     }
 
     /// Whether NCCL/RCCL is loaded underneath this communicator.

@@ -70,6 +70,24 @@ impl Vendor {
         Ok(Vendor {})
     }
 
+    /// The library underneath, for the init log line.
+    pub(crate) fn describe(&self) -> String {
+        #[cfg(any(feature = "nccl", feature = "rccl"))]
+        if let Some(comm) = &self.comm {
+            let lib = comm.library();
+            let v = lib.version();
+            return format!(
+                "{} {}.{}.{} ({})",
+                lib.flavor().name(),
+                v / 10000,
+                (v / 100) % 100,
+                v % 100,
+                lib.path().display()
+            );
+        }
+        "none".into()
+    }
+
     pub(crate) fn available(&self) -> bool {
         #[cfg(any(feature = "nccl", feature = "rccl"))]
         return self.comm.is_some();

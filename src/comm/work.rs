@@ -39,14 +39,16 @@ impl<D: Device> Work<D> {
         let grace = (comm_timeout / 4).clamp(Duration::from_millis(500), Duration::from_secs(30));
         let limit = timeout.unwrap_or(comm_timeout + grace);
         let start = Instant::now();
-        let poll = self.inner.device.poll_interval();
-        let mut polls = 0u32;
+        // Device errors are looked at between slices of waiting: a kernel that
+        // failed may leave its event pending until its own deadline.
+        let slice = Duration::from_millis(5);
         loop {
             if let Some(err) = self.inner.device_error() {
                 self.inner.abort(&err.to_string());
                 return Err(err);
             }
-            if self.inner.device.query(&self.event)? {
+            let left = limit.saturating_sub(start.elapsed());
+            if self.inner.device.wait_event_for(&self.event, left.min(slice))? {
                 // The kernels may have failed just before the event completed.
                 if let Some(err) = self.inner.device_error() {
                     self.inner.abort(&err.to_string());
@@ -64,14 +66,6 @@ impl<D: Device> Work<D> {
                     self.inner.abort(&err.to_string());
                 }
                 return Err(err);
-            }
-            // Yield first: a sleep rounds up to the timer slack (~50 us on
-            // Linux), which would dominate a small collective's latency.
-            polls += 1;
-            if polls < 1000 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(poll);
             }
         }
     }

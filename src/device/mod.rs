@@ -215,6 +215,36 @@ pub trait Device: Send + Sync + Sized + 'static {
         Duration::from_micros(20)
     }
 
+    /// Wait at most `timeout` for `event`; true once it has completed. The
+    /// default polls [`Device::query`]: yields first (a sleep rounds up to the
+    /// timer slack, ~50 us on Linux, which would dominate a small collective),
+    /// then sleeps [`Device::poll_interval`]. Backends that can block on the
+    /// event itself override it.
+    fn wait_event_for(&self, event: &Self::Event, timeout: Duration) -> Result<bool> {
+        let start = std::time::Instant::now();
+        let mut polls = 0u32;
+        loop {
+            if self.query(event)? {
+                return Ok(true);
+            }
+            if start.elapsed() >= timeout {
+                return Ok(false);
+            }
+            polls += 1;
+            if polls < 1000 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(self.poll_interval());
+            }
+        }
+    }
+
+    /// One line about the runtime underneath (driver and compiler versions,
+    /// the kernel cache), for the communicator's init log line.
+    fn runtime_info(&self) -> String {
+        String::new()
+    }
+
     /// Make this device current on the calling thread, for vendor libraries
     /// (NCCL) that use the thread's current device.
     fn bind_thread(&self) -> Result<()> {

@@ -1,6 +1,8 @@
 //! Inputs drawn from (seed, rank, index) and the exact reference: the
 //! reduction rule of `docs/protocol.md` applied on the host.
 
+use std::sync::{Arc, Mutex, OnceLock};
+
 use half::{bf16, f16};
 
 use crate::dtype::{DType, Element, ReduceOp};
@@ -99,6 +101,10 @@ pub fn make_input<T: FromF64>(
 }
 
 /// The exact expected output: the rule applied in rank order 0..world-1.
+///
+/// Every rank of a test asks for the same reference, and it costs `world`
+/// draws per element, so thread ranks of one process share it: the last few
+/// references are kept (by their arguments) and handed out again.
 pub fn reference<T: FromF64>(
     seed: u64,
     world: usize,
@@ -107,13 +113,43 @@ pub fn reference<T: FromF64>(
     op: ReduceOp,
     values: Values,
 ) -> Vec<T> {
-    (first..first + count)
-        .map(|i| {
-            let x = |r: usize| T::from_f64(input_value(seed, r, i, op, values)).to_acc();
-            let acc = (1..world).fold(x(0), |acc, r| T::combine(op, acc, x(r)));
-            T::from_acc(T::finish(op, acc, world))
-        })
-        .collect()
+    type Key = (DType, u64, usize, usize, usize, ReduceOp, Values);
+    type Cell = Arc<OnceLock<Vec<u8>>>;
+    static CACHE: Mutex<Vec<(Key, Cell)>> = Mutex::new(Vec::new());
+    const KEEP: usize = 4;
+    let key: Key = (T::DTYPE, seed, world, first, count, op, values);
+    let cell = {
+        let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        match cache.iter().position(|(k, _)| *k == key) {
+            Some(i) => {
+                let hit = cache.remove(i);
+                let cell = hit.1.clone();
+                cache.push(hit);
+                cell
+            }
+            None => {
+                let cell = Arc::new(OnceLock::new());
+                cache.push((key, cell.clone()));
+                if cache.len() > KEEP {
+                    cache.remove(0);
+                }
+                cell
+            }
+        }
+    };
+    // Computed outside the cache lock, once: other ranks asking for the same
+    // key wait on the cell, not on the whole cache.
+    let bytes = cell.get_or_init(|| {
+        let v: Vec<T> = (first..first + count)
+            .map(|i| {
+                let x = |r: usize| T::from_f64(input_value(seed, r, i, op, values)).to_acc();
+                let acc = (1..world).fold(x(0), |acc, r| T::combine(op, acc, x(r)));
+                T::from_acc(T::finish(op, acc, world))
+            })
+            .collect();
+        to_bytes(&v)
+    });
+    from_bytes(bytes)
 }
 
 /// Native-endian bytes of a slice of elements.
@@ -135,11 +171,19 @@ pub fn from_bytes<T: Copy + Default>(b: &[u8]) -> Vec<T> {
     out
 }
 
-/// FNV-1a of a byte slice, for comparing outputs across ranks cheaply.
+/// A 64-bit hash of a byte slice (FNV-1a over 8-byte words, the length
+/// mixed in), for comparing outputs across ranks cheaply. Not for keys that
+/// must be stable across versions.
 pub fn hash_bytes(b: &[u8]) -> u64 {
-    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
-        (h ^ x as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ b.len() as u64;
+    let mut words = b.chunks_exact(8);
+    for w in &mut words {
+        h = (h ^ u64::from_le_bytes(w.try_into().unwrap_or([0; 8]))).wrapping_mul(0x0100_0000_01b3);
+    }
+    for &x in words.remainder() {
+        h = (h ^ x as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
 }
 
 /// Elements whose bits differ from the reference.

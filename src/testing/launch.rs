@@ -2,7 +2,7 @@
 //! `world` copies of a worker binary, then collects what each printed.
 //! Nothing here can hang: past the deadline every child is killed.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::thread::JoinHandle;
@@ -31,11 +31,34 @@ pub fn random_token() -> Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-fn drain(mut pipe: impl Read + Send + 'static) -> JoinHandle<String> {
+/// Where a drained pipe's bytes go besides the collected string.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Echo {
+    None,
+    Stdout,
+    Stderr,
+}
+
+fn drain(mut pipe: impl Read + Send + 'static, echo: Echo) -> JoinHandle<String> {
     std::thread::spawn(move || {
-        let mut s = Vec::new();
-        let _ = pipe.read_to_end(&mut s);
-        String::from_utf8_lossy(&s).into_owned()
+        let mut all = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            match pipe.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    // Echoed as it arrives, so a long run shows its rows (and
+                    // progress) as they are measured, not at the end.
+                    let _ = match echo {
+                        Echo::None => Ok(()),
+                        Echo::Stdout => std::io::stdout().lock().write_all(&buf[..n]),
+                        Echo::Stderr => std::io::stderr().lock().write_all(&buf[..n]),
+                    };
+                    all.extend_from_slice(&buf[..n]);
+                }
+            }
+        }
+        String::from_utf8_lossy(&all).into_owned()
     })
 }
 
@@ -47,6 +70,29 @@ pub fn run_process_ranks(
     world: usize,
     envs: &[(&str, &str)],
     timeout: Duration,
+) -> Result<Vec<RankOutput>> {
+    run_ranks(exe, args, world, envs, timeout, false)
+}
+
+/// [`run_process_ranks`], with rank 0's stdout and stderr also passed through
+/// to ours as they arrive (they are still collected).
+pub fn run_process_ranks_echo(
+    exe: &Path,
+    args: &[&str],
+    world: usize,
+    envs: &[(&str, &str)],
+    timeout: Duration,
+) -> Result<Vec<RankOutput>> {
+    run_ranks(exe, args, world, envs, timeout, true)
+}
+
+fn run_ranks(
+    exe: &Path,
+    args: &[&str],
+    world: usize,
+    envs: &[(&str, &str)],
+    timeout: Duration,
+    echo_rank0: bool,
 ) -> Result<Vec<RankOutput>> {
     let token = random_token()?;
     let server = TcpStoreServer::start(TcpStoreConfig::new(token.as_bytes().to_vec()))?;
@@ -76,8 +122,12 @@ pub fn run_process_ranks(
                 return Err(Error::io(format!("starting rank {rank}: {}", exe.display()), e));
             }
         };
-        let out = drain(child.stdout.take().expect("stdout is piped"));
-        let err = drain(child.stderr.take().expect("stderr is piped"));
+        let (echo_out, echo_err) = match echo_rank0 && rank == 0 {
+            true => (Echo::Stdout, Echo::Stderr),
+            false => (Echo::None, Echo::None),
+        };
+        let out = drain(child.stdout.take().expect("stdout is piped"), echo_out);
+        let err = drain(child.stderr.take().expect("stderr is piped"), echo_err);
         children.push((child, out, err));
     }
     let deadline = Instant::now() + timeout;

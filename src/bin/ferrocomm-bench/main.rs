@@ -15,7 +15,10 @@
 //! against the exact rule, on the same samples; NCCL rows are not bitwise
 //! comparable on such data (`#wrong` shows `-`).
 
+mod plot;
+
 use std::fmt::Write as _;
+use std::io::{IsTerminal, Write as _};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -25,9 +28,9 @@ use ferrocomm::algo::kernels::QR_DTYPES;
 use ferrocomm::algo::{AlgoChoice, Algorithm};
 use ferrocomm::bootstrap::{store_all_gather, Store, TcpStore};
 use ferrocomm::codec::{self, Half16, Quantization};
-use ferrocomm::device::Device;
+use ferrocomm::device::{BackendKind, Device, DeviceBuffer};
 use ferrocomm::testing::data::{self, Values};
-use ferrocomm::testing::launch::run_process_ranks;
+use ferrocomm::testing::launch::run_process_ranks_echo;
 use ferrocomm::{CommOptions, Communicator, DType, Error, ReduceOp, Result};
 
 /// Dispatch `$f::<T>(args)` on a runtime dtype.
@@ -45,8 +48,9 @@ macro_rules! with_dtype {
 const USAGE: &str =
     "usage: ferrocomm-bench [--backend host|cuda|hip] [--world N] [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
                        [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|oneshot-push|twoshot-push|oneshot-ll|nccl|all]
-                       [--graph] [--graph-only] [--eager-only] [--json FILE] [--timeout-secs S] [--quantization int4,int6,int8,fp8]
-sizes take K, M, G suffixes (powers of 1024)";
+                       [--graph] [--graph-only] [--eager-only] [--json FILE] [--plot FILE.svg] [--timeout-secs S]
+                       [--quantization int4,int6,int8,fp8]
+sizes take K, M, G suffixes (powers of 1024); --iters and --warmup default to 20 and 5 on GPUs, 5 and 1 on the host";
 
 #[derive(Clone, Debug)]
 struct Args {
@@ -56,15 +60,39 @@ struct Args {
     op: ReduceOp,
     min_bytes: usize,
     max_bytes: usize,
-    iters: usize,
-    warmup: usize,
+    /// `None`: the backend's default (see [`Args::iters_for`]).
+    iters: Option<usize>,
+    warmup: Option<usize>,
     algos: Vec<String>,
     graph: bool,
     eager: bool,
     json: Option<PathBuf>,
+    plot: Option<PathBuf>,
     timeout: Duration,
     /// Quick-reduce codecs to add rows for (Gaussian data, relative error).
     quantization: Vec<Quantization>,
+}
+
+impl Args {
+    /// Timed samples per row: fewer on the host, where a sample of a large
+    /// size takes tens of milliseconds, so the default sweep stays short.
+    fn iters_for(&self, backend: BackendKind) -> usize {
+        self.iters.unwrap_or(if backend == BackendKind::Host { 5 } else { 20 })
+    }
+
+    fn warmup_for(&self, backend: BackendKind) -> usize {
+        self.warmup.unwrap_or(if backend == BackendKind::Host { 1 } else { 5 })
+    }
+}
+
+/// Collectives per timed sample: [`OPS_PER_SAMPLE`] on GPUs (the shape of
+/// nccl-tests and the torch baseline); on the host as many as move about
+/// 64 MiB, so a sample is long enough to time and short enough to sweep.
+fn ops_per_sample(backend: BackendKind, bytes: usize) -> usize {
+    match backend {
+        BackendKind::Host => ((64usize << 20) / bytes.max(1)).clamp(1, OPS_PER_SAMPLE),
+        _ => OPS_PER_SAMPLE,
+    }
 }
 
 fn parse_size(s: &str) -> Result<usize> {
@@ -89,12 +117,13 @@ fn parse_args() -> Result<Args> {
         op: ReduceOp::Sum,
         min_bytes: 1 << 10,
         max_bytes: 64 << 20,
-        iters: 20,
-        warmup: 5,
+        iters: None,
+        warmup: None,
         algos: vec!["auto".into()],
         graph: false,
         eager: true,
         json: None,
+        plot: None,
         timeout: Duration::from_secs(60),
         quantization: Vec::new(),
     };
@@ -111,11 +140,13 @@ fn parse_args() -> Result<Args> {
             "--op" => a.op = value()?.parse()?,
             "--min-bytes" => a.min_bytes = parse_size(&value()?)?,
             "--max-bytes" => a.max_bytes = parse_size(&value()?)?,
-            "--iters" => a.iters = value()?.parse().map_err(|_| Error::invalid("--iters takes a number"))?,
+            "--iters" => a.iters = Some(value()?.parse().map_err(|_| Error::invalid("--iters takes a number"))?),
             "--warmup" => {
-                a.warmup = value()?
-                    .parse()
-                    .map_err(|_| Error::invalid("--warmup takes a number"))?
+                a.warmup = Some(
+                    value()?
+                        .parse()
+                        .map_err(|_| Error::invalid("--warmup takes a number"))?,
+                )
             }
             "--algo" => a.algos = value()?.split(',').map(String::from).collect(),
             "--graph" => a.graph = true,
@@ -132,6 +163,7 @@ fn parse_args() -> Result<Args> {
                     .collect::<Result<_>>()?
             }
             "--json" => a.json = Some(PathBuf::from(value()?)),
+            "--plot" => a.plot = Some(PathBuf::from(value()?)),
             "--timeout-secs" => {
                 a.timeout = Duration::from_secs(
                     value()?
@@ -143,7 +175,7 @@ fn parse_args() -> Result<Args> {
             _ => return Err(Error::invalid(format!("unknown flag {flag}\n{USAGE}"))),
         }
     }
-    if a.iters == 0 || a.world == 0 || a.min_bytes > a.max_bytes {
+    if a.iters == Some(0) || a.world == 0 || a.min_bytes > a.max_bytes {
         return Err(Error::invalid(format!(
             "need --iters > 0, --world > 0 and --min-bytes <= --max-bytes\n{USAGE}"
         )));
@@ -190,12 +222,12 @@ fn launch(a: &Args) -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let budget = a.timeout * 4 + Duration::from_secs(600);
-    let outs = run_process_ranks(&exe, &args, a.world, &[], budget)?;
+    // Rank 0's rows come through as it prints them; it draws a progress line
+    // on stderr only when ours is a terminal.
+    let progress = if std::io::stderr().is_terminal() { "1" } else { "0" };
+    let outs = run_process_ranks_echo(&exe, &args, a.world, &[("FERROCOMM_BENCH_PROGRESS", progress)], budget)?;
     let mut failed = Vec::new();
     for o in &outs {
-        if o.rank == 0 {
-            print!("{}", o.stdout);
-        }
         if o.code != Some(0) {
             failed.push(format!(
                 "rank {} (exit {:?}, timed out {}): {}",
@@ -266,6 +298,44 @@ const ROTATE_BYTES: usize = 128 << 20;
 /// Collectives per timed sample.
 const OPS_PER_SAMPLE: usize = 20;
 
+/// What a row times.
+#[derive(Clone, Copy)]
+enum Subject {
+    AllReduce(AlgoChoice),
+    /// A device-to-device copy of the same bytes: the memory floor beside
+    /// the collectives (a plain memcpy on the host).
+    Memcpy,
+}
+
+/// Rank 0's progress line on stderr (when the launcher's stderr is a terminal).
+struct Progress {
+    on: bool,
+    done: usize,
+    total: usize,
+}
+
+impl Progress {
+    fn new(rank: usize, total: usize) -> Self {
+        let on = rank == 0 && std::env::var("FERROCOMM_BENCH_PROGRESS").as_deref() == Ok("1");
+        Progress { on, done: 0, total }
+    }
+
+    fn step(&mut self, what: &str) {
+        self.done += 1;
+        if self.on {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[2K[{}/{}] {what}", self.done, self.total);
+            let _ = err.flush();
+        }
+    }
+
+    fn finish(&self) {
+        if self.on {
+            eprint!("\r\x1b[2K");
+        }
+    }
+}
+
 fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Result<()> {
     let world = a.world;
     let mut opts = CommOptions::from_env()?.with_timeout(a.timeout);
@@ -276,23 +346,44 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     let backend = dev.facts().backend;
     let comm = Communicator::new(dev, store.clone(), rank, world, opts)?;
     let quantized = !a.quantization.is_empty();
-    let mut algos: Vec<(String, AlgoChoice)> = Vec::new();
+    let mut subjects: Vec<(String, Subject)> = Vec::new();
     for algo in &a.algos {
         let choice = algo_choice(algo).ok_or_else(|| Error::invalid(format!("unknown --algo {algo:?}")))?;
-        algos.push((algo.clone(), choice));
+        if choice == AlgoChoice::Fixed(Algorithm::Ccl) && !comm.has_vendor_library() {
+            if rank == 0 {
+                println!("# no {algo} rows: the vendor library is not built in or not loaded");
+            }
+            continue;
+        }
+        subjects.push((algo.clone(), Subject::AllReduce(choice)));
     }
     for q in &a.quantization {
         if let Some(codec) = q.codec(backend) {
             let qr = Algorithm::QuickReduce(codec);
-            algos.push((qr.to_string(), AlgoChoice::Fixed(qr)));
+            subjects.push((qr.to_string(), Subject::AllReduce(AlgoChoice::Fixed(qr))));
         }
     }
+    subjects.push(("memcpy".into(), Subject::Memcpy));
+    let modes: &[&'static str] = match (a.eager, a.graph) {
+        (true, true) => &["eager", "graph"],
+        (false, true) => &["graph"],
+        _ => &["eager"],
+    };
+    let sizes = |dtype: DType| {
+        let first = a.min_bytes.max(dtype.size());
+        std::iter::successors(Some(first), |b| b.checked_mul(2)).take_while(|&b| b <= a.max_bytes)
+    };
+    let rows_total: usize = a.dtypes.iter().map(|&d| sizes(d).count()).sum::<usize>() * subjects.len() * modes.len();
+    let mut progress = Progress::new(rank, rows_total);
     let mut rows = Vec::new();
     let mut seq = 0usize;
     if rank == 0 {
         println!(
-            "# ferrocomm-bench backend={} world={world} iters={} warmup={}",
-            a.backend, a.iters, a.warmup
+            "# ferrocomm-bench backend={} world={world} iters={} warmup={} ({})",
+            a.backend,
+            a.iters_for(backend),
+            a.warmup_for(backend),
+            comm.device().facts().name
         );
         println!(
             "{:>12} {:>12} {:>5} {:>5} {:>20} {:>6} {:>10} {:>9} {:>9} {:>8} {:>7} {:>8}",
@@ -301,8 +392,7 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     }
     for &dtype in &a.dtypes {
         ferrocomm::dtype::check_supported(dtype, a.op)?;
-        let mut bytes = a.min_bytes.max(dtype.size());
-        while bytes <= a.max_bytes {
+        for bytes in sizes(dtype) {
             let count = bytes / dtype.size();
             // Inputs and the exact expected output, made once per size.
             let seed = bytes as u64;
@@ -314,51 +404,72 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
             } else {
                 with_dtype!(dtype, reference_bytes(seed, world, count, a.op))
             };
-            for (algo, choice) in &algos {
-                let choice = *choice;
-                if choice == AlgoChoice::Fixed(ferrocomm::algo::Algorithm::Ccl) && !comm.has_vendor_library() {
-                    if rank == 0 && bytes == a.min_bytes.max(dtype.size()) {
-                        println!("# no {algo} rows: the vendor library is not built in or not loaded");
-                    }
-                    continue;
-                }
-                let modes: &[&'static str] = match (a.eager, a.graph) {
-                    (true, true) => &["eager", "graph"],
-                    (false, true) => &["graph"],
-                    _ => &["eager"],
-                };
+            for (name, subject) in &subjects {
                 for &mode in modes {
                     seq += 1;
-                    let (mut row, got) = measure(&comm, a, dtype, count, choice, mode, &input)?;
-                    if quantized {
-                        let algorithm = comm.choose(choice, count, dtype, a.op);
-                        let (wrong, relerr) = match dtype {
-                            DType::F16 => check_samples::<half::f16>(seed, world, &got, algorithm),
-                            _ => check_samples::<half::bf16>(seed, world, &got, algorithm),
-                        };
-                        row.wrong = wrong;
-                        row.relerr = Some(relerr);
-                    } else {
-                        row.wrong = Some(count_wrong(&got, &want, dtype));
+                    progress.step(&format!("{} {name} {mode}", plot::human_bytes(bytes as f64)));
+                    let (mut row, got) = measure(&comm, a, dtype, count, *subject, mode, &input)?;
+                    match *subject {
+                        Subject::Memcpy => {
+                            row.algo = name.clone();
+                            row.wrong = Some(count_wrong(&got, &input, dtype));
+                        }
+                        Subject::AllReduce(choice) => {
+                            if quantized {
+                                let algorithm = comm.choose(choice, count, dtype, a.op);
+                                let (wrong, relerr) = match dtype {
+                                    DType::F16 => check_samples::<half::f16>(seed, world, &got, algorithm),
+                                    _ => check_samples::<half::bf16>(seed, world, &got, algorithm),
+                                };
+                                row.wrong = wrong;
+                                row.relerr = Some(relerr);
+                            } else {
+                                row.wrong = Some(count_wrong(&got, &want, dtype));
+                            }
+                            row.algo = match choice {
+                                AlgoChoice::Auto => format!("auto:{}", comm.choose(choice, count, dtype, a.op)),
+                                AlgoChoice::Fixed(Algorithm::Ccl) => name.clone(),
+                                AlgoChoice::Fixed(x) => x.to_string(),
+                            };
+                        }
                     }
-                    row.algo = match choice {
-                        AlgoChoice::Auto => format!("auto:{}", comm.choose(choice, count, dtype, a.op)),
-                        AlgoChoice::Fixed(ferrocomm::algo::Algorithm::Ccl) => algo.clone(),
-                        AlgoChoice::Fixed(x) => x.to_string(),
-                    };
                     let row = agree(&store, seq, rank, world, row, a.timeout)?;
                     if rank == 0 {
+                        progress.finish();
                         print_row(&row, world);
                     }
                     rows.push(row);
                 }
             }
-            bytes *= 2;
         }
     }
+    progress.finish();
     comm.finalize()?;
-    if let (0, Some(path)) = (rank, &a.json) {
-        std::fs::write(path, to_json(&rows, a)).map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+    if rank == 0 {
+        if let Some(path) = &a.json {
+            std::fs::write(path, to_json(&rows, a)).map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+        }
+        if let Some(path) = &a.plot {
+            let points: Vec<plot::Point> = rows
+                .iter()
+                .map(|r| plot::Point {
+                    // "auto:oneshot" and "auto:twoshot-push" are one line, "auto".
+                    series: format!("{} {}", r.algo.split(':').next().unwrap_or(&r.algo), r.mode),
+                    bytes: r.bytes,
+                    busbw: bandwidths(r, world).1,
+                })
+                .collect();
+            let dtypes: Vec<&str> = a.dtypes.iter().map(|d| d.name()).collect();
+            let title = format!(
+                "all-reduce {} {}, {} backend, world {world} ({})",
+                dtypes.join("/"),
+                a.op,
+                a.backend,
+                comm.device().facts().name
+            );
+            plot::write_svg(path, &title, &points)?;
+            println!("# plot written to {}", path.display());
+        }
     }
     let wrong: usize = rows.iter().filter_map(|r| r.wrong).sum();
     if wrong > 0 {
@@ -371,17 +482,17 @@ fn algo_choice(name: &str) -> Option<AlgoChoice> {
     name.parse().ok()
 }
 
-#[allow(clippy::too_many_arguments)]
 fn measure<D: Device>(
     comm: &Communicator<D>,
     a: &Args,
     dtype: DType,
     count: usize,
-    choice: AlgoChoice,
+    subject: Subject,
     mode: &'static str,
     input: &[u8],
 ) -> Result<(Row, Vec<u8>)> {
     let dev = comm.device();
+    let backend = dev.facts().backend;
     let bytes = count * dtype.size();
     let nbuf = (ROTATE_BYTES / bytes.max(1)).clamp(1, 8);
     let inputs: Vec<D::Buffer> = (0..nbuf).map(|_| comm.alloc(bytes)).collect::<Result<_>>()?;
@@ -389,14 +500,23 @@ fn measure<D: Device>(
     for buf in &inputs {
         comm.write(buf, 0, input)?;
     }
+    // The writes are ordered on the communicator's stream; the runs below go
+    // on another one.
+    dev.synchronize(comm.stream())?;
     let stream = dev.create_stream()?;
-    let run = |i: usize| comm.all_reduce_on(&stream, choice, &inputs[i % nbuf], &output, count, dtype, a.op);
-    // A sample is OPS_PER_SAMPLE back-to-back collectives (eager launches, or
-    // one replay of a graph holding them), timed by events and divided: the
-    // same shape as nccl-tests and the torch baseline.
+    let run = |i: usize| match subject {
+        Subject::AllReduce(choice) => {
+            comm.all_reduce_on(&stream, choice, &inputs[i % nbuf], &output, count, dtype, a.op)
+        }
+        Subject::Memcpy => dev.copy_device(output.ptr(), inputs[i % nbuf].ptr(), bytes, &stream),
+    };
+    // A sample is a few back-to-back operations (eager launches, or one
+    // replay of a graph holding them), timed by events and divided: the same
+    // shape as nccl-tests and the torch baseline.
+    let ops = ops_per_sample(backend, bytes);
     let graph = if mode == "graph" {
         dev.begin_capture(&stream)?;
-        let captured = (0..OPS_PER_SAMPLE).try_for_each(run);
+        let captured = (0..ops).try_for_each(run);
         let g = dev.end_capture(&stream)?;
         captured?;
         Some(g)
@@ -405,27 +525,28 @@ fn measure<D: Device>(
     };
     let sample = || match &graph {
         Some(g) => dev.launch_graph(g, &stream),
-        None => (0..OPS_PER_SAMPLE).try_for_each(run),
+        None => (0..ops).try_for_each(run),
     };
-    for _ in 0..a.warmup {
+    for _ in 0..a.warmup_for(backend) {
         sample()?;
     }
     dev.synchronize(&stream)?;
-    let events: Vec<(D::Event, D::Event)> = (0..a.iters)
+    let iters = a.iters_for(backend);
+    let events: Vec<(D::Event, D::Event)> = (0..iters)
         .map(|_| Ok((dev.create_event()?, dev.create_event()?)))
         .collect::<Result<_>>()?;
-    let mut cpu = Vec::with_capacity(a.iters);
+    let mut cpu = Vec::with_capacity(iters);
     for (e0, e1) in &events {
         dev.record(e0, &stream)?;
         let t = Instant::now();
         sample()?;
-        cpu.push(t.elapsed().as_secs_f64() * 1e6 / OPS_PER_SAMPLE as f64);
+        cpu.push(t.elapsed().as_secs_f64() * 1e6 / ops as f64);
         dev.record(e1, &stream)?;
     }
     dev.synchronize(&stream)?;
     let mut times: Vec<f64> = events
         .iter()
-        .map(|(e0, e1)| dev.elapsed_ms(e0, e1).map(|ms| ms as f64 * 1e3 / OPS_PER_SAMPLE as f64))
+        .map(|(e0, e1)| dev.elapsed_ms(e0, e1).map(|ms| ms as f64 * 1e3 / ops as f64))
         .collect::<Result<_>>()?;
     // The output of one more run, from a poisoned buffer, for the checks.
     dev.memset(&output, 0, bytes, 0x7F, &stream)?;
@@ -537,9 +658,16 @@ fn agree(store: &Arc<dyn Store>, seq: usize, rank: usize, world: usize, row: Row
     })
 }
 
+/// (algbw, busbw) in GB/s: busbw is nccl-tests' all-reduce factor
+/// 2(n-1)/n; a memcpy moves its bytes once, so its busbw is its algbw.
 fn bandwidths(row: &Row, world: usize) -> (f64, f64) {
     let algbw = row.bytes as f64 / (row.time_us * 1e-6) / 1e9;
-    (algbw, algbw * 2.0 * (world as f64 - 1.0) / world as f64)
+    let factor = if row.algo == "memcpy" {
+        1.0
+    } else {
+        2.0 * (world as f64 - 1.0) / world as f64
+    };
+    (algbw, algbw * factor)
 }
 
 fn print_row(r: &Row, world: usize) {
@@ -555,7 +683,9 @@ fn print_row(r: &Row, world: usize) {
 fn to_json(rows: &[Row], a: &Args) -> String {
     let mut s = format!(
         "{{\"backend\":\"{}\",\"world\":{},\"iters\":{},\"rows\":[",
-        a.backend, a.world, a.iters
+        a.backend,
+        a.world,
+        a.iters.map_or("\"default\"".to_string(), |i| i.to_string())
     );
     for (i, r) in rows.iter().enumerate() {
         let (algbw, busbw) = bandwidths(r, a.world);
