@@ -139,6 +139,23 @@ struct Op<FC_OP_MAX> {
     FC_DEVICE float apply(float a, float b) { return fc_fmax(a, b); }
     FC_DEVICE fc_i32 apply(fc_i32 a, fc_i32 b) { return b > a ? b : a; }
 };
+// The bitwise ops are integer only (DType::supports); no float entry point
+// instantiates their float overload.
+template <>
+struct Op<FC_OP_BAND> {
+    FC_DEVICE float apply(float a, float) { return a; }
+    FC_DEVICE fc_i32 apply(fc_i32 a, fc_i32 b) { return a & b; }
+};
+template <>
+struct Op<FC_OP_BOR> {
+    FC_DEVICE float apply(float a, float) { return a; }
+    FC_DEVICE fc_i32 apply(fc_i32 a, fc_i32 b) { return a | b; }
+};
+template <>
+struct Op<FC_OP_BXOR> {
+    FC_DEVICE float apply(float a, float) { return a; }
+    FC_DEVICE fc_i32 apply(fc_i32 a, fc_i32 b) { return a ^ b; }
+};
 
 // avg: acc / world, correctly rounded (as the host's f32 division), without a
 // division instruction (its slow path is a call that costs registers):

@@ -49,6 +49,13 @@ static_assert(sizeof(void*) == 8, "64-bit device pointers");
 #define FC_OP_MIN 2
 #define FC_OP_MAX 3
 #define FC_OP_AVG 4
+#define FC_OP_BAND 5
+#define FC_OP_BOR 6
+#define FC_OP_BXOR 7
+#define FC_OP_PREMUL 8
+
+// FcParams::flags bits (src/device/params.rs).
+#define FC_PARAM_SCALAR_IS_PTR 1u
 
 // ---------------------------------------------------------------------------
 // The parameter block, passed by value as the kernel's one argument. Mirrors
@@ -71,11 +78,15 @@ struct FcParams {
     fc_u32 op;
     fc_u32 root;                  // broadcast root
     fc_u32 aux;                   // quick-reduce: codec blocks per inbox segment
+    fc_u64 scalar;                // premul_sum factor: f32 bits, or (flags & 1) the address of one element
+    fc_u64 table;                 // per-call table (all-to-all-v counts and offsets), or 0
+    fc_u32 peer;                  // the other rank of a send or receive
+    fc_u32 flags;                 // FC_PARAM_* bits
 };
 
 // Every field is naturally aligned and follows one of at least its alignment,
 // so there is no padding and the size pins the layout.
-static_assert(sizeof(FcParams) == 168, "FcParams must match KernelParams (168 bytes)");
+static_assert(sizeof(FcParams) == 192, "FcParams must match KernelParams (192 bytes)");
 
 // ---------------------------------------------------------------------------
 // Function and kernel qualifiers.

@@ -8,6 +8,11 @@ use std::str::FromStr;
 use crate::error::{Error, Result};
 
 /// Element type of a collective's buffers.
+///
+/// Every collective moves every dtype. Reductions are defined for
+/// [`DType::REDUCIBLE`] (see [`DType::supports`]): the new 8- and 64-bit
+/// integer, f64 and FP8 types are for the data-moving collectives
+/// (all-gather, all-to-all, broadcast, gather, scatter, send/recv).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum DType {
@@ -15,15 +20,39 @@ pub enum DType {
     F16 = 1,
     BF16 = 2,
     I32 = 3,
+    I8 = 4,
+    U8 = 5,
+    I64 = 6,
+    F64 = 7,
+    /// FP8 e4m3 (OCP "fn" flavour on NVIDIA; the bits are only moved).
+    F8E4M3 = 8,
+    /// FP8 e5m2.
+    F8E5M2 = 9,
 }
 
 impl DType {
-    pub const ALL: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::I32];
+    pub const ALL: [DType; 10] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I8,
+        DType::U8,
+        DType::I64,
+        DType::F64,
+        DType::F8E4M3,
+        DType::F8E5M2,
+    ];
+
+    /// The dtypes ferrocomm's kernels (and the host reference) reduce.
+    pub const REDUCIBLE: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::I32];
 
     pub const fn size(self) -> usize {
         match self {
-            DType::F32 | DType::I32 => 4,
+            DType::I8 | DType::U8 | DType::F8E4M3 | DType::F8E5M2 => 1,
             DType::F16 | DType::BF16 => 2,
+            DType::F32 | DType::I32 => 4,
+            DType::I64 | DType::F64 => 8,
         }
     }
 
@@ -33,19 +62,35 @@ impl DType {
             DType::F16 => "f16",
             DType::BF16 => "bf16",
             DType::I32 => "i32",
+            DType::I8 => "i8",
+            DType::U8 => "u8",
+            DType::I64 => "i64",
+            DType::F64 => "f64",
+            DType::F8E4M3 => "f8e4m3",
+            DType::F8E5M2 => "f8e5m2",
         }
     }
 
     pub const fn is_float(self) -> bool {
-        !matches!(self, DType::I32)
+        matches!(
+            self,
+            DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::F8E4M3 | DType::F8E5M2
+        )
     }
 
-    /// Whether `op` is defined for this dtype. Integer prod and avg are left out:
-    /// their overflow and rounding rules would be a promise nobody asked for.
+    /// Whether `op` is defined for this dtype: floats of
+    /// [`DType::REDUCIBLE`] take sum, prod, min, max, avg and premul_sum;
+    /// i32 takes sum, min, max and the bitwise ops. Integer prod and avg are
+    /// left out: their overflow and rounding rules would be a promise nobody
+    /// asked for. The other dtypes are not reduced.
     pub const fn supports(self, op: ReduceOp) -> bool {
         match self {
-            DType::I32 => matches!(op, ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max),
-            _ => true,
+            DType::F32 | DType::F16 | DType::BF16 => !matches!(op, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor),
+            DType::I32 => matches!(
+                op,
+                ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max | ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor
+            ),
+            _ => false,
         }
     }
 }
@@ -64,8 +109,14 @@ impl FromStr for DType {
             "f16" | "float16" | "half" => Ok(DType::F16),
             "bf16" | "bfloat16" => Ok(DType::BF16),
             "i32" | "int32" | "int" => Ok(DType::I32),
+            "i8" | "int8" => Ok(DType::I8),
+            "u8" | "uint8" => Ok(DType::U8),
+            "i64" | "int64" | "long" => Ok(DType::I64),
+            "f64" | "float64" | "double" => Ok(DType::F64),
+            "f8e4m3" | "fp8e4m3" | "float8_e4m3fn" | "e4m3" => Ok(DType::F8E4M3),
+            "f8e5m2" | "fp8e5m2" | "float8_e5m2" | "e5m2" => Ok(DType::F8E5M2),
             _ => Err(Error::invalid(format!(
-                "unknown dtype {s:?} (expected f32, f16, bf16 or i32)"
+                "unknown dtype {s:?} (expected f32, f16, bf16, i32, i8, u8, i64, f64, f8e4m3 or f8e5m2)"
             ))),
         }
     }
@@ -80,15 +131,28 @@ pub enum ReduceOp {
     Min = 2,
     Max = 3,
     Avg = 4,
+    /// Bitwise and (integers).
+    BAnd = 5,
+    /// Bitwise or (integers).
+    BOr = 6,
+    /// Bitwise exclusive or (integers).
+    BXor = 7,
+    /// Sum of every input multiplied by a factor first (floats): the factor
+    /// comes with the call ([`crate::comm::Reduction::PreMulSum`]).
+    PreMulSum = 8,
 }
 
 impl ReduceOp {
-    pub const ALL: [ReduceOp; 5] = [
+    pub const ALL: [ReduceOp; 9] = [
         ReduceOp::Sum,
         ReduceOp::Prod,
         ReduceOp::Min,
         ReduceOp::Max,
         ReduceOp::Avg,
+        ReduceOp::BAnd,
+        ReduceOp::BOr,
+        ReduceOp::BXor,
+        ReduceOp::PreMulSum,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -98,6 +162,10 @@ impl ReduceOp {
             ReduceOp::Min => "min",
             ReduceOp::Max => "max",
             ReduceOp::Avg => "avg",
+            ReduceOp::BAnd => "band",
+            ReduceOp::BOr => "bor",
+            ReduceOp::BXor => "bxor",
+            ReduceOp::PreMulSum => "premul_sum",
         }
     }
 }
@@ -111,14 +179,18 @@ impl fmt::Display for ReduceOp {
 impl FromStr for ReduceOp {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().as_str() {
+        match s.to_ascii_lowercase().replace('-', "_").as_str() {
             "sum" => Ok(ReduceOp::Sum),
             "prod" | "product" => Ok(ReduceOp::Prod),
             "min" => Ok(ReduceOp::Min),
             "max" => Ok(ReduceOp::Max),
             "avg" | "mean" => Ok(ReduceOp::Avg),
+            "band" | "and" => Ok(ReduceOp::BAnd),
+            "bor" | "or" => Ok(ReduceOp::BOr),
+            "bxor" | "xor" => Ok(ReduceOp::BXor),
+            "premul_sum" | "premulsum" => Ok(ReduceOp::PreMulSum),
             _ => Err(Error::invalid(format!(
-                "unknown op {s:?} (expected sum, prod, min, max or avg)"
+                "unknown op {s:?} (expected sum, prod, min, max, avg, band, bor, bxor or premul_sum)"
             ))),
         }
     }
@@ -132,8 +204,12 @@ pub trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static {
     type Acc: Copy;
     fn to_acc(self) -> Self::Acc;
     fn from_acc(acc: Self::Acc) -> Self;
-    /// `acc = acc (op) x`, for sum/prod/min/max (avg accumulates as sum).
+    /// `acc = acc (op) x`, for sum/prod/min/max and the bitwise ops (avg and
+    /// premul_sum accumulate as sum; premul_sum's inputs are scaled first,
+    /// see [`Element::premul`]).
     fn combine(op: ReduceOp, acc: Self::Acc, x: Self::Acc) -> Self::Acc;
+    /// premul_sum's scaling of one input: `x * factor` in the accumulator.
+    fn premul(x: Self::Acc, factor: f32) -> Self::Acc;
     /// Final step for avg: divide by the world size.
     fn finish(op: ReduceOp, acc: Self::Acc, world: usize) -> Self::Acc;
     fn to_bits_u64(self) -> u64;
@@ -142,11 +218,13 @@ pub trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static {
 #[inline(always)]
 fn combine_f32(op: ReduceOp, acc: f32, x: f32) -> f32 {
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => acc + x,
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum => acc + x,
         ReduceOp::Prod => acc * x,
         // f32::min/max return the non-NaN operand, like CUDA's fminf/fmaxf.
         ReduceOp::Min => acc.min(x),
         ReduceOp::Max => acc.max(x),
+        // Not defined for floats (DType::supports); the bits would be arbitrary.
+        ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => acc,
     }
 }
 
@@ -177,6 +255,10 @@ macro_rules! float_element {
                 combine_f32(op, acc, x)
             }
             #[inline(always)]
+            fn premul(x: f32, factor: f32) -> f32 {
+                x * factor
+            }
+            #[inline(always)]
             fn finish(op: ReduceOp, acc: f32, world: usize) -> f32 {
                 finish_f32(op, acc, world)
             }
@@ -205,11 +287,18 @@ impl Element for i32 {
     #[inline(always)]
     fn combine(op: ReduceOp, acc: i32, x: i32) -> i32 {
         match op {
-            ReduceOp::Sum | ReduceOp::Avg => acc.wrapping_add(x),
+            ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum => acc.wrapping_add(x),
             ReduceOp::Prod => acc.wrapping_mul(x),
             ReduceOp::Min => acc.min(x),
             ReduceOp::Max => acc.max(x),
+            ReduceOp::BAnd => acc & x,
+            ReduceOp::BOr => acc | x,
+            ReduceOp::BXor => acc ^ x,
         }
+    }
+    #[inline(always)]
+    fn premul(x: i32, _factor: f32) -> i32 {
+        x
     }
     #[inline(always)]
     fn finish(_op: ReduceOp, acc: i32, _world: usize) -> i32 {
@@ -226,7 +315,8 @@ pub fn check_supported(dtype: DType, op: ReduceOp) -> Result<()> {
         Ok(())
     } else {
         Err(Error::invalid(format!(
-            "op {op} is not supported for dtype {dtype} (i32 supports sum, min, max)"
+            "op {op} is not supported for dtype {dtype} (f32, f16 and bf16 reduce with sum, prod, min, max, \
+             avg and premul_sum; i32 with sum, min, max, band, bor and bxor; other dtypes are only moved)"
         )))
     }
 }

@@ -285,11 +285,11 @@ fn a_compile_error_is_reported_with_its_log() {
         return;
     }
     let dev = CudaDevice::new(0).unwrap();
-    let broken = ModuleSource {
-        name: "ferrocomm_broken_test",
-        cuda: "extern \"C\" __global__ void k() { this_is_not_defined(); }\n",
-        hip: "",
-    };
+    let broken = ModuleSource::raw(
+        "ferrocomm_broken_test",
+        "extern \"C\" __global__ void k() { this_is_not_defined(); }\n",
+        "",
+    );
     match dev.load_module(&broken) {
         Err(Error::Compile { module, arch, log }) => {
             assert_eq!(module, "ferrocomm_broken_test");
@@ -308,16 +308,16 @@ fn modules_compile_once_and_launch_checks_its_arguments() {
         return;
     }
     let dev = CudaDevice::new(0).unwrap();
-    let src = ModuleSource {
-        name: "ferrocomm_tiny_test",
-        cuda: "struct P { unsigned long long w[21]; };\n\
+    let src = ModuleSource::raw(
+        "ferrocomm_tiny_test",
+        "struct P { unsigned long long w[24]; };\n\
                extern \"C\" __global__ void fill(const P p) {\n\
                  unsigned int* out = (unsigned int*)p.w[9];\n\
                  unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;\n\
                  if (i < p.w[11]) out[i] = 0xC0FFEEu + i;\n\
                }\n",
-        hip: "",
-    };
+        "",
+    );
     let m = dev.load_module(&src).unwrap();
     let m2 = dev.load_module(&src).unwrap(); // from the process cache
     let s = dev.create_stream().unwrap();

@@ -218,11 +218,11 @@ fn hiprtc_reports_compile_errors_with_the_log() {
         return;
     }
     let arch = offline_arch();
-    let broken = ModuleSource {
-        name: "ferrocomm_broken_offline",
-        cuda: "",
-        hip: "extern \"C\" __attribute__((global)) void k() { this_is_not_defined(); }\n",
-    };
+    let broken = ModuleSource::raw(
+        "ferrocomm_broken_offline",
+        "",
+        "extern \"C\" __attribute__((global)) void k() { this_is_not_defined(); }\n",
+    );
     match hip::compile_module(&broken, &arch) {
         Err(Error::Compile { module, arch: a, log }) => {
             assert_eq!(module, "ferrocomm_broken_offline");
@@ -231,11 +231,7 @@ fn hiprtc_reports_compile_errors_with_the_log() {
         }
         other => panic!("expected a compile error, got {:?}", other.map(|c| c.len())),
     }
-    let empty = ModuleSource {
-        name: "ferrocomm_empty_offline",
-        cuda: "x",
-        hip: "",
-    };
+    let empty = ModuleSource::raw("ferrocomm_empty_offline", "x", "");
     assert!(matches!(hip::compile_module(&empty, &arch), Err(Error::Unsupported(_))));
 }
 
@@ -452,11 +448,11 @@ fn a_compile_error_is_reported_with_its_log() {
         return;
     }
     let dev = HipDevice::new(0).unwrap();
-    let broken = ModuleSource {
-        name: "ferrocomm_broken_test",
-        cuda: "",
-        hip: "extern \"C\" __attribute__((global)) void k() { this_is_not_defined(); }\n",
-    };
+    let broken = ModuleSource::raw(
+        "ferrocomm_broken_test",
+        "",
+        "extern \"C\" __attribute__((global)) void k() { this_is_not_defined(); }\n",
+    );
     match dev.load_module(&broken) {
         Err(Error::Compile { module, arch, log }) => {
             assert_eq!(module, "ferrocomm_broken_test");
@@ -465,11 +461,7 @@ fn a_compile_error_is_reported_with_its_log() {
         }
         other => panic!("expected a compile error, got {:?}", other.err()),
     }
-    let empty = ModuleSource {
-        name: "ferrocomm_empty_test",
-        cuda: "x",
-        hip: "",
-    };
+    let empty = ModuleSource::raw("ferrocomm_empty_test", "x", "");
     assert!(matches!(dev.load_module(&empty), Err(Error::Unsupported(_))));
 }
 
@@ -482,17 +474,17 @@ fn modules_compile_once_and_launch_checks_its_arguments() {
     }
     let dev = HipDevice::new(0).unwrap();
     // Builtins only, like the prelude: no dependence on hipRTC's headers.
-    let src = ModuleSource {
-        name: "ferrocomm_tiny_test",
-        cuda: "",
-        hip: "struct P { unsigned long long w[21]; };\n\
+    let src = ModuleSource::raw(
+        "ferrocomm_tiny_test",
+        "",
+        "struct P { unsigned long long w[24]; };\n\
               extern \"C\" __attribute__((global)) void fill(const P p) {\n\
                 unsigned int* out = (unsigned int*)p.w[9];\n\
                 unsigned int i = __builtin_amdgcn_workgroup_id_x() * __builtin_amdgcn_workgroup_size_x()\n\
                                  + __builtin_amdgcn_workitem_id_x();\n\
                 if (i < p.w[11]) out[i] = 0xC0FFEEu + i;\n\
               }\n",
-    };
+    );
     let m = dev.load_module(&src).unwrap();
     let m2 = dev.load_module(&src).unwrap(); // from the process cache
     let s = dev.create_stream().unwrap();

@@ -450,7 +450,8 @@ fn compile_all_for(arch: &str) {
 
     for module in ALL_MODULES {
         let started = std::time::Instant::now();
-        let compiled = match nvrtc.compile(module.cuda, &format!("{}.cu", module.name), &options) {
+        let text = module.full_text(ferrocomm::device::BackendKind::Cuda);
+        let compiled = match nvrtc.compile(&text, &format!("{}.cu", module.name), &options) {
             Ok(c) => c,
             Err(e) => {
                 failures.push(format!("module {} for {arch} failed to compile:\n{e}", module.name));

@@ -186,7 +186,7 @@ fn clang_or_skip(arch: &str, must: bool) -> Option<String> {
 /// kernels are checked anyway; `every_module_has_hip_source` reports it.
 fn hip_text(module: &ModuleSource) -> String {
     if !module.hip.is_empty() {
-        return module.hip.to_string();
+        return module.full_text(ferrocomm::device::BackendKind::Hip);
     }
     println!(
         "note: module {} has no HIP text yet; compiling kernels-hip/prelude.hip.h + kernels-cuda/collectives.cu",

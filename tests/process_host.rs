@@ -23,7 +23,15 @@ fn conformance(world: usize) {
         "4194304"
     };
     let outs = run(
-        &["conformance", "--backend", "host", "--timeout-secs", "60", "--max-bytes", max_bytes],
+        &[
+            "conformance",
+            "--backend",
+            "host",
+            "--timeout-secs",
+            "60",
+            "--max-bytes",
+            max_bytes,
+        ],
         world,
         600,
     );

@@ -72,10 +72,17 @@ impl Config {
 /// `ncclDataType_t` values (identical in NCCL and RCCL).
 pub(super) mod dtype {
     use std::ffi::c_int;
+    pub const INT8: c_int = 0;
+    pub const UINT8: c_int = 1;
     pub const INT32: c_int = 2;
+    pub const INT64: c_int = 4;
     pub const FLOAT16: c_int = 6;
     pub const FLOAT32: c_int = 7;
+    pub const FLOAT64: c_int = 8;
     pub const BFLOAT16: c_int = 9;
+    /// `ncclFloat8e4m3` and `ncclFloat8e5m2` (NCCL 2.24+; data movement only here).
+    pub const FLOAT8E4M3: c_int = 10;
+    pub const FLOAT8E5M2: c_int = 11;
 }
 
 /// `ncclRedOp_t` values. Note max = 2 and min = 3 (ferrocomm's order differs).

@@ -205,18 +205,28 @@ fn nccl_dtype(dtype: DType) -> c_int {
         DType::F16 => ffi::dtype::FLOAT16,
         DType::BF16 => ffi::dtype::BFLOAT16,
         DType::I32 => ffi::dtype::INT32,
+        DType::I8 => ffi::dtype::INT8,
+        DType::U8 => ffi::dtype::UINT8,
+        DType::I64 => ffi::dtype::INT64,
+        DType::F64 => ffi::dtype::FLOAT64,
+        DType::F8E4M3 => ffi::dtype::FLOAT8E4M3,
+        DType::F8E5M2 => ffi::dtype::FLOAT8E5M2,
     }
 }
 
-/// `ncclRedOp_t` for a ferrocomm op (NCCL orders max before min).
-fn nccl_op(op: ReduceOp) -> c_int {
-    match op {
+/// `ncclRedOp_t` for a ferrocomm op (NCCL orders max before min). NCCL has
+/// no bitwise ops, and premul_sum is a per-call op it must create.
+fn nccl_op(op: ReduceOp) -> Result<c_int> {
+    Ok(match op {
         ReduceOp::Sum => ffi::redop::SUM,
         ReduceOp::Prod => ffi::redop::PROD,
         ReduceOp::Min => ffi::redop::MIN,
         ReduceOp::Max => ffi::redop::MAX,
         ReduceOp::Avg => ffi::redop::AVG,
-    }
+        ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor | ReduceOp::PreMulSum => {
+            return Err(Error::Unsupported(format!("NCCL/RCCL have no {op} reduction")))
+        }
+    })
 }
 
 struct Handle(RawComm);
@@ -410,6 +420,7 @@ impl CclComm {
         stream: u64,
     ) -> Result<()> {
         check_supported(dtype, op)?;
+        let nop = nccl_op(op)?;
         let api = &self.lib.api;
         self.call("ncclAllReduce", |comm| {
             // SAFETY: forwarded from the caller's contract.
@@ -419,7 +430,7 @@ impl CclComm {
                     recv.0 as *mut c_void,
                     count,
                     nccl_dtype(dtype),
-                    nccl_op(op),
+                    nop,
                     comm,
                     stream as RawStream,
                 )
@@ -481,6 +492,7 @@ impl CclComm {
     ) -> Result<()> {
         check_supported(dtype, op)?;
         let api = &self.lib.api;
+        let nop = nccl_op(op)?;
         self.call("ncclReduceScatter", |comm| {
             // SAFETY: forwarded from the caller's contract.
             unsafe {
@@ -489,7 +501,7 @@ impl CclComm {
                     recv.0 as *mut c_void,
                     recv_count,
                     nccl_dtype(dtype),
-                    nccl_op(op),
+                    nop,
                     comm,
                     stream as RawStream,
                 )
@@ -696,11 +708,11 @@ mod tests {
         assert_eq!(nccl_dtype(DType::F16), 6);
         assert_eq!(nccl_dtype(DType::BF16), 9);
         assert_eq!(nccl_dtype(DType::I32), 2);
-        assert_eq!(nccl_op(ReduceOp::Sum), 0);
-        assert_eq!(nccl_op(ReduceOp::Prod), 1);
-        assert_eq!(nccl_op(ReduceOp::Max), 2);
-        assert_eq!(nccl_op(ReduceOp::Min), 3);
-        assert_eq!(nccl_op(ReduceOp::Avg), 4);
+        assert_eq!(nccl_op(ReduceOp::Sum).ok(), Some(0));
+        assert_eq!(nccl_op(ReduceOp::Prod).ok(), Some(1));
+        assert_eq!(nccl_op(ReduceOp::Max).ok(), Some(2));
+        assert_eq!(nccl_op(ReduceOp::Min).ok(), Some(3));
+        assert_eq!(nccl_op(ReduceOp::Avg).ok(), Some(4));
     }
 
     #[test]

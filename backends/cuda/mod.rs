@@ -449,7 +449,7 @@ impl Device for CudaDevice {
         self.enter(stream)?;
         let f = module.function(kernel)?;
         // The one kernel argument, passed by value: the driver copies the
-        // 168-byte block out of `p` before cuLaunchKernel returns.
+        // 192-byte block out of `p` before cuLaunchKernel returns.
         let mut p: KernelParams = *params;
         let mut args = [&mut p as *mut KernelParams as *mut c_void];
         // SAFETY: `f` is an entry point of a module loaded in this context whose
@@ -492,7 +492,7 @@ mod tests {
 
     #[test]
     fn params_block_is_the_abi_size() {
-        assert_eq!(KERNEL_PARAMS_BYTES, 168);
+        assert_eq!(KERNEL_PARAMS_BYTES, 192);
     }
 
     #[test]

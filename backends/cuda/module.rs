@@ -103,9 +103,10 @@ fn image(source: &ModuleSource, cc: (i32, i32), fresh: bool) -> Result<Cached> {
     let options = compile_options(&target);
     let version = format!("nvrtc {major}.{minor}");
     let joined = options.join("\0");
+    let text = source.full_text(crate::device::BackendKind::Cuda);
     let key = cache_key(&[
         source.name.as_bytes(),
-        source.cuda.as_bytes(),
+        text.as_bytes(),
         joined.as_bytes(),
         version.as_bytes(),
     ]);
@@ -134,7 +135,7 @@ fn image(source: &ModuleSource, cc: (i32, i32), fresh: bool) -> Result<Cached> {
             return Ok(c);
         }
     }
-    let bytes = compile(source.name, source.cuda, &target, &options)?;
+    let bytes = compile(source.name, &text, &target, &options)?;
     if let Some(d) = dir.as_deref() {
         disk_write(d, &file, &bytes);
     }

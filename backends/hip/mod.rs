@@ -529,7 +529,7 @@ impl Device for HipDevice {
         self.enter(stream)?;
         let f = module.function(kernel)?;
         // The one kernel argument, passed by value: the runtime copies the
-        // 168-byte block (sized by the kernel's metadata) out of `p` before
+        // 192-byte block (sized by the kernel's metadata) out of `p` before
         // hipModuleLaunchKernel returns.
         let mut p: KernelParams = *params;
         let mut args = [&mut p as *mut KernelParams as *mut c_void];
@@ -573,10 +573,10 @@ mod tests {
 
     #[test]
     fn params_block_is_the_abi_size() {
-        assert_eq!(KERNEL_PARAMS_BYTES, 168);
+        assert_eq!(KERNEL_PARAMS_BYTES, 192);
         // The HIP prelude pins the same size.
         let prelude = include_str!("../../kernels-hip/prelude.hip.h");
-        assert!(prelude.contains("static_assert(sizeof(FcParams) == 168"));
+        assert!(prelude.contains("static_assert(sizeof(FcParams) == 192"));
     }
 
     #[test]

@@ -73,9 +73,10 @@ fn image(source: &ModuleSource, arch: &str, wallclock_khz: u32, runtime_version:
         version_string(runtime_version)
     );
     let joined = options.join("\0");
+    let text = source.full_text(crate::device::BackendKind::Hip);
     let key = cache_key(&[
         source.name.as_bytes(),
-        source.hip.as_bytes(),
+        text.as_bytes(),
         joined.as_bytes(),
         version.as_bytes(),
     ]);
@@ -99,7 +100,7 @@ fn image(source: &ModuleSource, arch: &str, wallclock_khz: u32, runtime_version:
             return Ok(c);
         }
     }
-    let bytes = compile(rtc, source.name, source.hip, arch, &options)?;
+    let bytes = compile(rtc, source.name, &text, arch, &options)?;
     if let Some(d) = dir.as_deref() {
         disk_write(d, &file, &bytes);
     }
@@ -124,7 +125,7 @@ pub(super) fn compile_fresh(source: &ModuleSource, arch: &str, wallclock_khz: u3
     compile(
         rtc,
         source.name,
-        source.hip,
+        &source.full_text(crate::device::BackendKind::Hip),
         arch,
         &compile_options(arch, wallclock_khz),
     )

@@ -11,7 +11,7 @@ use half::{bf16, f16};
 
 use super::futex;
 use super::quickreduce;
-use super::reduce::{Lanes, Tiles};
+use super::reduce::{Lanes, Reduction, Tiles};
 use crate::algo::kernels::{
     collective_kernel_names, kernel_name, qr_encode_name, quick_reduce_kernel_names, quick_reduce_name, KernelKind,
     COLLECTIVES, QR_CODECS, QR_DTYPES, QUICK_REDUCE,
@@ -20,7 +20,7 @@ use crate::algo::layout::{
     ll_parity_bytes, ll_stride, push_oneshot_stride, push_twoshot_stride, segment_elems, LL_FP_BYTES, MAX_BLOCKS,
 };
 use crate::codec::Codec;
-use crate::device::{DevicePtr, KernelParams, ERR_CODE_MISMATCH, ERR_CODE_TIMEOUT, MAX_RANKS};
+use crate::device::{DevicePtr, KernelParams, ERR_CODE_MISMATCH, ERR_CODE_TIMEOUT, MAX_RANKS, PARAM_SCALAR_IS_PTR};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -52,10 +52,12 @@ impl HostKernel {
         unsafe {
             match self {
                 HostKernel::Collective { kind, dtype, op } => match dtype {
-                    DType::F32 => launch(p, |l| run::<f32>(l, kind, op)),
-                    DType::F16 => launch(p, |l| run::<f16>(l, kind, op)),
-                    DType::BF16 => launch(p, |l| run::<bf16>(l, kind, op)),
-                    DType::I32 => launch(p, |l| run::<i32>(l, kind, op)),
+                    DType::F32 => launch(p, |l| run::<f32>(l, kind, reduction::<f32>(p, op))),
+                    DType::F16 => launch(p, |l| run::<f16>(l, kind, reduction::<f16>(p, op))),
+                    DType::BF16 => launch(p, |l| run::<bf16>(l, kind, reduction::<bf16>(p, op))),
+                    DType::I32 => launch(p, |l| run::<i32>(l, kind, reduction::<i32>(p, op))),
+                    // `module_kernels` names reducible dtypes only.
+                    _ => {}
                 },
                 HostKernel::QuickReduce { codec, dtype } => match dtype {
                     DType::BF16 => launch(p, |l| quickreduce::all_reduce::<bf16>(l, codec)),
@@ -70,11 +72,29 @@ impl HostKernel {
     }
 }
 
+/// The operator of a launch with its premul_sum factor: `scalar` holds the
+/// factor's f32 bits, or the address of one element of the call's dtype.
+///
+/// # Safety: with `PARAM_SCALAR_IS_PTR`, `scalar` is the address of a live element.
+unsafe fn reduction<T: Lanes>(p: &KernelParams, op: ReduceOp) -> Reduction {
+    let factor = if op != ReduceOp::PreMulSum {
+        1.0
+    } else if p.flags & PARAM_SCALAR_IS_PTR != 0 {
+        // SAFETY: guaranteed by the caller (the algorithm layer checked the pointer).
+        let x: T = unsafe { (p.scalar as *const T).read_unaligned() };
+        x.as_f32()
+    } else {
+        f32::from_bits(p.scalar as u32)
+    };
+    Reduction { op, factor }
+}
+
 /// Kernels of a module, by entry-point name.
 pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>> {
     let mut map = HashMap::new();
     if module == COLLECTIVES.name {
-        for dtype in DType::ALL {
+        // The GPU names, plus premul_sum, which the host reduces too.
+        for dtype in DType::REDUCIBLE {
             for kind in KernelKind::COLLECTIVES {
                 for op in ReduceOp::ALL.into_iter().filter(|&op| dtype.supports(op)) {
                     map.insert(kernel_name(kind, dtype, op), HostKernel::Collective { kind, dtype, op });
@@ -349,7 +369,7 @@ unsafe fn launch(p: &KernelParams, body: impl FnOnce(&Launch) -> Option<u32>) {
 /// The collectives module's kernels. Returns the last epoch, as [`launch`] wants.
 ///
 /// # Safety: see [`HostKernel::call`].
-unsafe fn run<T: Lanes>(l: &Launch, kind: KernelKind, op: ReduceOp) -> Option<u32> {
+unsafe fn run<T: Lanes>(l: &Launch, kind: KernelKind, op: Reduction) -> Option<u32> {
     // SAFETY: forwarded from the caller.
     unsafe {
         match kind {
@@ -371,14 +391,14 @@ unsafe fn run<T: Lanes>(l: &Launch, kind: KernelKind, op: ReduceOp) -> Option<u3
 ///
 /// # Safety: every `srcs` range of `n` elements is live, every `outs` range
 /// live and writable. An output may equal a source (in place).
-unsafe fn reduce_range<T: Lanes>(l: &Launch, op: ReduceOp, srcs: &[DevicePtr], n: usize, outs: &[DevicePtr]) {
+unsafe fn reduce_range<T: Lanes>(l: &Launch, op: Reduction, srcs: &[DevicePtr], n: usize, outs: &[DevicePtr]) {
     debug_assert_eq!(srcs.len(), l.world());
     // SAFETY: forwarded from the caller.
     unsafe { Tiles::<T>::new().reduce(op, l.world(), srcs, n, outs) }
 }
 
 /// # Safety: see [`HostKernel::call`].
-unsafe fn oneshot<T: Lanes>(l: &Launch, op: ReduceOp) -> bool {
+unsafe fn oneshot<T: Lanes>(l: &Launch, op: Reduction) -> bool {
     let n = l.p.count as usize;
     let me = l.me();
     // SAFETY: the input and slot each hold `count` elements.
@@ -394,7 +414,7 @@ unsafe fn oneshot<T: Lanes>(l: &Launch, op: ReduceOp) -> bool {
 }
 
 /// # Safety: see [`HostKernel::call`].
-unsafe fn twoshot<T: Lanes>(l: &Launch, op: ReduceOp) -> bool {
+unsafe fn twoshot<T: Lanes>(l: &Launch, op: Reduction) -> bool {
     let n = l.p.count as usize;
     let world = l.world();
     let me = l.me();
@@ -458,7 +478,7 @@ fn chunks(n: usize, cap: usize) -> usize {
 /// after the flags, reduce from our own region. Returns the last epoch.
 ///
 /// # Safety: see [`HostKernel::call`].
-unsafe fn oneshot_push<T: Lanes>(l: &Launch, op: ReduceOp) -> Option<u32> {
+unsafe fn oneshot_push<T: Lanes>(l: &Launch, op: Reduction) -> Option<u32> {
     let count = l.p.count as usize;
     let me = l.me();
     let world = l.world();
@@ -500,7 +520,7 @@ unsafe fn oneshot_push<T: Lanes>(l: &Launch, op: ReduceOp) -> Option<u32> {
 /// from our result slot into the output. Returns the last epoch.
 ///
 /// # Safety: see [`HostKernel::call`].
-unsafe fn twoshot_push<T: Lanes>(l: &Launch, op: ReduceOp) -> Option<u32> {
+unsafe fn twoshot_push<T: Lanes>(l: &Launch, op: Reduction) -> Option<u32> {
     let count = l.p.count as usize;
     let world = l.world();
     let me = l.me();
@@ -594,7 +614,7 @@ fn ll_unit(word: u32, flag: u32) -> u64 {
 /// later.
 ///
 /// # Safety: see [`HostKernel::call`].
-unsafe fn oneshot_ll<T: Lanes>(l: &Launch, op: ReduceOp) -> bool {
+unsafe fn oneshot_ll<T: Lanes>(l: &Launch, op: Reduction) -> bool {
     let n = l.p.count as usize;
     let world = l.world();
     let me = l.me();

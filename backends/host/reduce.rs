@@ -23,12 +23,16 @@ pub(super) trait Lanes: Element<Acc = <Self as Lanes>::A> {
     fn widen(src: &[Self], acc: &mut [Self::A]);
     /// `dst[i] = narrow(acc[i])`, rounding as `Element::from_acc` does.
     fn narrow(acc: &[Self::A], dst: &mut [Self]);
+    /// The value as f32 (premul_sum's factor, read from memory).
+    fn as_f32(self) -> f32;
 }
 
 /// Accumulator arithmetic over slices, one loop per operator.
 pub(super) trait Accumulate: Copy + Default {
     /// `acc[i] = acc[i] (op) x[i]`.
     fn combine(op: ReduceOp, acc: &mut [Self], x: &[Self]);
+    /// premul_sum's scaling of one widened source tile: `x[i] * factor`.
+    fn premul(x: &mut [Self], factor: f32);
     /// The final step of avg: `acc[i] / world`.
     fn finish(op: ReduceOp, acc: &mut [Self], world: usize);
 }
@@ -38,12 +42,19 @@ impl Accumulate for f32 {
     fn combine(op: ReduceOp, acc: &mut [f32], x: &[f32]) {
         let pairs = acc.iter_mut().zip(x);
         match op {
-            ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(a, x)| *a += *x),
+            ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum => pairs.for_each(|(a, x)| *a += *x),
             ReduceOp::Prod => pairs.for_each(|(a, x)| *a *= *x),
             // f32::min/max return the non-NaN operand, like CUDA's fminf/fmaxf.
             ReduceOp::Min => pairs.for_each(|(a, x)| *a = a.min(*x)),
             ReduceOp::Max => pairs.for_each(|(a, x)| *a = a.max(*x)),
+            // Not defined for floats (DType::supports refuses them first).
+            ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => {}
         }
+    }
+
+    #[inline(always)]
+    fn premul(x: &mut [f32], factor: f32) {
+        x.iter_mut().for_each(|x| *x *= factor);
     }
 
     #[inline(always)]
@@ -60,12 +71,18 @@ impl Accumulate for i32 {
     fn combine(op: ReduceOp, acc: &mut [i32], x: &[i32]) {
         let pairs = acc.iter_mut().zip(x);
         match op {
-            ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(a, x)| *a = a.wrapping_add(*x)),
+            ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum => pairs.for_each(|(a, x)| *a = a.wrapping_add(*x)),
             ReduceOp::Prod => pairs.for_each(|(a, x)| *a = a.wrapping_mul(*x)),
             ReduceOp::Min => pairs.for_each(|(a, x)| *a = (*a).min(*x)),
             ReduceOp::Max => pairs.for_each(|(a, x)| *a = (*a).max(*x)),
+            ReduceOp::BAnd => pairs.for_each(|(a, x)| *a &= *x),
+            ReduceOp::BOr => pairs.for_each(|(a, x)| *a |= *x),
+            ReduceOp::BXor => pairs.for_each(|(a, x)| *a ^= *x),
         }
     }
+
+    #[inline(always)]
+    fn premul(_x: &mut [i32], _factor: f32) {}
 
     #[inline(always)]
     fn finish(_op: ReduceOp, _acc: &mut [i32], _world: usize) {}
@@ -82,6 +99,9 @@ impl Lanes for f32 {
     fn narrow(acc: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(acc);
     }
+    fn as_f32(self) -> f32 {
+        self
+    }
 }
 
 impl Lanes for i32 {
@@ -95,6 +115,9 @@ impl Lanes for i32 {
     fn narrow(acc: &[i32], dst: &mut [i32]) {
         dst.copy_from_slice(acc);
     }
+    fn as_f32(self) -> f32 {
+        self as f32
+    }
 }
 
 impl Lanes for f16 {
@@ -107,6 +130,9 @@ impl Lanes for f16 {
     }
     fn narrow(acc: &[f32], dst: &mut [f16]) {
         dst.convert_from_f32_slice(acc);
+    }
+    fn as_f32(self) -> f32 {
+        self.to_f32()
     }
 }
 
@@ -145,6 +171,22 @@ impl Lanes for bf16 {
             .zip(acc)
             .for_each(|(d, a)| *d = bf16::from_bits(f32_to_bf16_bits(*a)));
     }
+    fn as_f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// An operator with its premul_sum factor (1.0 for every other op).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Reduction {
+    pub(super) op: ReduceOp,
+    pub(super) factor: f32,
+}
+
+impl From<ReduceOp> for Reduction {
+    fn from(op: ReduceOp) -> Self {
+        Reduction { op, factor: 1.0 }
+    }
 }
 
 /// Reusable tiles for one reduction.
@@ -165,7 +207,8 @@ impl<T: Lanes> Tiles<T> {
 
     /// Reduce `n` elements: element `i` of the result is the rank-order
     /// reduction of element `i` of every `srcs[r]`, stored as element `i` of
-    /// every `outs` buffer. `world` divides for avg.
+    /// every `outs` buffer. `world` divides for avg; `factor` scales every
+    /// source first for premul_sum.
     ///
     /// # Safety
     /// Every `srcs` range of `n` elements is live, every `outs` range live and
@@ -173,7 +216,7 @@ impl<T: Lanes> Tiles<T> {
     /// tile is read whole before it is written.
     pub(super) unsafe fn reduce(
         &mut self,
-        op: ReduceOp,
+        red: Reduction,
         world: usize,
         srcs: &[DevicePtr],
         n: usize,
@@ -182,10 +225,10 @@ impl<T: Lanes> Tiles<T> {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked); the rest is the caller's contract.
-            return unsafe { self.reduce_avx2(op, world, srcs, n, outs) };
+            return unsafe { self.reduce_avx2(red, world, srcs, n, outs) };
         }
         // SAFETY: forwarded from the caller.
-        unsafe { self.reduce_body(op, world, srcs, n, outs) }
+        unsafe { self.reduce_body(red, world, srcs, n, outs) }
     }
 
     /// The same loops compiled for AVX2 (the baseline x86-64 target has only
@@ -195,15 +238,16 @@ impl<T: Lanes> Tiles<T> {
     /// As [`Tiles::reduce`], on a CPU with AVX2.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    unsafe fn reduce_avx2(&mut self, op: ReduceOp, world: usize, srcs: &[DevicePtr], n: usize, outs: &[DevicePtr]) {
+    unsafe fn reduce_avx2(&mut self, red: Reduction, world: usize, srcs: &[DevicePtr], n: usize, outs: &[DevicePtr]) {
         // SAFETY: forwarded from the caller.
-        unsafe { self.reduce_body(op, world, srcs, n, outs) }
+        unsafe { self.reduce_body(red, world, srcs, n, outs) }
     }
 
     /// # Safety
     /// As [`Tiles::reduce`].
     #[inline(always)]
-    unsafe fn reduce_body(&mut self, op: ReduceOp, world: usize, srcs: &[DevicePtr], n: usize, outs: &[DevicePtr]) {
+    unsafe fn reduce_body(&mut self, red: Reduction, world: usize, srcs: &[DevicePtr], n: usize, outs: &[DevicePtr]) {
+        let (op, factor) = (red.op, red.factor);
         let size = std::mem::size_of::<T>();
         let mut start = 0;
         while start < n {
@@ -221,8 +265,14 @@ impl<T: Lanes> Tiles<T> {
                 };
                 if r == 0 {
                     T::widen(elems, acc);
+                    if op == ReduceOp::PreMulSum {
+                        T::A::premul(acc, factor);
+                    }
                 } else {
                     T::widen(elems, wide);
+                    if op == ReduceOp::PreMulSum {
+                        T::A::premul(wide, factor);
+                    }
                     T::A::combine(op, acc, wide);
                 }
             }
@@ -282,11 +332,20 @@ mod tests {
     fn check<T: Lanes>(values: impl Fn(usize, usize) -> T) {
         let world = 3;
         let n = TILE + 77;
+        let factor = 0.3f32;
         for op in ReduceOp::ALL.into_iter().filter(|&op| T::DTYPE.supports(op)) {
             let srcs: Vec<Vec<T>> = (0..world).map(|r| (0..n).map(|i| values(r, i)).collect()).collect();
+            let x = |r: usize, i: usize| {
+                let x = srcs[r][i].to_acc();
+                if op == ReduceOp::PreMulSum {
+                    T::premul(x, factor)
+                } else {
+                    x
+                }
+            };
             let want: Vec<T> = (0..n)
                 .map(|i| {
-                    let acc = (1..world).fold(srcs[0][i].to_acc(), |a, r| T::combine(op, a, srcs[r][i].to_acc()));
+                    let acc = (1..world).fold(x(0, i), |a, r| T::combine(op, a, x(r, i)));
                     T::from_acc(T::finish(op, acc, world))
                 })
                 .collect();
@@ -295,7 +354,7 @@ mod tests {
             // An output at an odd address: the misaligned path.
             let out_at = DevicePtr(out.as_mut_ptr() as u64 + 1);
             // SAFETY: every source holds n elements; the output n + 1.
-            unsafe { Tiles::<T>::new().reduce(op, world, &ptrs, n, &[out_at]) };
+            unsafe { Tiles::<T>::new().reduce(Reduction { op, factor }, world, &ptrs, n, &[out_at]) };
             let mut got = vec![T::ZERO; n];
             // SAFETY: reading back the n elements written at out_at.
             unsafe {

@@ -7,8 +7,11 @@ use crate::device::ModuleSource;
 use crate::dtype::{DType, ReduceOp};
 
 /// A module's text: the vendor prelude (primitives), the shared device code
-/// (`common.cuh`), then the module's kernels, so every body is written once
-/// and compiles for both vendors.
+/// (`common.cuh`), then the module's templates, so every body is written once
+/// and compiles for both vendors. The entry points are not in the text: Rust
+/// generates them ([`ModuleSource::text`]), so one compile can hold any subset
+/// of a module's kernels (one kernel, compiled on first use, is what makes a
+/// cold start take seconds instead of the whole module's half minute).
 macro_rules! module_text {
     ($prelude:literal, $body:literal) => {
         concat!(
@@ -26,6 +29,8 @@ pub const COLLECTIVES: ModuleSource = ModuleSource {
     name: "collectives",
     cuda: module_text!("../../kernels-cuda/prelude.cuh", "../../kernels-cuda/collectives.cu"),
     hip: module_text!("../../kernels-hip/prelude.hip.h", "../../kernels-cuda/collectives.cu"),
+    kernels: collective_kernel_names,
+    entry: collective_entry,
 };
 
 /// Quick-reduce (quantized two-shot) and its codec. A module of its own, so
@@ -34,10 +39,108 @@ pub const QUICK_REDUCE: ModuleSource = ModuleSource {
     name: "quickreduce",
     cuda: module_text!("../../kernels-cuda/prelude.cuh", "../../kernels-cuda/quickreduce.cu"),
     hip: module_text!("../../kernels-hip/prelude.hip.h", "../../kernels-cuda/quickreduce.cu"),
+    kernels: quick_reduce_kernel_names,
+    entry: quick_reduce_entry,
 };
 
 /// Every module, for compile checks.
 pub const ALL_MODULES: &[ModuleSource] = &[COLLECTIVES, QUICK_REDUCE];
+
+/// The device-code element type of a reducible dtype (`common.cuh`).
+fn device_type(dtype: DType) -> Option<&'static str> {
+    match dtype {
+        DType::F32 => Some("fc::TF32"),
+        DType::F16 => Some("fc::TF16"),
+        DType::BF16 => Some("fc::TBF16"),
+        DType::I32 => Some("fc::TI32"),
+        _ => None,
+    }
+}
+
+/// The device-code op constant (`prelude.cuh`).
+fn device_op(op: ReduceOp) -> &'static str {
+    match op {
+        ReduceOp::Sum => "FC_OP_SUM",
+        ReduceOp::Prod => "FC_OP_PROD",
+        ReduceOp::Min => "FC_OP_MIN",
+        ReduceOp::Max => "FC_OP_MAX",
+        ReduceOp::Avg => "FC_OP_AVG",
+        ReduceOp::BAnd => "FC_OP_BAND",
+        ReduceOp::BOr => "FC_OP_BOR",
+        ReduceOp::BXor => "FC_OP_BXOR",
+        ReduceOp::PreMulSum => "FC_OP_PREMUL",
+    }
+}
+
+/// Parse `fc_<kind>_<dtype>_<op>` back, for every name the module exports.
+fn parse_collective(name: &str) -> Option<(KernelKind, DType, ReduceOp)> {
+    for dtype in DType::REDUCIBLE {
+        for kind in KernelKind::COLLECTIVES {
+            for op in KERNEL_OPS {
+                if (kind == KernelKind::Broadcast || dtype.supports(op)) && kernel_name(kind, dtype, op) == name {
+                    return Some((kind, dtype, op));
+                }
+            }
+        }
+    }
+    None
+}
+
+/// The C++ definition of one entry point of [`COLLECTIVES`].
+pub fn collective_entry(name: &str) -> Option<String> {
+    let (kind, dtype, op) = parse_collective(name)?;
+    let ty = device_type(dtype)?;
+    let call = match kind {
+        KernelKind::Broadcast => format!("fc::broadcast<{}>(p)", dtype.size()),
+        KernelKind::OneShot => format!("fc::oneshot<{ty}, {}>(p)", device_op(op)),
+        KernelKind::TwoShot => format!("fc::twoshot<{ty}, {}>(p)", device_op(op)),
+        KernelKind::OneShotPush => format!("fc::oneshot_push<{ty}, {}>(p)", device_op(op)),
+        KernelKind::OneShotLl => format!("fc::oneshot_ll<{ty}, {}>(p)", device_op(op)),
+        KernelKind::TwoShotPush => format!("fc::twoshot_push<{ty}, {}>(p)", device_op(op)),
+        KernelKind::QuickReduce => return None,
+    };
+    Some(format!("FC_KERNEL({name}) {{ {call}; }}\n"))
+}
+
+/// The device-code codec constant (`quickreduce.cu`).
+fn device_codec(codec: Codec) -> &'static str {
+    match codec {
+        Codec::Fp8(Fp8Flavor::E4m3Fn) => "FC_QR_FP8",
+        Codec::Fp8(Fp8Flavor::E4m3Fnuz) => "FC_QR_FP8FNUZ",
+        Codec::Int8 => "FC_QR_INT8",
+        Codec::Int6 => "FC_QR_INT6",
+        Codec::Int4 => "FC_QR_INT4",
+    }
+}
+
+/// The C++ definition of one entry point of [`QUICK_REDUCE`].
+pub fn quick_reduce_entry(name: &str) -> Option<String> {
+    for codec in QR_CODECS {
+        for dtype in QR_DTYPES {
+            let (c, ty) = (device_codec(codec), device_type(dtype)?);
+            if quick_reduce_name(codec, dtype) == name {
+                return Some(format!("FC_KERNEL({name}) {{ fc::quickreduce<{c}, {ty}>(p); }}\n"));
+            }
+            if qr_encode_name(codec, dtype) == name {
+                return Some(format!("FC_KERNEL({name}) {{ fc::qr_encode_run<{c}, {ty}>(p); }}\n"));
+            }
+        }
+    }
+    None
+}
+
+/// The ops ferrocomm's reduction kernels implement. premul_sum is reduced
+/// by the host reference only; on GPUs it goes to NCCL/RCCL.
+pub const KERNEL_OPS: [ReduceOp; 8] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Avg,
+    ReduceOp::BAnd,
+    ReduceOp::BOr,
+    ReduceOp::BXor,
+];
 
 /// Which collective kernel family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -161,13 +264,14 @@ pub fn all_kernel_names() -> Vec<String> {
     names
 }
 
-/// Every entry point the [`COLLECTIVES`] module must export: each kind for
-/// every supported (dtype, op) pair, and broadcast once per dtype.
+/// Every entry point the [`COLLECTIVES`] module exports: each kind for
+/// every reducible dtype and kernel op it supports, and broadcast once per
+/// reducible dtype (it only moves bytes of that size).
 pub fn collective_kernel_names() -> Vec<String> {
     let mut names = Vec::new();
-    for dtype in DType::ALL {
+    for dtype in DType::REDUCIBLE {
         for kind in KernelKind::REDUCE {
-            for op in ReduceOp::ALL {
+            for op in KERNEL_OPS {
                 if dtype.supports(op) {
                     names.push(kernel_name(kind, dtype, op));
                 }
@@ -176,4 +280,47 @@ pub fn collective_kernel_names() -> Vec<String> {
         names.push(kernel_name(KernelKind::Broadcast, dtype, ReduceOp::Sum));
     }
     names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_name_has_an_entry_and_entries_call_the_named_template() {
+        for module in ALL_MODULES {
+            for name in (module.kernels)() {
+                let entry = (module.entry)(&name).unwrap_or_else(|| panic!("{name} has no entry"));
+                assert!(entry.starts_with(&format!("FC_KERNEL({name}) ")), "{entry}");
+            }
+            assert!((module.entry)("fc_no_such_kernel").is_none());
+        }
+        assert_eq!(
+            collective_entry("fc_oneshot_ll_bf16_sum").unwrap(),
+            "FC_KERNEL(fc_oneshot_ll_bf16_sum) { fc::oneshot_ll<fc::TBF16, FC_OP_SUM>(p); }\n"
+        );
+        assert_eq!(
+            collective_entry("fc_broadcast_f16_sum").unwrap(),
+            "FC_KERNEL(fc_broadcast_f16_sum) { fc::broadcast<2>(p); }\n"
+        );
+        assert!(collective_kernel_names().contains(&"fc_twoshot_push_i32_bxor".to_string()));
+        assert!(!collective_kernel_names().iter().any(|n| n.contains("premul")));
+    }
+
+    #[test]
+    fn module_text_holds_only_the_asked_entries() {
+        let one = COLLECTIVES
+            .text(crate::device::BackendKind::Cuda, &["fc_oneshot_f32_sum"])
+            .unwrap();
+        assert!(one.contains("FC_KERNEL(fc_oneshot_f32_sum)"));
+        assert!(!one.contains("FC_KERNEL(fc_twoshot_f32_sum)"));
+        assert!(COLLECTIVES
+            .text(crate::device::BackendKind::Hip, &["fc_bogus"])
+            .is_err());
+        let all = COLLECTIVES.full_text(crate::device::BackendKind::Cuda);
+        assert_eq!(
+            all.matches("FC_KERNEL(").count() - COLLECTIVES.cuda.matches("FC_KERNEL(").count(),
+            collective_kernel_names().len()
+        );
+    }
 }

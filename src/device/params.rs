@@ -49,9 +49,22 @@ pub struct KernelParams {
     pub root: u32,
     /// Quick-reduce: codec blocks per inbox segment (`algo::layout::qr_segment_blocks`).
     pub aux: u32,
+    /// premul_sum's factor: its f32 bits, or (with [`PARAM_SCALAR_IS_PTR`])
+    /// the address of one element of the call's dtype in device memory.
+    pub scalar: u64,
+    /// A per-call table in memory the kernel can read (all-to-all-v: counts
+    /// and offsets per peer, see `algo::layout`), or null.
+    pub table: DevicePtr,
+    /// The other rank of a send or receive.
+    pub peer: u32,
+    /// `PARAM_*` bits.
+    pub flags: u32,
 }
+
+/// [`KernelParams::flags`]: `scalar` is an address, not the factor's bits.
+pub const PARAM_SCALAR_IS_PTR: u32 = 1;
 
 /// Size of the ABI struct; the device headers assert the same number.
 pub const KERNEL_PARAMS_BYTES: usize = std::mem::size_of::<KernelParams>();
 
-const _: () = assert!(KERNEL_PARAMS_BYTES == 8 * 8 + 3 * 8 + 7 * 8 + 6 * 4);
+const _: () = assert!(KERNEL_PARAMS_BYTES == 8 * 8 + 3 * 8 + 7 * 8 + 6 * 4 + 2 * 8 + 2 * 4);

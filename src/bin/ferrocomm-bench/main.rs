@@ -41,6 +41,7 @@ macro_rules! with_dtype {
             DType::F16 => $f::<half::f16>($($arg),*),
             DType::BF16 => $f::<half::bf16>($($arg),*),
             DType::I32 => $f::<i32>($($arg),*),
+            other => return Err(Error::invalid(format!("the all-reduce bench reduces f32, f16, bf16 or i32, not {other}"))),
         }
     };
 }
