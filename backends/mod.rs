@@ -1,8 +1,13 @@
-//! Backends: one module per vendor, each implementing [`crate::device::Device`].
-//! `host` is always built; the others are behind features and load their
-//! vendor libraries at run time, so every feature builds with no toolkit.
+//! Backends, each implementing [`crate::device::Device`]. `host` is always
+//! built. The GPU vendors share one implementation, [`gpu::GpuDevice`], over
+//! a table each vendor folder provides (`cuda`, `hip`); they are behind
+//! features and load their vendor libraries at run time, so every feature
+//! builds with no toolkit.
 
 pub mod host;
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod gpu;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -12,6 +17,3 @@ pub mod hip;
 
 #[cfg(any(feature = "nccl", feature = "rccl"))]
 pub mod ccl;
-
-#[cfg(any(feature = "cuda", feature = "rocm"))]
-mod kernel_cache;

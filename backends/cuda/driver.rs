@@ -8,12 +8,13 @@
 //! backend uses is exported. Both checks run once per process.
 
 use std::ffi::{c_void, CStr};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc_sys;
 
+use crate::backends::gpu::errors::DropErrors;
+use crate::backends::gpu::load::LoadFailure;
 use crate::error::{Error, Result};
 
 pub(super) const BACKEND: &str = "cuda";
@@ -27,6 +28,7 @@ const LIBNVRTC: &str = "libnvrtc.so.13";
 /// `tests` below checks that each `sys::cu*` call in this backend is listed.
 pub(super) const DRIVER_SYMBOLS: &[&str] = &[
     "cuInit",
+    "cuDriverGetVersion",
     "cuGetErrorName",
     "cuGetErrorString",
     "cuDeviceGetCount",
@@ -38,6 +40,8 @@ pub(super) const DRIVER_SYMBOLS: &[&str] = &[
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxSetCurrent",
+    "cuCtxEnablePeerAccess",
+    "cuThreadExchangeStreamCaptureMode",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemGetAllocationGranularity",
@@ -50,6 +54,13 @@ pub(super) const DRIVER_SYMBOLS: &[&str] = &[
     "cuMemSetAccess",
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
+    "cuMemRetainAllocationHandle",
+    "cuMemGetAllocationPropertiesFromHandle",
+    "cuMemGetAddressRange_v2",
+    "cuPointerGetAttribute",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
     "cuMemHostAlloc",
     "cuMemHostGetDevicePointer_v2",
     "cuMemFreeHost",
@@ -60,6 +71,7 @@ pub(super) const DRIVER_SYMBOLS: &[&str] = &[
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
+    "cuStreamGetCtx",
     "cuStreamWaitEvent",
     "cuStreamBeginCapture_v2",
     "cuStreamEndCapture",
@@ -76,6 +88,7 @@ pub(super) const DRIVER_SYMBOLS: &[&str] = &[
     "cuModuleLoadData",
     "cuModuleUnload",
     "cuModuleGetFunction",
+    "cuFuncLoad",
     "cuLaunchKernel",
 ];
 
@@ -97,34 +110,6 @@ pub(super) const NVRTC_SYMBOLS: &[&str] = &[
 /// NVRTC entry points used when present (to pick a target NVRTC can build).
 pub(super) const NVRTC_OPTIONAL_SYMBOLS: &[&str] = &["nvrtcGetNumSupportedArchs", "nvrtcGetSupportedArchs"];
 
-/// Why a library could not be used; `Clone` so the one-time check can be replayed.
-#[derive(Debug, Clone)]
-enum LoadFailure {
-    Missing { library: String, reason: String },
-    NoDevice(String),
-    Backend { call: &'static str, message: String },
-}
-
-impl LoadFailure {
-    fn to_error(&self) -> Error {
-        match self {
-            LoadFailure::Missing { library, reason } => Error::LibraryMissing {
-                library: library.clone(),
-                reason: reason.clone(),
-            },
-            LoadFailure::NoDevice(reason) => Error::NoDevice {
-                backend: BACKEND,
-                reason: reason.clone(),
-            },
-            LoadFailure::Backend { call, message } => Error::Backend {
-                backend: BACKEND,
-                call,
-                message: message.clone(),
-            },
-        }
-    }
-}
-
 static DRIVER: OnceLock<Result<(), LoadFailure>> = OnceLock::new();
 
 /// Load libcuda, check its symbols and run `cuInit` (once per process).
@@ -133,7 +118,7 @@ static DRIVER: OnceLock<Result<(), LoadFailure>> = OnceLock::new();
 /// [`Error::NoDevice`] when `cuInit` finds no device, [`Error::Backend`] when
 /// `cuInit` fails otherwise.
 pub(crate) fn driver() -> Result<()> {
-    DRIVER.get_or_init(init_driver).clone().map_err(|f| f.to_error())
+    DRIVER.get_or_init(init_driver).clone().map_err(|f| f.to_error(BACKEND))
 }
 
 /// True when the driver loaded but reported that there is no device.
@@ -180,18 +165,22 @@ static NVRTC: OnceLock<Result<(i32, i32), LoadFailure>> = OnceLock::new();
 /// Load NVRTC (once per process) and return its version `(major, minor)`.
 ///
 /// cudarc only tries bare library names. When none loads, this preloads
-/// `libnvrtc.so.13` from `$FERROCOMM_NVRTC_PATH` (a file), or from
+/// `libnvrtc.so.13` from `$FERROCOMM_NVRTC_LIB` or `$FERROCOMM_NVRTC_PATH` (a file), or from
 /// `$CUDA_HOME/lib64`, `$CUDA_PATH/lib64`, `/usr/local/cuda/lib64` and
 /// `/usr/local/cuda-13*/lib64`, then tries again.
 pub(crate) fn nvrtc() -> Result<(i32, i32)> {
-    NVRTC.get_or_init(init_nvrtc).clone().map_err(|f| f.to_error())
+    NVRTC.get_or_init(init_nvrtc).clone().map_err(|f| f.to_error(BACKEND))
 }
 
 fn nvrtc_candidates() -> Vec<std::path::PathBuf> {
     use std::path::PathBuf;
     let mut out = Vec::new();
-    if let Some(p) = std::env::var_os("FERROCOMM_NVRTC_PATH").filter(|p| !p.is_empty()) {
-        out.push(PathBuf::from(p));
+    // FERROCOMM_NVRTC_LIB is the name ci/check-kernels-cuda.sh and the HIP
+    // backend's FERROCOMM_HIPRTC_LIB use; FERROCOMM_NVRTC_PATH the older one.
+    for var in ["FERROCOMM_NVRTC_LIB", "FERROCOMM_NVRTC_PATH"] {
+        if let Some(p) = std::env::var_os(var).filter(|p| !p.is_empty()) {
+            out.push(PathBuf::from(p));
+        }
     }
     for var in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
         if let Some(dir) = std::env::var_os(var).filter(|p| !p.is_empty()) {
@@ -237,16 +226,11 @@ fn init_nvrtc() -> Result<(i32, i32), LoadFailure> {
         }
     }
     if !present {
-        let mut reason =
-            "not found on the library search path, in $FERROCOMM_NVRTC_PATH, $CUDA_HOME/lib64 or /usr/local/cuda/lib64"
-                .to_string();
-        if !tried.is_empty() {
-            reason.push_str(&format!(" (failed: {})", tried.join("; ")));
-        }
-        return Err(LoadFailure::Missing {
-            library: LIBNVRTC.into(),
-            reason,
-        });
+        return Err(LoadFailure::missing(
+            LIBNVRTC,
+            "not found on the library search path, in $FERROCOMM_NVRTC_LIB, $CUDA_HOME/lib64 or /usr/local/cuda/lib64",
+            &tried,
+        ));
     }
     // SAFETY: the library is present, so `culib` finds it instead of panicking.
     let lib = unsafe { nvrtc_sys::culib() };
@@ -332,34 +316,21 @@ pub(super) fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     }
 }
 
-static DROP_ERRORS: AtomicU64 = AtomicU64::new(0);
-static DROP_ERROR_PRINTED: AtomicBool = AtomicBool::new(false);
+/// Release failures of the CUDA backend in this process.
+pub(super) static DROP_ERRORS: DropErrors = DropErrors::new();
 
-/// Record a failure while releasing a resource in `Drop`: counted always,
-/// printed to stderr once per process, never panicking. A driver that is
-/// already shutting down (process exit) is not an error.
-pub(super) fn drop_check(call: &'static str, r: sys::CUresult) {
-    if r == sys::CUresult::CUDA_SUCCESS || r == sys::CUresult::CUDA_ERROR_DEINITIALIZED {
-        return;
+/// A release's result, with a driver that is already shutting down (process
+/// exit) counted as success.
+pub(super) fn teardown(call: &'static str, r: sys::CUresult) -> Result<()> {
+    if r == sys::CUresult::CUDA_ERROR_DEINITIALIZED {
+        return Ok(());
     }
-    DROP_ERRORS.fetch_add(1, Ordering::Relaxed);
-    if !DROP_ERROR_PRINTED.swap(true, Ordering::Relaxed) {
-        crate::fc_log!(
-            tracing::Level::ERROR,
-            "cuda {call} failed while releasing a resource: {} (later release errors are only counted)",
-            describe(r)
-        );
-    }
-}
-
-/// How many resource releases have failed in this process (see [`drop_check`]).
-pub fn drop_error_count() -> u64 {
-    DROP_ERRORS.load(Ordering::Relaxed)
+    check(call, r)
 }
 
 /// A device's retained primary context. Every resource of the device holds an
 /// `Arc` of it, so the context outlives whatever was created in it.
-pub(super) struct Context {
+pub struct Context {
     raw: sys::CUcontext,
     pub(super) dev: sys::CUdevice,
     pub(super) ordinal: usize,
@@ -388,15 +359,14 @@ impl Context {
         check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.raw) })
     }
 
-    /// [`Context::bind`] for `Drop` paths: failures are recorded, not returned.
-    pub(super) fn bind_for_drop(&self) {
-        // SAFETY: `raw` is a retained, live context (the Arc keeps it).
-        drop_check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.raw) });
+    /// The context handle as an integer (equal for the same context).
+    pub(super) fn id(&self) -> u64 {
+        self.raw as usize as u64
     }
 
-    /// Whether two handles name the same context.
-    pub(super) fn same(&self, other: &Context) -> bool {
-        self.raw == other.raw
+    /// The context handle, for calls that name a context.
+    pub(super) fn raw(&self) -> sys::CUcontext {
+        self.raw
     }
 }
 
@@ -404,9 +374,8 @@ impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: balances the retain in `Context::retain`; every resource made
         // in this context held an Arc of it and is gone.
-        drop_check("cuDevicePrimaryCtxRelease", unsafe {
-            sys::cuDevicePrimaryCtxRelease_v2(self.dev)
-        });
+        let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) };
+        DROP_ERRORS.record(teardown("cuDevicePrimaryCtxRelease", r));
     }
 }
 
@@ -420,9 +389,9 @@ mod tests {
     fn symbol_lists_cover_every_call() {
         let sources = [
             include_str!("driver.rs"),
-            include_str!("memory.rs"),
-            include_str!("stream.rs"),
-            include_str!("module.rs"),
+            include_str!("table.rs"),
+            include_str!("ipc.rs"),
+            include_str!("rtc.rs"),
             include_str!("mod.rs"),
         ];
         let mut missing = Vec::new();

@@ -21,11 +21,12 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use libloading::os::unix::{Library as UnixLibrary, RTLD_GLOBAL, RTLD_LAZY, RTLD_NOW};
 
+use crate::backends::gpu::errors::DropErrors;
+use crate::backends::gpu::load::LoadFailure;
 use crate::error::{Error, Result};
 
 pub(super) const BACKEND: &str = "hip";
@@ -51,6 +52,27 @@ pub(super) struct IpcMemHandle {
 }
 pub(super) const IPC_HANDLE_BYTES: usize = 64;
 const _: () = assert!(std::mem::size_of::<IpcMemHandle>() == 64);
+
+/// `hipPointerAttribute_t` (the layout of ROCm 5 to 7; the values of its
+/// memory type changed in ROCm 6, see [`memory_type`]).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PointerAttributes {
+    pub(super) memory_type: c_int,
+    pub(super) device: c_int,
+    pub(super) device_pointer: *mut c_void,
+    pub(super) host_pointer: *mut c_void,
+    pub(super) is_managed: c_int,
+    pub(super) allocation_flags: c_uint,
+}
+
+/// `hipMemoryType` values of ROCm 6 and later (CUDA's numbering).
+pub(super) mod memory_type {
+    pub const UNREGISTERED: i32 = 0;
+    pub const HOST: i32 = 1;
+    pub const DEVICE: i32 = 2;
+    pub const MANAGED: i32 = 3;
+}
 
 pub(super) const HIP_SUCCESS: HipError = 0;
 pub(super) const HIP_ERROR_INVALID_VALUE: HipError = 1;
@@ -88,6 +110,7 @@ pub(super) const HIP_STREAM_NON_BLOCKING: c_uint = 0x1;
 pub(super) const HIP_EVENT_DEFAULT: c_uint = 0x0;
 pub(super) const HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 0x1;
 pub(super) const HIP_STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
+pub(super) const HIP_STREAM_CAPTURE_MODE_RELAXED: c_int = 2;
 pub(super) const HIP_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
 pub(super) const HIP_MEMCPY_HOST_TO_DEVICE: c_int = 1;
 pub(super) const HIP_MEMCPY_DEVICE_TO_HOST: c_int = 2;
@@ -95,41 +118,56 @@ pub(super) const HIP_MEMCPY_DEVICE_TO_HOST: c_int = 2;
 /// a peer's mapped memory and host-mapped words alike.
 pub(super) const HIP_MEMCPY_DEFAULT: c_int = 4;
 
-/// Declares the table: one field per entry point, with the exported names
-/// tried in order (the first is the current name, later ones older aliases).
+/// The first of `names` that `lib` exports, typed as `F`.
+///
+/// # Safety
+/// `F` is the C prototype of every one of `names` (the tables below are
+/// checked against the ROCm 6.x/7.x headers), and the symbol is only called
+/// through that type.
+unsafe fn lookup<F: Copy>(lib: &UnixLibrary, names: &[&str]) -> Option<F> {
+    for name in names {
+        let c = format!("{name}\0");
+        // SAFETY: the caller's contract on `F`.
+        if let Ok(s) = unsafe { lib.get::<F>(c.as_bytes()) } {
+            return Some(*s);
+        }
+    }
+    None
+}
+
+/// Declares a table: one field per entry point, with the exported names
+/// tried in order (the first is the current name, later ones older
+/// aliases). Entry points under `optional` are `None` on runtimes without them.
 macro_rules! api_table {
     (@first $first:literal $(, $rest:literal)*) => { $first };
     ($(#[$meta:meta])* $vis:vis struct $table:ident {
-        $( $field:ident = [$($sym:literal),+] : fn($($arg:ty),*) $(-> $ret:ty)?; )*
+        required { $( $field:ident = [$($sym:literal),+] : fn($($arg:ty),*) $(-> $ret:ty)?; )* }
+        $( optional { $( $ofield:ident = [$($osym:literal),+] : fn($($oarg:ty),*) $(-> $oret:ty)?; )* } )?
     }) => {
         $(#[$meta])*
         $vis struct $table {
             $( pub(super) $field: unsafe extern "C" fn($($arg),*) $(-> $ret)?, )*
+            $( $( pub(super) $ofield: Option<unsafe extern "C" fn($($oarg),*) $(-> $oret)?>, )* )?
         }
 
         impl $table {
-            /// Resolve every entry point, or name the first one missing.
+            /// Resolve every entry point, or name the first required one missing.
             fn resolve(lib: &UnixLibrary) -> std::result::Result<$table, String> {
                 Ok($table {
                     $( $field: {
                         let names: &[&str] = &[$($sym),+];
-                        let mut found = None;
-                        for name in names {
-                            let c = format!("{name}\0");
-                            // SAFETY: the symbol has the C prototype written in this table
-                            // (checked against the ROCm 6.x/7.x headers); it is only called
-                            // through that type.
-                            if let Ok(s) = unsafe { lib.get::<unsafe extern "C" fn($($arg),*) $(-> $ret)?>(c.as_bytes()) } {
-                                found = Some(*s);
-                                break;
-                            }
-                        }
-                        found.ok_or_else(|| format!("it lacks {}", names.join(" / ")))?
+                        // SAFETY: the field's type is the symbol's prototype.
+                        unsafe { lookup::<unsafe extern "C" fn($($arg),*) $(-> $ret)?>(lib, names) }
+                            .ok_or_else(|| format!("it lacks {}", names.join(" / ")))?
                     }, )*
+                    $( $( $ofield: {
+                        // SAFETY: the field's type is the symbol's prototype.
+                        unsafe { lookup::<unsafe extern "C" fn($($oarg),*) $(-> $oret)?>(lib, &[$($osym),+]) }
+                    }, )* )?
                 })
             }
 
-            /// Every symbol name of the table (first spellings), for tests.
+            /// Every required symbol name of the table (first spellings), for tests.
             #[allow(dead_code)]
             pub(super) const SYMBOLS: &'static [&'static str] = &[$( api_table!(@first $($sym),+) ),*];
         }
@@ -139,64 +177,74 @@ macro_rules! api_table {
 api_table! {
     /// The HIP runtime entry points this backend calls.
     pub(super) struct Hip {
-        init = ["hipInit"]: fn(c_uint) -> HipError;
-        runtime_get_version = ["hipRuntimeGetVersion"]: fn(*mut c_int) -> HipError;
-        get_error_name = ["hipGetErrorName"]: fn(HipError) -> *const c_char;
-        get_error_string = ["hipGetErrorString"]: fn(HipError) -> *const c_char;
-        get_last_error = ["hipGetLastError"]: fn() -> HipError;
-        get_device_count = ["hipGetDeviceCount"]: fn(*mut c_int) -> HipError;
-        set_device = ["hipSetDevice"]: fn(c_int) -> HipError;
-        device_get_attribute = ["hipDeviceGetAttribute"]: fn(*mut c_int, c_int, c_int) -> HipError;
-        device_get_name = ["hipDeviceGetName"]: fn(*mut c_char, c_int, c_int) -> HipError;
-        device_total_mem = ["hipDeviceTotalMem"]: fn(*mut usize, c_int) -> HipError;
-        device_can_access_peer = ["hipDeviceCanAccessPeer"]: fn(*mut c_int, c_int, c_int) -> HipError;
-        device_enable_peer_access = ["hipDeviceEnablePeerAccess"]: fn(c_int, c_uint) -> HipError;
-        malloc = ["hipMalloc"]: fn(*mut *mut c_void, usize) -> HipError;
-        ext_malloc_with_flags = ["hipExtMallocWithFlags"]: fn(*mut *mut c_void, usize, c_uint) -> HipError;
-        free = ["hipFree"]: fn(*mut c_void) -> HipError;
-        host_malloc = ["hipHostMalloc", "hipHostAlloc"]: fn(*mut *mut c_void, usize, c_uint) -> HipError;
-        host_free = ["hipHostFree", "hipFreeHost"]: fn(*mut c_void) -> HipError;
-        host_get_device_pointer = ["hipHostGetDevicePointer"]: fn(*mut *mut c_void, *mut c_void, c_uint) -> HipError;
-        memset_async = ["hipMemsetAsync"]: fn(*mut c_void, c_int, usize, HipStream) -> HipError;
-        memcpy_async = ["hipMemcpyAsync"]: fn(*mut c_void, *const c_void, usize, c_int, HipStream) -> HipError;
-        ipc_get_mem_handle = ["hipIpcGetMemHandle"]: fn(*mut IpcMemHandle, *mut c_void) -> HipError;
-        ipc_open_mem_handle = ["hipIpcOpenMemHandle"]: fn(*mut *mut c_void, IpcMemHandle, c_uint) -> HipError;
-        ipc_close_mem_handle = ["hipIpcCloseMemHandle"]: fn(*mut c_void) -> HipError;
-        stream_create_with_flags = ["hipStreamCreateWithFlags"]: fn(*mut HipStream, c_uint) -> HipError;
-        stream_destroy = ["hipStreamDestroy"]: fn(HipStream) -> HipError;
-        stream_synchronize = ["hipStreamSynchronize"]: fn(HipStream) -> HipError;
-        stream_wait_event = ["hipStreamWaitEvent"]: fn(HipStream, HipEvent, c_uint) -> HipError;
-        stream_begin_capture = ["hipStreamBeginCapture"]: fn(HipStream, c_int) -> HipError;
-        stream_end_capture = ["hipStreamEndCapture"]: fn(HipStream, *mut HipGraph) -> HipError;
-        stream_is_capturing = ["hipStreamIsCapturing"]: fn(HipStream, *mut c_int) -> HipError;
-        event_create_with_flags = ["hipEventCreateWithFlags"]: fn(*mut HipEvent, c_uint) -> HipError;
-        event_destroy = ["hipEventDestroy"]: fn(HipEvent) -> HipError;
-        event_record = ["hipEventRecord"]: fn(HipEvent, HipStream) -> HipError;
-        event_query = ["hipEventQuery"]: fn(HipEvent) -> HipError;
-        event_elapsed_time = ["hipEventElapsedTime"]: fn(*mut f32, HipEvent, HipEvent) -> HipError;
-        graph_instantiate = ["hipGraphInstantiate"]: fn(*mut HipGraphExec, HipGraph, *mut HipGraphNode, *mut c_char, usize) -> HipError;
-        graph_launch = ["hipGraphLaunch"]: fn(HipGraphExec, HipStream) -> HipError;
-        graph_exec_destroy = ["hipGraphExecDestroy"]: fn(HipGraphExec) -> HipError;
-        graph_destroy = ["hipGraphDestroy"]: fn(HipGraph) -> HipError;
-        module_load_data = ["hipModuleLoadData"]: fn(*mut HipModule, *const c_void) -> HipError;
-        module_unload = ["hipModuleUnload"]: fn(HipModule) -> HipError;
-        module_get_function = ["hipModuleGetFunction"]: fn(*mut HipFunction, HipModule, *const c_char) -> HipError;
-        module_launch_kernel = ["hipModuleLaunchKernel"]: fn(HipFunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, HipStream, *mut *mut c_void, *mut *mut c_void) -> HipError;
+        required {
+            init = ["hipInit"]: fn(c_uint) -> HipError;
+            runtime_get_version = ["hipRuntimeGetVersion"]: fn(*mut c_int) -> HipError;
+            get_error_name = ["hipGetErrorName"]: fn(HipError) -> *const c_char;
+            get_error_string = ["hipGetErrorString"]: fn(HipError) -> *const c_char;
+            get_last_error = ["hipGetLastError"]: fn() -> HipError;
+            get_device_count = ["hipGetDeviceCount"]: fn(*mut c_int) -> HipError;
+            set_device = ["hipSetDevice"]: fn(c_int) -> HipError;
+            device_get_attribute = ["hipDeviceGetAttribute"]: fn(*mut c_int, c_int, c_int) -> HipError;
+            device_get_name = ["hipDeviceGetName"]: fn(*mut c_char, c_int, c_int) -> HipError;
+            device_total_mem = ["hipDeviceTotalMem"]: fn(*mut usize, c_int) -> HipError;
+            device_can_access_peer = ["hipDeviceCanAccessPeer"]: fn(*mut c_int, c_int, c_int) -> HipError;
+            device_enable_peer_access = ["hipDeviceEnablePeerAccess"]: fn(c_int, c_uint) -> HipError;
+            malloc = ["hipMalloc"]: fn(*mut *mut c_void, usize) -> HipError;
+            ext_malloc_with_flags = ["hipExtMallocWithFlags"]: fn(*mut *mut c_void, usize, c_uint) -> HipError;
+            free = ["hipFree"]: fn(*mut c_void) -> HipError;
+            host_malloc = ["hipHostMalloc", "hipHostAlloc"]: fn(*mut *mut c_void, usize, c_uint) -> HipError;
+            host_free = ["hipHostFree", "hipFreeHost"]: fn(*mut c_void) -> HipError;
+            host_get_device_pointer = ["hipHostGetDevicePointer"]: fn(*mut *mut c_void, *mut c_void, c_uint) -> HipError;
+            memset_async = ["hipMemsetAsync"]: fn(*mut c_void, c_int, usize, HipStream) -> HipError;
+            memcpy_async = ["hipMemcpyAsync"]: fn(*mut c_void, *const c_void, usize, c_int, HipStream) -> HipError;
+            ipc_get_mem_handle = ["hipIpcGetMemHandle"]: fn(*mut IpcMemHandle, *mut c_void) -> HipError;
+            ipc_open_mem_handle = ["hipIpcOpenMemHandle"]: fn(*mut *mut c_void, IpcMemHandle, c_uint) -> HipError;
+            ipc_close_mem_handle = ["hipIpcCloseMemHandle"]: fn(*mut c_void) -> HipError;
+            stream_create_with_flags = ["hipStreamCreateWithFlags"]: fn(*mut HipStream, c_uint) -> HipError;
+            stream_destroy = ["hipStreamDestroy"]: fn(HipStream) -> HipError;
+            stream_synchronize = ["hipStreamSynchronize"]: fn(HipStream) -> HipError;
+            stream_wait_event = ["hipStreamWaitEvent"]: fn(HipStream, HipEvent, c_uint) -> HipError;
+            stream_begin_capture = ["hipStreamBeginCapture"]: fn(HipStream, c_int) -> HipError;
+            stream_end_capture = ["hipStreamEndCapture"]: fn(HipStream, *mut HipGraph) -> HipError;
+            stream_is_capturing = ["hipStreamIsCapturing"]: fn(HipStream, *mut c_int) -> HipError;
+            event_create_with_flags = ["hipEventCreateWithFlags"]: fn(*mut HipEvent, c_uint) -> HipError;
+            event_destroy = ["hipEventDestroy"]: fn(HipEvent) -> HipError;
+            event_record = ["hipEventRecord"]: fn(HipEvent, HipStream) -> HipError;
+            event_query = ["hipEventQuery"]: fn(HipEvent) -> HipError;
+            event_elapsed_time = ["hipEventElapsedTime"]: fn(*mut f32, HipEvent, HipEvent) -> HipError;
+            graph_instantiate = ["hipGraphInstantiate"]: fn(*mut HipGraphExec, HipGraph, *mut HipGraphNode, *mut c_char, usize) -> HipError;
+            graph_launch = ["hipGraphLaunch"]: fn(HipGraphExec, HipStream) -> HipError;
+            graph_exec_destroy = ["hipGraphExecDestroy"]: fn(HipGraphExec) -> HipError;
+            graph_destroy = ["hipGraphDestroy"]: fn(HipGraph) -> HipError;
+            module_load_data = ["hipModuleLoadData"]: fn(*mut HipModule, *const c_void) -> HipError;
+            module_unload = ["hipModuleUnload"]: fn(HipModule) -> HipError;
+            module_get_function = ["hipModuleGetFunction"]: fn(*mut HipFunction, HipModule, *const c_char) -> HipError;
+            module_launch_kernel = ["hipModuleLaunchKernel"]: fn(HipFunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, HipStream, *mut *mut c_void, *mut *mut c_void) -> HipError;
+            mem_get_address_range = ["hipMemGetAddressRange"]: fn(*mut *mut c_void, *mut usize, *mut c_void) -> HipError;
+            pointer_get_attributes = ["hipPointerGetAttributes"]: fn(*mut PointerAttributes, *const c_void) -> HipError;
+            thread_exchange_stream_capture_mode = ["hipThreadExchangeStreamCaptureMode"]: fn(*mut c_int) -> HipError;
+        }
+        optional {
+            stream_get_device = ["hipStreamGetDevice"]: fn(HipStream, *mut c_int) -> HipError;
+        }
     }
 }
 
 api_table! {
     /// The hipRTC entry points this backend calls.
     pub(super) struct Hiprtc {
-        version = ["hiprtcVersion"]: fn(*mut c_int, *mut c_int) -> HiprtcResult;
-        get_error_string = ["hiprtcGetErrorString"]: fn(HiprtcResult) -> *const c_char;
-        create_program = ["hiprtcCreateProgram"]: fn(*mut HiprtcProgram, *const c_char, *const c_char, c_int, *const *const c_char, *const *const c_char) -> HiprtcResult;
-        destroy_program = ["hiprtcDestroyProgram"]: fn(*mut HiprtcProgram) -> HiprtcResult;
-        compile_program = ["hiprtcCompileProgram"]: fn(HiprtcProgram, c_int, *const *const c_char) -> HiprtcResult;
-        get_program_log_size = ["hiprtcGetProgramLogSize"]: fn(HiprtcProgram, *mut usize) -> HiprtcResult;
-        get_program_log = ["hiprtcGetProgramLog"]: fn(HiprtcProgram, *mut c_char) -> HiprtcResult;
-        get_code_size = ["hiprtcGetCodeSize"]: fn(HiprtcProgram, *mut usize) -> HiprtcResult;
-        get_code = ["hiprtcGetCode"]: fn(HiprtcProgram, *mut c_char) -> HiprtcResult;
+        required {
+            version = ["hiprtcVersion"]: fn(*mut c_int, *mut c_int) -> HiprtcResult;
+            get_error_string = ["hiprtcGetErrorString"]: fn(HiprtcResult) -> *const c_char;
+            create_program = ["hiprtcCreateProgram"]: fn(*mut HiprtcProgram, *const c_char, *const c_char, c_int, *const *const c_char, *const *const c_char) -> HiprtcResult;
+            destroy_program = ["hiprtcDestroyProgram"]: fn(*mut HiprtcProgram) -> HiprtcResult;
+            compile_program = ["hiprtcCompileProgram"]: fn(HiprtcProgram, c_int, *const *const c_char) -> HiprtcResult;
+            get_program_log_size = ["hiprtcGetProgramLogSize"]: fn(HiprtcProgram, *mut usize) -> HiprtcResult;
+            get_program_log = ["hiprtcGetProgramLog"]: fn(HiprtcProgram, *mut c_char) -> HiprtcResult;
+            get_code_size = ["hiprtcGetCodeSize"]: fn(HiprtcProgram, *mut usize) -> HiprtcResult;
+            get_code = ["hiprtcGetCode"]: fn(HiprtcProgram, *mut c_char) -> HiprtcResult;
+        }
     }
 }
 
@@ -216,34 +264,6 @@ pub(super) struct Rtc {
     pub(super) path: String,
     pub(super) version: (i32, i32),
     _lib: UnixLibrary,
-}
-
-/// Why a library could not be used; `Clone` so the one-time check can be replayed.
-#[derive(Debug, Clone)]
-enum LoadFailure {
-    Missing { library: String, reason: String },
-    NoDevice(String),
-    Backend { call: &'static str, message: String },
-}
-
-impl LoadFailure {
-    fn to_error(&self) -> Error {
-        match self {
-            LoadFailure::Missing { library, reason } => Error::LibraryMissing {
-                library: library.clone(),
-                reason: reason.clone(),
-            },
-            LoadFailure::NoDevice(reason) => Error::NoDevice {
-                backend: BACKEND,
-                reason: reason.clone(),
-            },
-            LoadFailure::Backend { call, message } => Error::Backend {
-                backend: BACKEND,
-                call,
-                message: message.clone(),
-            },
-        }
-    }
 }
 
 /// Sonames of the HIP runtime, newest first.
@@ -336,7 +356,7 @@ static INIT: OnceLock<std::result::Result<(), LoadFailure>> = OnceLock::new();
 pub(super) fn library() -> Result<&'static Runtime> {
     match LIBRARY.get_or_init(load_runtime) {
         Ok(r) => Ok(r),
-        Err(f) => Err(f.to_error()),
+        Err(f) => Err(f.to_error(BACKEND)),
     }
 }
 
@@ -349,7 +369,7 @@ pub(crate) fn runtime() -> Result<&'static Runtime> {
     let rt = library()?;
     INIT.get_or_init(|| init_devices(rt))
         .clone()
-        .map_err(|f| f.to_error())?;
+        .map_err(|f| f.to_error(BACKEND))?;
     Ok(rt)
 }
 
@@ -386,16 +406,12 @@ fn load_runtime() -> std::result::Result<Runtime, LoadFailure> {
     let (lib, origin) = match loaded {
         Some(l) => l,
         None => open_first(&runtime_candidates()).map_err(|tried| {
-            let mut reason = "not found in $FERROCOMM_HIP_LIB, $ROCM_PATH/lib, $HIP_PATH/lib, the library \
-                              search path or /opt/rocm/lib (is ROCm installed?)"
-                .to_string();
-            if !tried.is_empty() {
-                reason.push_str(&format!(" (failed: {})", tried.join("; ")));
-            }
-            LoadFailure::Missing {
-                library: LIB.into(),
-                reason,
-            }
+            LoadFailure::missing(
+                LIB,
+                "not found in $FERROCOMM_HIP_LIB, $ROCM_PATH/lib, $HIP_PATH/lib, the library search path or \
+                 /opt/rocm/lib (is ROCm installed?)",
+                &tried,
+            )
         })?,
     };
     let api = Hip::resolve(&lib).map_err(|why| LoadFailure::Missing {
@@ -468,7 +484,7 @@ pub(crate) fn rtc() -> Result<&'static Rtc> {
     let rt = library()?;
     match RTC.get_or_init(|| init_rtc(rt)) {
         Ok(r) => Ok(r),
-        Err(f) => Err(f.to_error()),
+        Err(f) => Err(f.to_error(BACKEND)),
     }
 }
 
@@ -528,16 +544,12 @@ fn init_rtc(rt: &Runtime) -> std::result::Result<Rtc, LoadFailure> {
             match unsafe { UnixLibrary::open(Some(rt.path.as_str()), RTLD_NOW | RTLD_GLOBAL) } {
                 Ok(l) if Hiprtc::resolve(&l).is_ok() => (l, rt.path.clone()),
                 _ => {
-                    let mut reason = "not found next to the HIP runtime, in $FERROCOMM_HIPRTC_LIB, \
-                                      $ROCM_PATH/lib, $HIP_PATH/lib, /opt/rocm/lib or on the library search path"
-                        .to_string();
-                    if !errors.is_empty() {
-                        reason.push_str(&format!(" (failed: {})", errors.join("; ")));
-                    }
-                    return Err(LoadFailure::Missing {
-                        library: LIB.into(),
-                        reason,
-                    });
+                    return Err(LoadFailure::missing(
+                        LIB,
+                        "not found next to the HIP runtime, in $FERROCOMM_HIPRTC_LIB, $ROCM_PATH/lib, \
+                         $HIP_PATH/lib, /opt/rocm/lib or on the library search path",
+                        &errors,
+                    ))
                 }
             }
         }
@@ -622,42 +634,39 @@ pub(super) fn check(call: &'static str, r: HipError) -> Result<()> {
     }
 }
 
-static DROP_ERRORS: AtomicU64 = AtomicU64::new(0);
-static DROP_ERROR_PRINTED: AtomicBool = AtomicBool::new(false);
+/// Release failures of the HIP backend in this process.
+pub(super) static DROP_ERRORS: DropErrors = DropErrors::new();
 
-/// Record a failure while releasing a resource in `Drop`: counted always,
-/// printed to stderr once per process, never panicking. A runtime that is
-/// already shutting down (process exit) is not an error.
-pub(super) fn drop_check(call: &'static str, r: HipError) {
-    if r == HIP_SUCCESS || r == HIP_ERROR_DEINITIALIZED || r == HIP_ERROR_CONTEXT_IS_DESTROYED {
-        return;
+/// A release's result, with a runtime that is already shutting down
+/// (process exit) counted as success.
+pub(super) fn teardown(call: &'static str, r: HipError) -> Result<()> {
+    if r == HIP_ERROR_DEINITIALIZED || r == HIP_ERROR_CONTEXT_IS_DESTROYED {
+        clear_last_error();
+        return Ok(());
     }
-    clear_last_error();
-    DROP_ERRORS.fetch_add(1, Ordering::Relaxed);
-    if !DROP_ERROR_PRINTED.swap(true, Ordering::Relaxed) {
-        crate::fc_log!(
-            tracing::Level::ERROR,
-            "hip {call} failed while releasing a resource: {} (later release errors are only counted)",
-            describe(r)
-        );
-    }
-}
-
-/// How many resource releases have failed in this process (each is printed once to stderr, then counted).
-pub fn drop_error_count() -> u64 {
-    DROP_ERRORS.load(Ordering::Relaxed)
+    check(call, r)
 }
 
 /// One device, as every resource made on it remembers it: HIP keeps the
 /// current device per thread, so each call first makes this one current.
-pub(super) struct DeviceCtx {
+pub struct DeviceCtx {
     pub(super) ordinal: usize,
     hip: &'static Hip,
+    version: i32,
 }
 
 impl DeviceCtx {
     pub(super) fn new(ordinal: usize, rt: &'static Runtime) -> Arc<DeviceCtx> {
-        Arc::new(DeviceCtx { ordinal, hip: &rt.api })
+        Arc::new(DeviceCtx {
+            ordinal,
+            hip: &rt.api,
+            version: rt.version,
+        })
+    }
+
+    /// `hipRuntimeGetVersion`'s number.
+    pub(super) fn runtime_version(&self) -> i32 {
+        self.version
     }
 
     /// The runtime's entry points.
@@ -669,16 +678,6 @@ impl DeviceCtx {
     pub(super) fn bind(&self) -> Result<()> {
         // SAFETY: plain integer argument.
         check("hipSetDevice", unsafe { (self.hip.set_device)(self.ordinal as c_int) })
-    }
-
-    /// [`DeviceCtx::bind`] for `Drop` paths: failures are recorded, not returned.
-    pub(super) fn bind_for_drop(&self) {
-        // SAFETY: as above.
-        drop_check("hipSetDevice", unsafe { (self.hip.set_device)(self.ordinal as c_int) });
-    }
-
-    pub(super) fn same(&self, other: &DeviceCtx) -> bool {
-        self.ordinal == other.ordinal
     }
 }
 
@@ -698,6 +697,12 @@ mod tests {
         assert!(Hip::SYMBOLS.contains(&"hipModuleLaunchKernel"));
         assert!(Hip::SYMBOLS.contains(&"hipHostMalloc"));
         assert_eq!(Hiprtc::SYMBOLS.len(), 9);
+        assert!(Hip::SYMBOLS.contains(&"hipPointerGetAttributes"));
+        assert!(
+            !Hip::SYMBOLS.contains(&"hipStreamGetDevice"),
+            "optional: ROCm 5 lacks it"
+        );
+        assert_eq!(std::mem::size_of::<PointerAttributes>(), 32);
         // No struct-returning property query: only attributes.
         assert!(!Hip::SYMBOLS.iter().any(|s| s.contains("Properties")));
     }

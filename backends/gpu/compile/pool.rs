@@ -1,0 +1,188 @@
+//! The process-wide pool of worker threads that compile kernels and load
+//! them into device contexts, so that no caller's thread (one capturing a
+//! graph, say) ever compiles or loads a module.
+//!
+//! Workers: `FERROCOMM_COMPILE_THREADS`, else `min(available_parallelism - 1,
+//! 8)`, at least 1; started on the first task.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+
+use super::queue::{Lane, Priority, TaskQueue};
+
+type Task = Box<dyn FnOnce() + Send>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Worker threads over one [`TaskQueue`].
+pub struct Pool {
+    queue: Mutex<TaskQueue<Task>>,
+    ready: Condvar,
+    workers: usize,
+    started: AtomicUsize,
+}
+
+/// How many workers the process-wide pool runs.
+pub fn worker_count() -> usize {
+    if let Some(n) = std::env::var("FERROCOMM_COMPILE_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+    {
+        return n.min(64);
+    }
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    cores.saturating_sub(1).clamp(1, 8)
+}
+
+impl Pool {
+    /// The process's pool.
+    pub fn global() -> &'static Pool {
+        static POOL: OnceLock<Pool> = OnceLock::new();
+        static STARTED: OnceLock<()> = OnceLock::new();
+        let pool = POOL.get_or_init(|| Pool::unstarted(worker_count()));
+        STARTED.get_or_init(|| {
+            pool.start("ferrocomm-compile");
+        });
+        pool
+    }
+
+    fn unstarted(workers: usize) -> Pool {
+        Pool {
+            queue: Mutex::new(TaskQueue::default()),
+            ready: Condvar::new(),
+            workers,
+            started: AtomicUsize::new(0),
+        }
+    }
+
+    /// Start the workers; returns how many started. With none (the system
+    /// refused every thread), tasks run on the thread that submits them.
+    fn start(&'static self, name: &str) -> usize {
+        let n = (0..self.workers)
+            .filter(|i| {
+                std::thread::Builder::new()
+                    .name(format!("{name}-{i}"))
+                    .spawn(move || self.work())
+                    .is_ok()
+            })
+            .count();
+        self.started.store(n, Ordering::Release);
+        n
+    }
+
+    /// Queue `task` under `key` (a key already queued is not queued twice).
+    pub fn submit(&'static self, key: String, lane: Lane, priority: Priority, task: Task) {
+        if self.started.load(Ordering::Acquire) == 0 {
+            task();
+            return;
+        }
+        if lock(&self.queue).push(key, lane, priority, task) {
+            self.ready.notify_one();
+        }
+    }
+
+    /// Give a queued `key` a better priority (no effect when it is not queued).
+    pub fn raise(&self, key: &str, priority: Priority) {
+        lock(&self.queue).raise(key, priority);
+    }
+
+    /// Run `key` next, ahead of tasks not bumped before it; false when it is
+    /// not waiting (already running or finished).
+    pub fn bump(&self, key: &str) -> bool {
+        lock(&self.queue).bump(key)
+    }
+
+    fn work(&self) {
+        loop {
+            let (lane, task) = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if let Some((_, lane, task)) = q.pop() {
+                        break (lane, task);
+                    }
+                    q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            // A panicking task must not take the worker with it; the task's
+            // waiters time out with an error naming what never finished.
+            let _ = std::panic::catch_unwind(AssertUnwindSafe(task));
+            lock(&self.queue).done(lane);
+            // A task of a full lane may now run.
+            self.ready.notify_all();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    const LANE: Lane = Lane { name: "test", limit: 8 };
+
+    #[test]
+    fn one_worker_runs_bumped_tasks_first() {
+        let pool: &'static Pool = Box::leak(Box::new(Pool::unstarted(1)));
+        let (gate_tx, gate_rx) = mpsc::channel::<()>();
+        let (tx, rx) = mpsc::channel::<&'static str>();
+        assert_eq!(pool.start("ferrocomm-test-pool"), 1);
+        // The first task holds the only worker until the others are queued.
+        let t = tx.clone();
+        pool.submit(
+            "gate".into(),
+            LANE,
+            0,
+            Box::new(move || {
+                let _ = gate_rx.recv();
+                let _ = t.send("gate");
+            }),
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        for (i, k) in ["a", "b", "c"].into_iter().enumerate() {
+            let t = tx.clone();
+            pool.submit(
+                k.into(),
+                LANE,
+                i as u32,
+                Box::new(move || {
+                    let _ = t.send(k);
+                }),
+            );
+        }
+        assert!(pool.bump("c"));
+        assert!(!pool.bump("gate"), "a running task cannot be bumped");
+        gate_tx.send(()).unwrap();
+        let order: Vec<_> = (0..4)
+            .map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap())
+            .collect();
+        assert_eq!(order, ["gate", "c", "a", "b"]);
+    }
+
+    #[test]
+    fn a_panicking_task_does_not_stop_the_worker() {
+        let pool: &'static Pool = Box::leak(Box::new(Pool::unstarted(1)));
+        pool.start("ferrocomm-test-pool");
+        let (tx, rx) = mpsc::channel();
+        pool.submit("boom".into(), LANE, 0, Box::new(|| panic!("task panics on purpose")));
+        pool.submit(
+            "after".into(),
+            LANE,
+            1,
+            Box::new(move || {
+                let _ = tx.send(1);
+            }),
+        );
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(1));
+    }
+
+    #[test]
+    fn worker_count_is_bounded() {
+        let n = worker_count();
+        assert!((1..=64).contains(&n), "{n}");
+    }
+}
