@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Build the CUDA binaries here (no CUDA needed) and copy what ci/gpu-cuda.sh
-# runs into .carry/ (gitignored), ready to travel to a GPU machine.
+# runs into .carry/ (gitignored), ready to travel to a GPU machine: the bench
+# and worker, every GPU test binary (conformance_* holds the device tests of
+# tests/common/gpu_device.rs, including the borrow_stream, check_memory,
+# export_range, lazy-compile and cold-start tests; process_* the multi-process
+# scenarios), and the sm_90 kernels precompiled one file per kernel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FEATURES="${FEATURES:-cuda,nccl}"
@@ -10,6 +14,7 @@ cargo test --release --features "$FEATURES" --no-run --message-format=json 2>/de
     python3 -c '
 import json, shutil, sys
 want = {"conformance_cuda", "process_cuda", "conformance_hip", "process_hip"}
+packed = set()
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -18,8 +23,13 @@ for line in sys.stdin:
     t = m.get("target", {})
     if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name") in want and "test" in t.get("kind", []):
         shutil.copy(m["executable"], ".carry/bin/" + t["name"])
+        packed.add(t["name"])
         print("packed", t["name"])
-'
+# The CUDA build must carry both CUDA test binaries.
+missing = {"conformance_cuda", "process_cuda"} - packed if "cuda" in sys.argv[1] else set()
+if missing:
+    sys.exit("pack-gpu: test binaries not built: " + ", ".join(sorted(missing)))
+' "$FEATURES"
 cp target/release/ferrocomm-bench target/release/ferrocomm-worker .carry/bin/
 strip .carry/bin/* 2>/dev/null || true
 if [ -f ../shared/baselines/torch_allreduce_bench.py ]; then
@@ -31,7 +41,9 @@ NVRTC="$(find .ci-cache -name 'libnvrtc.so.13' 2>/dev/null | head -n 1)"
 if [[ "$FEATURES" == *cuda* ]] && [ -n "$NVRTC" ]; then
     NVRTC="$(readlink -f "$NVRTC")"
     rm -rf .carry/kcache && mkdir -p .carry/kcache && chmod 700 .carry/kcache
-    LD_LIBRARY_PATH="$(dirname "$NVRTC")" FERROCOMM_NVRTC_PATH="$NVRTC" FERROCOMM_CACHE_DIR="$PWD/.carry/kcache" \
+    # One kernel per compile on every core; the GPU machine loads each
+    # kernel's file as it first needs it.
+    LD_LIBRARY_PATH="$(dirname "$NVRTC")" FERROCOMM_NVRTC_LIB="$NVRTC" FERROCOMM_CACHE_DIR="$PWD/.carry/kcache" \
         target/release/ferrocomm-worker precompile-cuda --cc "${CUDA_CC:-9.0}"
 else
     echo "no NVRTC wheel under .ci-cache (run ci/check-kernels-cuda.sh): the GPU machine will compile the kernels itself"
