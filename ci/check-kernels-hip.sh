@@ -8,7 +8,11 @@
 #    kernel and descriptor present in the code objects, no VGPR spills, the
 #    prelude's f16/bf16 conversions checked exhaustively on the host, and the
 #    HIP prelude supplying every primitive of the CUDA prelude.
-# 2. `cargo test --features rocm --lib backends::hip`: the backend's unit tests.
+# 2. `cargo test --features rocm --lib -- backends::gpu backends::hip`: the unit
+#    tests of the shared GPU layer (handle encoding, the compile queue and pool,
+#    the disk cache's validation, and the device itself over a fake vendor
+#    table: lazy per-kernel compile, waits inside a capture, caller memory)
+#    and of the HIP table.
 # 3. `cargo test --features rocm --test conformance_hip`: with Debian's
 #    libamdhip64 (ROCm 5.2) installed and no GPU, opening a device must be a
 #    clean NoDevice error, and the backend's hipRTC path must compile the
@@ -88,8 +92,8 @@ fi
 echo "check-kernels-hip: $(clang++-19 --version 2>/dev/null | head -n 1)"
 cargo test --test kernels_hip_compile -- --nocapture
 
-# ---- 2. backend unit tests ----
-cargo test --features rocm --lib backends::hip
+# ---- 2. GPU layer and backend unit tests ----
+cargo test --features rocm --lib -- backends::gpu backends::hip
 
 # ---- 3. the backend on this machine: a clean error, and hipRTC without a GPU ----
 if [ -e /dev/kfd ]; then

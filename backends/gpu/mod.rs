@@ -18,6 +18,8 @@
 
 pub mod compile;
 pub mod errors;
+#[cfg(test)]
+mod fake;
 pub mod handle;
 pub mod load;
 mod local;
@@ -561,13 +563,16 @@ impl<V: Vendor> Device for GpuDevice<V> {
 
 #[cfg(test)]
 mod tests {
+    use super::fake::{log, Fake, COMPILE_TIME};
+    use super::*;
     use crate::device::{check_range, KERNEL_PARAMS_BYTES};
+    use std::thread::ThreadId;
 
     #[test]
     fn params_block_is_the_abi_size() {
         assert_eq!(KERNEL_PARAMS_BYTES, 192);
         // Both preludes pin the same size.
-        assert!(include_str!("../../kernels-cuda/prelude.cuh").contains("192"));
+        assert!(include_str!("../../kernels-cuda/prelude.cuh").contains("static_assert(sizeof(FcParams) == 192"));
         let prelude = include_str!("../../kernels-hip/prelude.hip.h");
         assert!(prelude.contains("static_assert(sizeof(FcParams) == 192"));
     }
@@ -577,5 +582,217 @@ mod tests {
         assert!(check_range("x", 10, 5, 5).is_ok());
         assert!(check_range("x", 10, 5, 6).is_err());
         assert!(check_range("x", 10, usize::MAX, 2).is_err());
+    }
+
+    fn test_kernels() -> Vec<String> {
+        ["a", "b", "c", "d", "e", "broken"]
+            .iter()
+            .map(|k| format!("fc_t_{k}"))
+            .collect()
+    }
+
+    fn test_entry(name: &str) -> Option<String> {
+        let k = name.strip_prefix("fc_t_")?;
+        Some(if k == "broken" {
+            format!("FC_KERNEL({name}) {{ this_is_not_defined(); }}\n")
+        } else {
+            format!("FC_KERNEL({name}) {{ }}\n")
+        })
+    }
+
+    /// A per-kernel module no other test compiled.
+    fn lazy_source(tag: &str) -> ModuleSource {
+        let name: &'static str = Box::leak(format!("fake_{tag}_{:?}", Instant::now()).into_boxed_str());
+        let body: &'static str = Box::leak(format!("// body of {name}\n").into_boxed_str());
+        ModuleSource {
+            name,
+            cuda: "",
+            hip: body,
+            kernels: test_kernels,
+            entry: test_entry,
+        }
+    }
+
+    fn compiles_of(module: &str) -> Vec<(String, ThreadId)> {
+        log()
+            .compiles
+            .iter()
+            .filter(|(u, _)| u.starts_with(module))
+            .cloned()
+            .collect()
+    }
+
+    const CFG: LaunchConfig = LaunchConfig { grid: 1, block: 64 };
+
+    #[test]
+    fn modules_load_in_the_background_and_a_captured_launch_waits() {
+        let dev = GpuDevice::<Fake>::new(0).unwrap();
+        let src = lazy_source("capture");
+        let started = Instant::now();
+        let m = dev.load_module(&src).unwrap();
+        assert!(started.elapsed() < COMPILE_TIME, "load_module waited for a compile");
+        assert_eq!(m.unit_count(), 6);
+        assert!(m.ready_count() < m.unit_count());
+
+        // The first launch of a kernel, inside a capture: it waits, then is queued.
+        let s = dev.create_stream().unwrap();
+        dev.begin_capture(&s).unwrap();
+        dev.launch(&m, "fc_t_e", CFG, &KernelParams::default(), &s).unwrap();
+        let broken = dev.launch(&m, "fc_t_broken", CFG, &KernelParams::default(), &s);
+        assert!(
+            matches!(&broken, Err(Error::Compile { module, log, .. })
+                if module.ends_with("/fc_t_broken") && log.contains("this_is_not_defined")),
+            "{broken:?}"
+        );
+        assert!(
+            dev.is_capturing(&s).unwrap(),
+            "a failed launch leaves the capture alone"
+        );
+        dev.end_capture(&s).unwrap();
+        assert!(log().launches.contains(&"fc_t_e".to_string()));
+        // Bumped: `e` was compiled before the kernels queued ahead of it
+        // finished (at most the one compiling when the launch came).
+        let order: Vec<String> = compiles_of(src.name).into_iter().map(|c| c.0).collect();
+        let e = order.iter().position(|u| u.ends_with("fc_t_e")).unwrap();
+        assert!(e <= 1, "fc_t_e compiled at position {e}: {order:?}");
+
+        // Nothing was compiled or loaded on this thread.
+        let me = std::thread::current().id();
+        assert!(compiles_of(src.name).iter().all(|(_, t)| *t != me));
+        assert!(!log().loads.contains(&me));
+
+        dev.prepare(&m, &["fc_t_a", "fc_t_b"]).unwrap();
+        assert!(matches!(dev.prepare(&m, &[]), Err(Error::Compile { .. })));
+        assert!(matches!(dev.prepare(&m, &["fc_t_zz"]), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            dev.launch(&m, "fc_t_zz", CFG, &KernelParams::default(), &s),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!(m.ready_count(), 5);
+        assert_eq!(compiles_of(src.name).len(), 6, "each kernel compiled once");
+        assert!(dev.runtime_info().contains("fakecc"));
+    }
+
+    #[test]
+    fn devices_share_compiles_and_reuse_loaded_kernels() {
+        let src = lazy_source("shared");
+        let (a, b) = (GpuDevice::<Fake>::new(0).unwrap(), GpuDevice::<Fake>::new(1).unwrap());
+        let ma = a.load_module(&src).unwrap();
+        let mb = b.load_module(&src).unwrap();
+        a.prepare(&ma, &["fc_t_a", "fc_t_b", "fc_t_c", "fc_t_d", "fc_t_e"])
+            .unwrap();
+        b.prepare(&mb, &["fc_t_a", "fc_t_b", "fc_t_c", "fc_t_d", "fc_t_e"])
+            .unwrap();
+        let compiled: Vec<String> = compiles_of(src.name).into_iter().map(|c| c.0).collect();
+        let unique: std::collections::HashSet<&String> = compiled.iter().collect();
+        assert_eq!(
+            unique.len(),
+            compiled.len(),
+            "two devices, one compile per kernel: {compiled:?}"
+        );
+        assert!(compiled.len() >= 5);
+        // Another handle on a device that has the kernels loaded is ready at once.
+        let again = a.load_module(&src).unwrap();
+        assert_eq!(again.ready_count(), 5, "the five good kernels, reused");
+        let s = a.create_stream().unwrap();
+        a.launch(&again, "fc_t_c", CFG, &KernelParams::default(), &s).unwrap();
+        // Another device's module is refused.
+        assert!(matches!(
+            a.launch(&mb, "fc_t_c", CFG, &KernelParams::default(), &s),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn a_whole_module_compiles_before_load_returns() {
+        let dev = GpuDevice::<Fake>::new(0).unwrap();
+        let good = ModuleSource::raw("fake_raw_good", "", "FC_KERNEL(fill) {}\n// raw");
+        let m = dev.load_module(&good).unwrap();
+        assert_eq!((m.unit_count(), m.ready_count()), (1, 1));
+        assert!(m.has_kernel("fill") && !m.has_kernel("nope"));
+        let broken = ModuleSource::raw("fake_raw_broken", "", "this_is_not_defined();");
+        match dev.load_module(&broken) {
+            Err(Error::Compile { module, arch, .. }) => {
+                assert_eq!((module.as_str(), arch.as_str()), ("fake_raw_broken", "fake1"))
+            }
+            other => panic!("{:?}", other.err()),
+        }
+        let empty = ModuleSource::raw("fake_raw_empty", "x", "");
+        assert!(matches!(dev.load_module(&empty), Err(Error::Unsupported(_))));
+    }
+
+    #[test]
+    fn caller_memory_is_checked_and_shared() {
+        let (a, b) = (GpuDevice::<Fake>::new(0).unwrap(), GpuDevice::<Fake>::new(1).unwrap());
+        let buf = a.alloc(1 << 20, MemKind::Plain).unwrap();
+        a.check_memory(buf.ptr(), 1 << 20).unwrap();
+        a.check_memory(buf.ptr().offset(10), (1 << 20) - 10).unwrap();
+        a.check_memory(DevicePtr(3), 0).unwrap();
+        let past = a.check_memory(buf.ptr(), (1 << 20) + 1);
+        assert!(
+            matches!(&past, Err(Error::InvalidArgument(m)) if m.contains("past the end")),
+            "{past:?}"
+        );
+        let unknown = a.check_memory(DevicePtr(0x7), 4);
+        assert!(
+            matches!(&unknown, Err(Error::InvalidArgument(m)) if m.contains("not in any")),
+            "{unknown:?}"
+        );
+        let theirs = b.alloc(64, MemKind::Plain).unwrap();
+        let other = a.check_memory(theirs.ptr(), 64);
+        assert!(
+            matches!(&other, Err(Error::InvalidArgument(m)) if m.contains("device 1")),
+            "{other:?}"
+        );
+
+        // Caller memory: exported at an offset, served by address in this process.
+        let (h, offset) = a.export_range(buf.ptr().offset(4096), 100).unwrap();
+        assert_eq!((offset, h.size), (4096, 1 << 20));
+        let peer = b.import(h).unwrap();
+        assert_eq!(peer.ptr(), buf.ptr());
+        assert!(a.export_range(buf.ptr(), (1 << 20) + 1).is_err());
+        assert!(a.export_range(DevicePtr(0x7), 4).is_err());
+
+        // Own shareable buffers: the mapping keeps the allocation alive.
+        let own = a.alloc(5000, MemKind::Shareable).unwrap();
+        let h = a.export(&own).unwrap();
+        assert_eq!(h.size, 5000);
+        let bytes = h.bytes.clone();
+        let p1 = b.import(h).unwrap();
+        assert_eq!(p1.ptr(), own.ptr());
+        drop(own);
+        let again = ExportedHandle {
+            bytes: bytes.clone(),
+            fd: None,
+            size: 5000,
+        };
+        let p2 = b.import(again).unwrap();
+        drop((p1, p2));
+        let gone = b.import(ExportedHandle {
+            bytes,
+            fd: None,
+            size: 5000,
+        });
+        assert!(
+            matches!(&gone, Err(Error::InvalidArgument(m)) if m.contains("gone")),
+            "{:?}",
+            gone.err()
+        );
+    }
+
+    #[test]
+    fn borrowed_streams_are_checked_and_usable() {
+        let dev = GpuDevice::<Fake>::new(0).unwrap();
+        // SAFETY: the fake driver has no real streams to outlive.
+        let s = unsafe { dev.borrow_stream(0x1234) }.unwrap();
+        assert_eq!(dev.raw_stream(&s), Some(0x1234));
+        dev.synchronize(&s).unwrap();
+        // SAFETY: as above.
+        assert!(matches!(
+            unsafe { dev.borrow_stream(0xbad) },
+            Err(Error::InvalidArgument(_))
+        ));
+        let e = dev.create_event().unwrap();
+        assert!(dev.wait_event_for(&e, Duration::from_millis(1)).unwrap());
     }
 }

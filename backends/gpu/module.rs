@@ -263,28 +263,21 @@ pub fn compile_units<V: Vendor>(
         name: V::KIND.name(),
         limit: V::max_parallel_compiles(),
     };
-    let unit = |kernel: Option<&str>, text: String| {
-        Arc::new(Unit::new(
-            V::KIND,
-            source.name,
-            kernel,
-            text,
-            target.clone(),
-            V::compile,
-            lane,
-        ))
+    let body = images::body_key(source, V::KIND);
+    let unit = |kernel: Option<&str>| -> Result<Arc<Unit>> {
+        let u = Unit::new(V::KIND, source, &body, kernel, target.clone(), V::compile, lane)?;
+        Ok(Arc::new(u))
     };
     let mut names = (source.kernels)();
     if names.is_empty() {
-        return Ok(vec![(None, unit(None, source.text(V::KIND, &[])?))]);
+        return Ok(vec![(None, unit(None)?)]);
     }
     // Stable: within a priority, the module's own order.
     names.sort_by_key(|n| priority(n));
     names
         .into_iter()
         .map(|n| {
-            let text = source.text(V::KIND, &[&n])?;
-            let u = unit(Some(&n), text);
+            let u = unit(Some(&n))?;
             Ok((Some(n), u))
         })
         .collect()

@@ -18,7 +18,7 @@ use super::pool::Pool;
 use super::queue::{Lane, Priority};
 use crate::backends::gpu::errors::clone_error;
 use crate::backends::gpu::vendor::CompileTarget;
-use crate::device::BackendKind;
+use crate::device::{BackendKind, ModuleSource};
 use crate::error::{Error, Result};
 
 /// Loads and lookups: cheap, any number at once.
@@ -28,14 +28,16 @@ pub const LOAD_LANE: Lane = Lane {
 };
 
 /// One compile unit: a kernel (or a whole module whose text holds its own
-/// entry points) for one target.
+/// entry points) for one target. Its text is built only when it is
+/// compiled; the key hashes the module body once per module and the entry.
 pub struct Unit {
     pub backend: BackendKind,
-    /// Hash of (module, text, options, compiler, arch).
+    /// Hash of (module, body, entry, options, compiler, arch).
     pub key: String,
     /// `collectives/fc_oneshot_ll_bf16_sum`, in errors and logs.
     pub label: String,
-    pub text: String,
+    source: ModuleSource,
+    kernel: Option<String>,
     /// Its file in the disk cache.
     pub file: String,
     pub target: Arc<CompileTarget>,
@@ -45,20 +47,29 @@ pub struct Unit {
 }
 
 impl Unit {
+    /// The unit of `kernel` of `source` (the whole module for `None`);
+    /// `body_key` is [`body_key`] of the source for this backend.
     pub fn new(
         backend: BackendKind,
-        module: &str,
+        source: &ModuleSource,
+        body_key: &str,
         kernel: Option<&str>,
-        text: String,
         target: Arc<CompileTarget>,
         compile: fn(&CompileTarget, &str, &str) -> Result<Vec<u8>>,
         lane: Lane,
-    ) -> Unit {
+    ) -> Result<Unit> {
+        let module = source.name;
+        let entry = match kernel {
+            Some(k) => (source.entry)(k)
+                .ok_or_else(|| Error::invalid(format!("kernel module {module} has no kernel named {k}")))?,
+            None => String::new(),
+        };
         let options = target.options.join("\0");
         let key = disk::cache_key(&[
             module.as_bytes(),
             kernel.unwrap_or("").as_bytes(),
-            text.as_bytes(),
+            body_key.as_bytes(),
+            entry.as_bytes(),
             options.as_bytes(),
             target.compiler.as_bytes(),
             target.arch.as_bytes(),
@@ -71,15 +82,24 @@ impl Unit {
             None => (module.to_string(), disk::sanitize(module)),
         };
         let file = format!("{stem}-{}-{key}.{}", disk::sanitize(&target.arch), target.extension);
-        Unit {
+        Ok(Unit {
             backend,
             key,
             label,
-            text,
+            source: *source,
+            kernel: kernel.map(str::to_string),
             file,
             target,
             compile,
             lane,
+        })
+    }
+
+    /// The text to compile: the module body and this unit's entry point.
+    pub fn text(&self) -> Result<String> {
+        match &self.kernel {
+            Some(k) => self.source.text(self.backend, &[k]),
+            None => self.source.text(self.backend, &[]),
         }
     }
 
@@ -87,6 +107,12 @@ impl Unit {
     pub fn compile_key(&self) -> String {
         format!("compile:{}", self.key)
     }
+}
+
+/// The part of every unit's key that stands for the module body (hashed
+/// once per module, not once per kernel).
+pub fn body_key(source: &ModuleSource, backend: BackendKind) -> String {
+    disk::cache_key(&[source.name.as_bytes(), source.body(backend).as_bytes()])
 }
 
 /// A compiled image.
@@ -205,7 +231,7 @@ pub fn obtain(unit: &Unit, fresh: bool) -> Result<Image> {
         }
     }
     let started = Instant::now();
-    let bytes = (unit.compile)(&unit.target, &unit.label, &unit.text)?;
+    let bytes = (unit.compile)(&unit.target, &unit.label, &unit.text()?)?;
     if !unit.target.image.accepts(&bytes) {
         return Err(Error::Compile {
             module: unit.label.clone(),
