@@ -22,32 +22,36 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-type Registry = HashMap<(BackendKind, u64), Weak<dyn Any + Send + Sync>>;
+/// Exported allocations by (backend, address): their size and a weak owner.
+type Registry = HashMap<(BackendKind, u64), (u64, Weak<dyn Any + Send + Sync>)>;
 
 fn exports() -> &'static Mutex<Registry> {
     static EXPORTS: OnceLock<Mutex<Registry>> = OnceLock::new();
     EXPORTS.get_or_init(Default::default)
 }
 
-/// Remember an exported allocation of this process at `addr`.
-pub fn register(backend: BackendKind, addr: DevicePtr, alloc: Weak<dyn Any + Send + Sync>) {
-    lock(exports()).insert((backend, addr.0), alloc);
+/// Remember an exported allocation of this process: `size` bytes at `addr`.
+pub fn register(backend: BackendKind, addr: DevicePtr, size: usize, alloc: Weak<dyn Any + Send + Sync>) {
+    lock(exports()).insert((backend, addr.0), (size as u64, alloc));
 }
 
 /// Forget `addr` when its allocation is gone (called from its `Drop`).
 pub fn forget_if_dead(backend: BackendKind, addr: DevicePtr) {
     let mut exports = lock(exports());
-    if exports.get(&(backend, addr.0)).is_some_and(|w| w.strong_count() == 0) {
+    if exports
+        .get(&(backend, addr.0))
+        .is_some_and(|(_, w)| w.strong_count() == 0)
+    {
         exports.remove(&(backend, addr.0));
     }
 }
 
-/// The registered allocation at `addr`, if it is still alive.
-fn registered(backend: BackendKind, addr: u64) -> Option<Keep> {
+/// The registered allocation of `size` bytes at `addr`, if it is still alive.
+fn registered(backend: BackendKind, addr: u64, size: u64) -> Option<Keep> {
     // The lock is released before the upgraded Arc can be dropped by the
     // caller: dropping the last owner runs the allocation's Drop, which locks.
-    let weak = lock(exports()).get(&(backend, addr)).cloned();
-    weak.and_then(|w| w.upgrade())
+    let entry = lock(exports()).get(&(backend, addr)).cloned();
+    entry.filter(|(s, _)| *s == size).and_then(|(_, w)| w.upgrade())
 }
 
 /// What a handle of this process maps to: the address, and the allocation
@@ -60,7 +64,7 @@ pub fn resolve<V: Driver>(ctx: &V::Context, h: &ParsedHandle) -> Result<(DeviceP
         ))
     };
     let keep = if h.own {
-        Some(registered(V::KIND, h.base).ok_or_else(gone)?)
+        Some(registered(V::KIND, h.base, h.alloc_size).ok_or_else(gone)?)
     } else {
         // Caller memory: the caller keeps it alive; check it is still the
         // allocation that was exported.

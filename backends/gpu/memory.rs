@@ -83,7 +83,7 @@ impl<V: Vendor> GpuBuffer<V> {
             let any: Arc<dyn Any + Send + Sync> = self.alloc.clone();
             Arc::downgrade(&any)
         };
-        local::register(V::KIND, self.alloc.ptr(), weak);
+        local::register(V::KIND, self.alloc.ptr(), self.alloc.size(), weak);
         Ok(exported::<V>(&self.alloc.ctx, export, true, self.len))
     }
 }
