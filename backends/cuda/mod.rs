@@ -472,6 +472,10 @@ impl Device for CudaDevice {
         })
     }
 
+    fn duplicate(&self) -> Result<Self> {
+        CudaDevice::new(self.facts.ordinal)
+    }
+
     fn bind_thread(&self) -> Result<()> {
         self.make_current()
     }

@@ -553,6 +553,10 @@ impl Device for HipDevice {
         })
     }
 
+    fn duplicate(&self) -> Result<Self> {
+        HipDevice::new(self.facts.ordinal)
+    }
+
     fn bind_thread(&self) -> Result<()> {
         self.make_current()
     }
