@@ -213,11 +213,26 @@ impl<D: Device> Communicator<D> {
             let Some(kind) = algorithm.kernel_kind() else {
                 return Err(Error::Unsupported(format!("{algorithm} has no kernel")));
             };
-            let mut c = CollectiveCall::new(kind, dtype, op, count, input.ptr(), output.ptr());
+            let bytes = count * dtype.size();
+            // GPU kernels load whole elements: memory that is not aligned to
+            // its element goes through the staging buffer (in place there).
+            let staged = gpu_misaligned(s, &[input, output]);
+            let (inp, out) = match staged {
+                true => {
+                    let at = stage(s, &[input.ptr()], bytes)?;
+                    (at, at)
+                }
+                false => (input.ptr(), output.ptr()),
+            };
+            let mut c = CollectiveCall::new(kind, dtype, op, count, inp, out);
             c.codec = algorithm.codec();
             c.scalar = scalar;
             c.flags = flags;
-            enqueue(s, &c)
+            enqueue(s, &c)?;
+            if staged {
+                s.inner.device.copy_device(output.ptr(), out, bytes, s.stream)?;
+            }
+            Ok(())
         })
     }
 
@@ -251,10 +266,11 @@ impl<D: Device> Communicator<D> {
                 return copy_if_apart(s, output.ptr(), input.ptr(), bytes);
             }
             // The broadcast kernel moves elements of 2 or 4 bytes: any dtype
-            // whose bytes fit that (the bits are not looked at).
-            let as_kernel = if bytes % 4 == 0 {
+            // whose bytes and addresses fit that (the bits are not looked at).
+            let fits = |k: usize| bytes % k == 0 && input.ptr().0 % k as u64 == 0 && output.ptr().0 % k as u64 == 0;
+            let as_kernel = if fits(4) {
                 Some((DType::I32, bytes / 4))
-            } else if bytes % 2 == 0 {
+            } else if fits(2) {
                 Some((DType::F16, bytes / 2))
             } else {
                 None
@@ -265,6 +281,16 @@ impl<D: Device> Communicator<D> {
                         CollectiveCall::new(KernelKind::Broadcast, kd, ReduceOp::Sum, n, input.ptr(), output.ptr());
                     c.root = root;
                     enqueue(s, &c)
+                }
+                None if !on_host && !s.res.vendor.available() => {
+                    // No NCCL: through the staging buffer, 4-byte aligned.
+                    let padded = bytes.next_multiple_of(4);
+                    let at = stage_padded(s, &[input.ptr()], bytes, padded)?;
+                    let mut c =
+                        CollectiveCall::new(KernelKind::Broadcast, DType::I32, ReduceOp::Sum, padded / 4, at, at);
+                    c.root = root;
+                    enqueue(s, &c)?;
+                    s.inner.device.copy_device(output.ptr(), at, bytes, s.stream)
                 }
                 _ if on_host => {
                     // Odd byte counts: the root sends to everyone.
@@ -910,16 +936,34 @@ fn vendor_exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, mut l: Lists,
         .run(&s.inner.device, s.stream, dtype, VendorOp::Exchange { sends, recvs })
 }
 
+/// Whether a GPU kernel would see one of `tensors` misaligned for its
+/// element (the host kernels copy bytes and take any alignment).
+fn gpu_misaligned<D: Device>(s: &Submit<'_, D>, tensors: &[Tensor]) -> bool {
+    s.inner.device.facts().backend != BackendKind::Host
+        && tensors.iter().any(|t| t.ptr().0 % t.dtype().size() as u64 != 0)
+}
+
 /// Copy the blocks `srcs` (each `bytes`) back to back into the
 /// communicator's staging buffer (grown on demand; not while capturing).
 fn stage<D: Device>(s: &mut Submit<'_, D>, srcs: &[DevicePtr], bytes: usize) -> Result<DevicePtr> {
-    let need = bytes * srcs.len();
+    stage_padded(s, srcs, bytes, bytes * srcs.len())
+}
+
+/// [`stage`], with a staging buffer of at least `capacity` bytes.
+fn stage_padded<D: Device>(
+    s: &mut Submit<'_, D>,
+    srcs: &[DevicePtr],
+    bytes: usize,
+    capacity: usize,
+) -> Result<DevicePtr> {
+    let need = capacity.max(bytes * srcs.len());
     let fits = s.res.staging.as_ref().is_some_and(|b| b.len() >= need);
     if !fits {
         if s.capturing {
             return Err(Error::Unsupported(
-                "a list reduce-scatter on a GPU stages its inputs, and the staging buffer cannot grow inside a \
-                 graph capture: make one eager call of this size first, or pass one contiguous input"
+                "this call goes through the staging buffer on a GPU (a list reduce-scatter, or memory not \
+                 aligned to its element), and the staging buffer cannot grow inside a graph capture: make one \
+                 eager call of this size first, or pass aligned, contiguous tensors"
                     .into(),
             ));
         }
