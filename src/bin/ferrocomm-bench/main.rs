@@ -395,16 +395,16 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     };
     // Subjects a collective takes: the all-reduce's algorithms apply to it
     // alone; memcpy rows once per size.
-    let applies = |c: colls::Coll, k: usize, s: &Subject| match s {
+    let applies = |c: colls::Coll, s: &Subject| match s {
         Subject::Ferro(choice) => colls::algo_applies(c, *choice),
         Subject::NcclDirect => true,
-        Subject::Memcpy => c == a.colls[0] && k == 0,
+        Subject::Memcpy => c == a.colls[0],
     };
     let rows_total: usize = a
         .colls
         .iter()
         .map(|&c| {
-            let per_size = subjects.iter().filter(|(_, s)| applies(c, 0, s)).count() * modes.len();
+            let per_size = subjects.iter().filter(|(_, s)| applies(c, s)).count() * modes.len();
             a.dtypes.iter().map(|&d| sizes(d).count()).sum::<usize>() * per_size
         })
         .sum();
@@ -456,8 +456,8 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
                 } else {
                     with_dtype!(dtype, colls::data_for(coll, seed, rank, world, n_in, n_out, a.op))
                 };
-                for (k, (name, subject)) in subjects.iter().enumerate() {
-                    if !applies(coll, k, subject) {
+                for (name, subject) in &subjects {
+                    if !applies(coll, subject) {
                         continue;
                     }
                     for &mode in modes {
