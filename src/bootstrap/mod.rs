@@ -1,10 +1,12 @@
 //! Bootstrap: how ranks find each other and swap small blobs (handles, ids)
 //! before any device memory is shared.
 
+mod admission;
 mod collect;
 mod env;
 mod inproc;
 mod tcp;
+mod wire;
 
 pub use collect::{store_all_gather, store_barrier};
 pub use env::{read_token_file, rendezvous, rendezvous_from_env, EnvRendezvous, DEFAULT_RENDEZVOUS_TIMEOUT};
