@@ -6,12 +6,14 @@ mod collect;
 mod env;
 mod inproc;
 mod tcp;
+mod torch_store;
 mod wire;
 
 pub use collect::{store_all_gather, store_barrier};
 pub use env::{read_token_file, rendezvous, rendezvous_from_env, EnvRendezvous, DEFAULT_RENDEZVOUS_TIMEOUT};
 pub use inproc::InProcStore;
 pub use tcp::{TcpStore, TcpStoreConfig, TcpStoreServer};
+pub use torch_store::TorchStoreClient;
 
 use std::time::Duration;
 
