@@ -195,9 +195,11 @@ fn join(job: &AgentStoreJob<'_>, torch: &TorchStoreClient, key: &str, left: Dura
             (addr, job.token.clone())
         }
         _ => {
+            // Anyone can write torch's store: show a bounded excerpt only.
+            let excerpt: String = published.chars().take(80).collect();
             return Err(Error::Store(format!(
-                "torch store key '{key}' holds '{published}', which ferrocomm did not write"
-            )))
+                "torch store key '{key}' holds '{excerpt}', which ferrocomm did not write"
+            )));
         }
     };
     let token = token.ok_or_else(|| {
