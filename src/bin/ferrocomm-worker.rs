@@ -18,6 +18,9 @@
 //!   `--replays` times, changing the input before every replay and checking
 //!   every output.
 //! - `smoke`: one small launch of every kernel family (for compute-sanitizer).
+//! - `coldstart`: the time from process start to a communicator that has run
+//!   its first all-reduce (point `FERROCOMM_CACHE_DIR` at an empty directory
+//!   to measure a cold kernel cache), printed as `COLD START ...`.
 //! - `precompile-cuda`: compile the CUDA kernels for `--cc` (default 9.0) into
 //!   `FERROCOMM_CACHE_DIR` with no GPU, so a GPU machine skips NVRTC.
 //!
@@ -141,7 +144,11 @@ fn main() -> ExitCode {
     }
 }
 
+/// When the process started (for `coldstart`).
+static STARTED: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+
 fn run() -> Result<String> {
+    STARTED.get_or_init(Instant::now);
     let args = parse_args()?;
     if args.scenario == "precompile-cuda" {
         return precompile_cuda(&args);
@@ -188,7 +195,23 @@ fn run() -> Result<String> {
 
 fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize, a: &Args) -> Result<String> {
     let opts = CommOptions::from_env()?.with_timeout(a.timeout);
+    let device_ready = STARTED.get().map_or(0.0, |t| t.elapsed().as_secs_f64());
     let comm = Communicator::new(dev, store.clone(), rank, world, opts)?;
+    let comm_ready = STARTED.get().map_or(0.0, |t| t.elapsed().as_secs_f64());
+    if a.scenario == "coldstart" {
+        let buf = comm.alloc(1 << 20)?;
+        comm.all_reduce(Tensor::of(&buf, DType::BF16), ReduceOp::Sum, &Call::new())?
+            .wait(None)?;
+        let first = STARTED.get().map_or(0.0, |t| t.elapsed().as_secs_f64());
+        // What the rest of the module costs, compiled in the background.
+        comm.prepare()?;
+        let all = STARTED.get().map_or(0.0, |t| t.elapsed().as_secs_f64());
+        comm.finalize()?;
+        return Ok(format!(
+            "COLD START rank={rank}: device {device_ready:.2} s, communicator {comm_ready:.2} s, \
+             first all_reduce done {first:.2} s after process start; every kernel ready at {all:.2} s"
+        ));
+    }
     match a.scenario.as_str() {
         "conformance" => {
             let cfg = SuiteConfig {
