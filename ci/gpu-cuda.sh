@@ -3,7 +3,8 @@
 # binaries (see ci/pack-gpu.sh), writing logs under $OUT (or ./gpu-logs).
 #
 #   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
-#   STEPS: tests sanitizer bench qrbench baseline (default: all)
+#   STEPS: tests coldstart torchrun example sanitizer bench collbench qrbench
+#          python baseline (default: all)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a
 # shared host's GPUs down. Every test runs with FERROCOMM_REQUIRE_GPU=1, so a
@@ -12,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(cd "${1:-.carry/bin}" && pwd)"
 shift || true
-STEPS="${*:-tests sanitizer bench qrbench baseline}"
+STEPS="${*:-tests coldstart torchrun example sanitizer bench collbench qrbench python baseline}"
 LOG="${OUT:-$PWD/gpu-logs}"
 mkdir -p "$LOG"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -56,6 +57,29 @@ if [[ " $STEPS " == *" tests "* ]]; then
     step process_cuda "$BIN/process_cuda" --include-ignored --test-threads=1
 fi
 
+if [[ " $STEPS " == *" coldstart "* ]] && [ "$NGPU" -ge 2 ]; then
+    # Two processes, an empty kernel cache each time: the first is the cold
+    # start; then the same with the cache they filled.
+    cold=/tmp/ferrocomm-cold-cache
+    rm -rf "$cold" && mkdir -p "$cold" && chmod 700 "$cold"
+    step coldstart_empty_cache env FERROCOMM_CACHE_DIR="$cold" "$BIN/process_cuda" --include-ignored --test-threads=1 coldstart
+    step coldstart_warm_cache env FERROCOMM_CACHE_DIR="$cold" "$BIN/process_cuda" --include-ignored --test-threads=1 coldstart
+    grep -h "COLD START" "$LOG"/coldstart_*.log | tee -a "$LOG/summary.txt"
+fi
+
+if [[ " $STEPS " == *" torchrun "* ]] && command -v torchrun >/dev/null && [ "$NGPU" -ge 2 ]; then
+    # Unmodified torchrun: its agent store holds MASTER_PORT; ferrocomm's
+    # rendezvous finds it and starts its own store beside it.
+    step torchrun_conformance torchrun --nproc_per_node=2 --no-python "$BIN/ferrocomm-worker" conformance --backend cuda --timeout-secs 120
+    if [ -x "$BIN/torchrun_store" ]; then
+        step torch_tcpstore_client env FERROCOMM_REQUIRE_TORCH=1 "$BIN/torchrun_store" --include-ignored --test-threads=1
+    fi
+fi
+
+if [[ " $STEPS " == *" example "* ]] && command -v torchrun >/dev/null && [ "$NGPU" -ge 2 ] && [ -x "$BIN/engine_cudarc" ]; then
+    step example_engine_cudarc torchrun --nproc_per_node=2 --no-python "$BIN/engine_cudarc"
+fi
+
 if [[ " $STEPS " == *" sanitizer "* ]]; then
     for tool in memcheck racecheck; do
         wrapper="/tmp/ferrocomm-sanitize-$tool.sh"
@@ -77,6 +101,17 @@ if [[ " $STEPS " == *" bench "* ]]; then
     done
 fi
 
+if [[ " $STEPS " == *" collbench "* ]]; then
+    # Every collective: ferrocomm (its kernels, or NCCL underneath), NCCL
+    # called directly on the same stream, and a memcpy, eager and graph.
+    for w in 2 4; do
+        [ "$NGPU" -ge "$w" ] || continue
+        step "collbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --coll all --algo auto,nccl --graph \
+            --dtype bf16 --min-bytes 4K --max-bytes "${COLL_MAX:-64M}" \
+            --iters "${BENCH_ITERS:-10}" --warmup "${BENCH_WARMUP:-3}" --json "$LOG/collbench_w$w.json"
+    done
+fi
+
 if [[ " $STEPS " == *" qrbench "* ]]; then
     # Quick-reduce per codec next to ferrocomm's two-shot and NCCL, Gaussian
     # data, relative error per row (issue 5's table).
@@ -90,10 +125,24 @@ if [[ " $STEPS " == *" qrbench "* ]]; then
     done
 fi
 
-if [[ " $STEPS " == *" baseline "* ]] && [ -f .carry/torch_allreduce_bench.py ] && command -v torchrun >/dev/null; then
+if [[ " $STEPS " == *" python "* ]] && ls .carry/wheels/ferrocomm-*.whl >/dev/null 2>&1 && [ "$NGPU" -ge 2 ]; then
+    site=/tmp/ferrocomm-site
+    python3 -m pip install -q --no-index --no-deps --target "$site" .carry/wheels/ferrocomm-*.whl >"$LOG/python_install.log" 2>&1
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    if [ -d .carry/python-tests ]; then
+        step python_gpu_tests torchrun --nproc_per_node=2 -m pytest -x -q .carry/python-tests
+    fi
+    if [ -f .carry/bench_torch.py ]; then
+        step python_bench torchrun --nproc_per_node=2 .carry/bench_torch.py
+    fi
+fi
+
+if [[ " $STEPS " == *" baseline "* ]] && command -v torchrun >/dev/null; then
     for w in 2 4; do
         [ "$NGPU" -ge "$w" ] || continue
-        step "torch_baseline_w$w" torchrun --nproc_per_node="$w" .carry/torch_allreduce_bench.py
+        for b in torch_allreduce_bench torch_collectives_bench; do
+            [ -f ".carry/$b.py" ] && step "${b}_w$w" torchrun --nproc_per_node="$w" ".carry/$b.py"
+        done
     done
 fi
 

@@ -106,11 +106,12 @@ struct FcParams {
     fc_u64 table;                 // per-call table (all-to-all-v counts and offsets), or 0
     fc_u32 peer;                  // the other rank of a send or receive
     fc_u32 flags;                 // FC_PARAM_* bits
+    fc_u64 per_peer[4][FC_MAX_RANKS];  // per-peer counts/offsets/addresses (src/device/params.rs)
 };
 
 // No padding (every field follows one of at least its alignment), so the size
 // pins the layout.
-static_assert(sizeof(FcParams) == 192, "FcParams must match KernelParams (192 bytes)");
+static_assert(sizeof(FcParams) == 448, "FcParams must match KernelParams (448 bytes)");
 
 // ---------------------------------------------------------------------------
 // Qualifiers. hipRTC predefines __global__ / __device__ / __shared__ as these

@@ -44,6 +44,11 @@ impl DType {
         DType::F8E5M2,
     ];
 
+    /// The dtype of a `#[repr(u32)]` code (as kernels receive it).
+    pub fn from_code(code: u32) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| *d as u32 == code)
+    }
+
     /// The dtypes ferrocomm's kernels (and the host reference) reduce.
     pub const REDUCIBLE: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::I32];
 

@@ -12,13 +12,15 @@
 //! 5. `kernels-cuda/`, `kernels-hip/`: device code, compiled at run time.
 //!
 //! ```no_run
-//! use ferrocomm::{backends::host::HostDevice, bootstrap::rendezvous_from_env, Communicator, CommOptions, DType, ReduceOp};
+//! use ferrocomm::{backends::host::HostDevice, bootstrap::rendezvous_from_env};
+//! use ferrocomm::{Call, CommOptions, Communicator, DType, ReduceOp, Tensor};
 //! # fn main() -> ferrocomm::Result<()> {
-//! let rdv = rendezvous_from_env()?;
+//! let rdv = rendezvous_from_env()?; // torchrun, or MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE
 //! let device = HostDevice::new(rdv.local_rank)?;
 //! let comm = Communicator::new(device, rdv.store.clone(), rdv.rank, rdv.world, CommOptions::from_env()?)?;
 //! let buf = comm.alloc(1024 * 4)?;
-//! comm.all_reduce_in_place(&buf, 1024, DType::F32, ReduceOp::Sum)?.wait(None)?;
+//! let t = Tensor::of(&buf, DType::F32);
+//! comm.all_reduce(t, ReduceOp::Sum, &Call::new())?.wait(None)?;
 //! comm.finalize()?;
 //! # Ok(()) }
 //! ```
@@ -37,6 +39,6 @@ pub mod log;
 #[doc(hidden)]
 pub mod testing;
 
-pub use comm::{CommOptions, Communicator, Work};
+pub use comm::{Call, CommOptions, Communicator, P2p, Reduction, Registration, Tensor, Work};
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};

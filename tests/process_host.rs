@@ -61,6 +61,22 @@ fn killed_rank_becomes_an_error_within_twice_the_timeout() {
     assert_victim_killed(&outs, 2);
 }
 
+/// A dead peer in any collective: every protocol's waits have deadlines.
+#[test]
+fn killed_rank_in_every_collective_becomes_an_error() {
+    for coll in ["all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce"] {
+        let outs = run(&["kill", "--victim", "1", "--timeout-secs", "2", "--coll", coll], 3, 60);
+        assert_victim_killed(&outs, 1);
+    }
+    // Sends and receives wait only on their own peers: at world 2 that is the victim.
+    let outs = run(
+        &["kill", "--victim", "1", "--timeout-secs", "2", "--coll", "sendrecv"],
+        2,
+        60,
+    );
+    assert_victim_killed(&outs, 1);
+}
+
 #[test]
 fn stalled_rank_is_named_in_the_timeout() {
     let outs = run(&["stall", "--victim", "1", "--timeout-secs", "1"], 3, 60);
@@ -74,6 +90,18 @@ fn stalled_rank_is_named_in_the_timeout() {
 fn mismatched_counts_are_an_error_not_garbage() {
     let outs = run(&["mismatch", "--timeout-secs", "2"], 3, 60);
     assert_all_ok(&outs);
+}
+
+#[test]
+fn mismatched_all_to_all_splits_are_an_error_naming_the_peer() {
+    let outs = run(&["mismatch", "--coll", "all_to_all", "--timeout-secs", "2"], 3, 60);
+    assert_all_ok(&outs);
+    // Rank 1 receives what rank 0 sends: it sees the disagreement first.
+    assert!(
+        outs[1].stdout.contains("collective mismatch") && outs[1].stdout.contains("rank 0"),
+        "rank 1: {}",
+        outs[1].stdout
+    );
 }
 
 #[test]

@@ -6,7 +6,7 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -24,6 +24,7 @@ const SECOND: Duration = Duration::from_secs(1);
 fn config() -> TcpStoreConfig {
     TcpStoreConfig {
         io_timeout: Duration::from_millis(300),
+        handshake_timeout: Duration::from_millis(300),
         ..TcpStoreConfig::new(TOKEN)
     }
 }
@@ -39,7 +40,7 @@ fn client(server: &TcpStoreServer) -> TcpStore {
 /// A raw socket that has passed the handshake; its reply is checked.
 fn raw_authed(addr: SocketAddr) -> TcpStream {
     let mut s = TcpStream::connect(addr).expect("raw connect");
-    let mut hello = b"FCST\x01".to_vec();
+    let mut hello = b"FCST\x02".to_vec();
     hello.extend_from_slice(&(TOKEN.len() as u16).to_le_bytes());
     hello.extend_from_slice(TOKEN);
     s.write_all(&hello).expect("send handshake");
@@ -280,6 +281,318 @@ fn client_refuses_oversize_requests_before_sending() {
 }
 
 // ---------------------------------------------------------------------------
+// What the handshake tells a client.
+
+/// Read the server's answer to a handshake: the status byte, or None if the
+/// connection closed without one.
+fn handshake_status(s: &mut TcpStream) -> Option<u8> {
+    s.set_read_timeout(Some(3 * SECOND)).expect("set timeout");
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Ok(1) => Some(b[0]),
+        _ => None,
+    }
+}
+
+fn hello(version: u8, token: &[u8]) -> Vec<u8> {
+    let mut h = b"FCST".to_vec();
+    h.push(version);
+    h.extend_from_slice(&(token.len() as u16).to_le_bytes());
+    h.extend_from_slice(token);
+    h
+}
+
+const ST_TIMEOUT: u8 = 1;
+const ST_ERROR: u8 = 2;
+const ST_BUSY: u8 = 3;
+const ST_DENIED: u8 = 4;
+
+#[test]
+#[parallel]
+fn handshake_errors_say_what_happened() {
+    let server = start(TcpStoreConfig {
+        max_connections: 1,
+        ..config()
+    });
+    let addr = server.local_addr();
+
+    // Wrong token: told at once, no retrying until the timeout.
+    let start_at = Instant::now();
+    let err = TcpStore::connect(addr, b"not-the-token", 5 * SECOND).expect_err("wrong token");
+    assert!(err.to_string().contains("rejected our token"), "{err}");
+    assert!(start_at.elapsed() < SECOND, "a wrong token is not retried");
+    let mut raw = TcpStream::connect(addr).expect("connect");
+    raw.write_all(&hello(2, b"nope")).expect("send");
+    assert_eq!(handshake_status(&mut raw), Some(ST_DENIED));
+
+    // Another protocol version: an ERROR naming both versions.
+    let mut old = TcpStream::connect(addr).expect("connect");
+    old.write_all(&hello(1, TOKEN)).expect("send");
+    assert_eq!(handshake_status(&mut old), Some(ST_ERROR));
+    let mut rest = Vec::new();
+    let _ = old.read_to_end(&mut rest);
+    let msg = String::from_utf8_lossy(&rest);
+    assert!(msg.contains("version 1 not supported; server speaks 2"), "{msg}");
+
+    // Full: the one authenticated slot is taken, so a second client is told
+    // BUSY, retries until its connect timeout, then says the store is full.
+    let first = client(&server);
+    assert_works(&first, "first");
+    let start_at = Instant::now();
+    let err = TcpStore::connect(addr, TOKEN, Duration::from_millis(400)).expect_err("full");
+    assert!(err.to_string().contains("is full"), "{err}");
+    assert!(
+        start_at.elapsed() >= Duration::from_millis(400),
+        "{:?}",
+        start_at.elapsed()
+    );
+    drop(first);
+    // Once the slot frees up, a client gets in again.
+    thread::sleep(Duration::from_millis(100));
+    assert_works(
+        &TcpStore::connect(addr, TOKEN, 2 * SECOND).expect("slot free again"),
+        "second",
+    );
+
+    // Nothing listening: the error is about connecting, not about the token.
+    let dead = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let err = TcpStore::connect(dead, TOKEN, Duration::from_millis(200)).expect_err("nobody there");
+    assert!(
+        matches!(err, Error::Io { ref context, ref source } if context.contains("connecting to the store")
+            && source.kind() == ErrorKind::ConnectionRefused),
+        "{err}"
+    );
+}
+
+#[test]
+#[parallel]
+fn slow_handshakes_time_out_and_a_full_pool_drops_the_oldest() {
+    let server = start(TcpStoreConfig {
+        max_pending_handshakes: 2,
+        handshake_timeout: 2 * SECOND,
+        ..config()
+    });
+    let addr = server.local_addr();
+    let mut oldest = TcpStream::connect(addr).expect("connect");
+    thread::sleep(Duration::from_millis(50));
+    let mut second = TcpStream::connect(addr).expect("connect");
+    thread::sleep(Duration::from_millis(50));
+    // A third pending handshake pushes out the oldest, which is told BUSY...
+    let _third = TcpStream::connect(addr).expect("connect");
+    assert_eq!(handshake_status(&mut oldest), Some(ST_BUSY));
+    // ...and a prompt client still gets in, pushing out the next oldest.
+    assert_works(&client(&server), "prompt client");
+    assert_eq!(handshake_status(&mut second), Some(ST_BUSY));
+
+    // A hello that never completes is told TIMEOUT after handshake_timeout.
+    let quick = start(config()); // handshake_timeout 300 ms
+    let mut silent = TcpStream::connect(quick.local_addr()).expect("connect");
+    let start_at = Instant::now();
+    assert_eq!(handshake_status(&mut silent), Some(ST_TIMEOUT));
+    let took = start_at.elapsed();
+    assert!(took >= Duration::from_millis(250) && took < 2 * SECOND, "{took:?}");
+}
+
+// ---------------------------------------------------------------------------
+// Flood of connections that never authenticate.
+
+/// Raise the soft open-files limit towards `want` (up to the hard limit);
+/// returns the soft limit in force afterwards.
+fn raise_fd_limit(want: u64) -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, exclusively borrowed rlimit for the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return 1024;
+    }
+    if lim.rlim_cur < want {
+        let raised = libc::rlimit {
+            rlim_cur: want.min(lim.rlim_max),
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: `raised` is a valid rlimit; lowering is impossible here
+        // (only raised when below `want`, never above the hard limit).
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = raised.rlim_cur;
+        }
+    }
+    lim.rlim_cur
+}
+
+/// What one flood connection sends after connecting.
+#[derive(Clone, Copy)]
+enum FloodKind {
+    /// Connects and says nothing.
+    Silent,
+    /// Sends the magic only, then stalls.
+    HalfHello,
+    /// A complete hello with a wrong token (turned away, so it churns).
+    WrongToken,
+    /// Claims a 65535-byte token and sends 1000 bytes of it.
+    Oversized,
+}
+
+impl FloodKind {
+    fn payload(self) -> Vec<u8> {
+        match self {
+            FloodKind::Silent => Vec::new(),
+            FloodKind::HalfHello => b"FCST".to_vec(),
+            FloodKind::WrongToken => hello(2, b"0123456789abcdef-WRONG-token"),
+            FloodKind::Oversized => {
+                let mut h = b"FCST\x02".to_vec();
+                h.extend_from_slice(&u16::MAX.to_le_bytes());
+                h.extend_from_slice(&[b'x'; 1000]);
+                h
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct FloodStats {
+    opened: AtomicUsize,
+    connect_failures: AtomicUsize,
+    answered: AtomicUsize,
+    /// Flood connections open right now, over all threads, and the peak.
+    open_now: AtomicUsize,
+    open_peak: AtomicUsize,
+}
+
+impl FloodStats {
+    fn opened_one(&self) {
+        self.opened.fetch_add(1, Ordering::Relaxed);
+        let now = self.open_now.fetch_add(1, Ordering::Relaxed) + 1;
+        self.open_peak.fetch_max(now, Ordering::Relaxed);
+    }
+}
+
+/// Keep `slots` flood connections open, reopening each as the server closes
+/// it, until `stop`.
+fn flood(addr: SocketAddr, slots: usize, first_kind: usize, stop: &AtomicBool, stats: &FloodStats) {
+    let kinds = [
+        FloodKind::Silent,
+        FloodKind::HalfHello,
+        FloodKind::WrongToken,
+        FloodKind::Oversized,
+    ];
+    let mut conns: Vec<Option<TcpStream>> = (0..slots).map(|_| None).collect();
+    let mut buf = [0u8; 64];
+    while !stop.load(Ordering::Relaxed) {
+        for (i, slot) in conns.iter_mut().enumerate() {
+            if let Some(s) = slot {
+                match s.read(&mut buf) {
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => continue,
+                    Ok(n) if n > 0 => {
+                        stats.answered.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {}
+                }
+                *slot = None;
+                stats.open_now.fetch_sub(1, Ordering::Relaxed);
+            }
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+            let kind = kinds[(first_kind + i) % kinds.len()];
+            match TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+                Ok(mut s) => {
+                    stats.opened_one();
+                    let _ = s.write_all(&kind.payload());
+                    let _ = s.set_nonblocking(true);
+                    *slot = Some(s);
+                }
+                Err(_) => {
+                    stats.connect_failures.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// ~1100 connections that never authenticate (silent, half a hello, wrong
+/// token, oversized token), refilled as the server closes them, from three
+/// threads; meanwhile a rank sets and gets every 250 ms, both on a pooled
+/// client and on a freshly connected one, for six seconds: no failures, and
+/// no operation slower than a second.
+#[test]
+#[serial]
+fn store_keeps_serving_under_a_handshake_flood() {
+    // Each flood connection holds two descriptors in this process (client
+    // and server side); leave room for everything else.
+    let fd_limit = raise_fd_limit(8192);
+    let connections = 1100.min(usize::try_from(fd_limit.saturating_sub(300) / 2).unwrap_or(0));
+    assert!(
+        connections >= 300,
+        "open-files limit {fd_limit} is too low for a meaningful flood"
+    );
+    let server = start(TcpStoreConfig {
+        handshake_timeout: SECOND,
+        ..TcpStoreConfig::new(TOKEN)
+    });
+    let addr = server.local_addr();
+    let pooled = TcpStore::connect(addr, TOKEN, 5 * SECOND).expect("rank connects before the flood");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let stats = Arc::new(FloodStats::default());
+    let flooders = 3;
+    let handles: Vec<_> = (0..flooders)
+        .map(|t| {
+            let (stop, stats) = (Arc::clone(&stop), Arc::clone(&stats));
+            let slots = connections / flooders;
+            thread::spawn(move || flood(addr, slots, t, &stop, &stats))
+        })
+        .collect();
+    thread::sleep(Duration::from_millis(500)); // let the flood build up
+
+    let mut failures = Vec::new();
+    let mut ops = 0;
+    let mut slowest = Duration::ZERO;
+    let began = Instant::now();
+    while began.elapsed() < 6 * SECOND {
+        let t0 = Instant::now();
+        let key = format!("flood/{ops}");
+        let fresh = TcpStore::connect(addr, TOKEN, 5 * SECOND).and_then(|fresh| {
+            fresh.set(&key, b"fresh")?;
+            fresh.get(&key, SECOND)
+        });
+        match fresh {
+            Ok(v) if v == b"fresh" => {}
+            other => failures.push(format!("fresh client, op {ops}: {other:?}")),
+        }
+        let on_pool = pooled.set(&key, b"pooled").and_then(|()| pooled.get(&key, SECOND));
+        match on_pool {
+            Ok(v) if v == b"pooled" => {}
+            other => failures.push(format!("pooled client, op {ops}: {other:?}")),
+        }
+        slowest = slowest.max(t0.elapsed());
+        ops += 1;
+        thread::sleep(Duration::from_millis(250).saturating_sub(t0.elapsed()));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().expect("flood thread");
+    }
+    let opened = stats.opened.load(Ordering::Relaxed);
+    eprintln!(
+        "flood: {connections} slots, peak {} open at once, {opened} opened in total, {} answered by the \
+         server, {} connects failed; rank: {ops} rounds, slowest {slowest:?}, {} failures",
+        stats.open_peak.load(Ordering::Relaxed),
+        stats.answered.load(Ordering::Relaxed),
+        stats.connect_failures.load(Ordering::Relaxed),
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
+    assert!(ops >= 20, "only {ops} rounds in 6 s");
+    assert!(slowest < SECOND, "a round took {slowest:?}");
+    // The flood was real: the slots were filled and refilled.
+    assert!(opened >= connections, "only {opened} flood connections opened");
+    drop(server);
+}
+
+// ---------------------------------------------------------------------------
 // Timeouts on stalled peers.
 
 #[test]
@@ -295,7 +608,7 @@ fn half_open_frame_is_dropped_after_io_timeout() {
     assert!(took >= Duration::from_millis(250), "closed before io_timeout: {took:?}");
     assert_works(&good, "after-half-open");
 
-    // A handshake that never completes is dropped on the same clock.
+    // A handshake that never completes is dropped after handshake_timeout.
     let mut half_hello = TcpStream::connect(server.local_addr()).expect("connect");
     half_hello.write_all(b"FCST").expect("send");
     let took = assert_closed_within(&mut half_hello, 3 * SECOND);

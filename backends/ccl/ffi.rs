@@ -113,6 +113,14 @@ type FnAllGather = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int
 type FnSend = unsafe extern "C" fn(*const c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;
 type FnRecv = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;
 type FnGroup = unsafe extern "C" fn() -> NcclResult;
+type FnReduce =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, c_int, RawComm, RawStream) -> NcclResult;
+type FnRedOpCreatePreMulSum = unsafe extern "C" fn(*mut c_int, *mut c_void, c_int, c_int, RawComm) -> NcclResult;
+type FnRedOpDestroy = unsafe extern "C" fn(c_int, RawComm) -> NcclResult;
+
+/// `ncclScalarResidence_t`: where premul_sum's factor lives.
+pub(super) const SCALAR_DEVICE: c_int = 0;
+pub(super) const SCALAR_HOST_IMMEDIATE: c_int = 1;
 
 /// Resolved entry points. Optional ones are absent from older libraries.
 pub(super) struct Api {
@@ -137,6 +145,10 @@ pub(super) struct Api {
     pub(super) recv: FnRecv,
     pub(super) group_start: FnGroup,
     pub(super) group_end: FnGroup,
+    pub(super) reduce: FnReduce,
+    /// NCCL >= 2.11 (premul_sum).
+    pub(super) red_op_create_premul_sum: Option<FnRedOpCreatePreMulSum>,
+    pub(super) red_op_destroy: Option<FnRedOpDestroy>,
 }
 
 /// Copy a function pointer of type `T` out of `lib`.
@@ -188,6 +200,9 @@ impl Api {
                 recv: sym(lib, library, "ncclRecv")?,
                 group_start: sym(lib, library, "ncclGroupStart")?,
                 group_end: sym(lib, library, "ncclGroupEnd")?,
+                reduce: sym(lib, library, "ncclReduce")?,
+                red_op_create_premul_sum: sym_opt(lib, "ncclRedOpCreatePreMulSum"),
+                red_op_destroy: sym_opt(lib, "ncclRedOpDestroy"),
             })
         }
     }

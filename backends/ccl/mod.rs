@@ -2,20 +2,23 @@
 //! libloading at run time from `libnccl.so.2` or `librccl.so.1` (RCCL exports
 //! NCCL's C API), or from `$FERROCOMM_NCCL_PATH`.
 //!
-//! # Not hanging
+//! # Not hanging, and not paying for it per call
 //! [`CclComm::init`] bounds every wait by its `timeout`: the unique id comes
-//! through the store with that timeout, and when the library has
-//! `ncclCommInitRankConfig` (NCCL >= 2.14) the communicator is created
-//! *non-blocking* and its state is polled with `ncclCommGetAsyncError` until
-//! it is ready or the deadline passes, when it is aborted. Libraries without it
-//! fall back to `ncclCommInitRank`, which can block for as long as a peer that
-//! died during init keeps it waiting.
+//! through the store with that timeout. By default the communicator is
+//! *blocking* (every call returns once queued, with no polling, as
+//! PyTorch's ProcessGroupNCCL uses it), and its init runs on a thread of its
+//! own that the caller waits for up to the timeout: a peer that never
+//! arrives gives the caller [`Error::Timeout`] while that thread stays
+//! behind in NCCL. With `FERROCOMM_NCCL_NONBLOCKING=1` (and NCCL >= 2.14)
+//! the communicator is *non-blocking* instead: init and every call are
+//! polled with `ncclCommGetAsyncError` until they settle (bounded by the
+//! same timeout), which costs tens of microseconds per eager call.
 //!
-//! On a non-blocking communicator any call may answer `ncclInProgress`; every
-//! method here then polls until the communicator settles (bounded by the same
-//! timeout), so callers see only success or an error. Dropping a communicator
-//! finalizes it with the same bound and destroys it, or aborts it when an
-//! error is pending or finalizing does not finish in time.
+//! Deadlines of running collectives are the communicator's: a wait that
+//! times out aborts this communicator (`ncclCommAbort`), which ends NCCL's
+//! kernels that wait on a dead peer, as ProcessGroupNCCL's watchdog does.
+//! Dropping a communicator finalizes it (non-blocking: bounded) and
+//! destroys it, or aborts it when an error is pending.
 //!
 //! # Devices and threads
 //! NCCL binds a communicator to the *current* device of the thread that
@@ -24,6 +27,7 @@
 //! internal lock; a group (`group_start` .. `group_end`) must be issued from one
 //! thread, as NCCL's group state is per thread.
 
+mod current;
 mod ffi;
 
 #[cfg(all(test, feature = "cuda"))]
@@ -229,6 +233,98 @@ fn nccl_op(op: ReduceOp) -> Result<c_int> {
     })
 }
 
+/// A communicator pointer crossing from the init thread.
+struct SendComm(RawComm);
+// SAFETY: an ncclComm_t may be handed to another thread; it is used by one
+// thread at a time (the caller, once init is done).
+unsafe impl Send for SendComm {}
+
+/// Create a blocking communicator on a thread of its own, with the caller's
+/// current device, waiting for it at most `within`.
+fn blocking_init(lib: &Arc<CclLibrary>, id: UniqueId, rank: usize, world: usize, within: Duration) -> Result<RawComm> {
+    let current = current::Current::capture(lib.flavor);
+    let (tx, rx) = std::sync::mpsc::channel::<(NcclResult, SendComm)>();
+    let for_thread = lib.clone();
+    std::thread::Builder::new()
+        .name("ferrocomm-nccl-init".into())
+        .spawn(move || {
+            current.restore(for_thread.flavor);
+            let mut raw: RawComm = std::ptr::null_mut();
+            let r = match for_thread.api.comm_init_rank_config {
+                Some(init) => {
+                    let mut config = ffi::Config::new(true);
+                    // SAFETY: valid out-pointer, id by value, config points at
+                    // a live, NCCL_CONFIG_INITIALIZER-shaped struct for the call.
+                    unsafe { init(&mut raw, world as c_int, id, rank as c_int, &mut config) }
+                }
+                // SAFETY: valid out-pointer, id by value.
+                None => unsafe { (for_thread.api.comm_init_rank)(&mut raw, world as c_int, id, rank as c_int) },
+            };
+            // The caller may have given up (timeout); then the comm leaks, by design.
+            let _ = tx.send((r, SendComm(raw)));
+        })
+        .map_err(|e| Error::io("spawning the NCCL init thread", e))?;
+    match rx.recv_timeout(within) {
+        Ok((r, SendComm(raw))) if r == NCCL_SUCCESS && !raw.is_null() => Ok(raw),
+        Ok((r, SendComm(raw))) => {
+            let err = lib.error("ncclCommInitRank", r, raw);
+            if !raw.is_null() {
+                // SAFETY: a communicator NCCL returned with an error; released once.
+                let _ = unsafe { (lib.api.comm_abort)(raw) };
+            }
+            Err(err)
+        }
+        Err(_) => Err(Error::Timeout {
+            what: format!(
+                "{} communicator init of rank {rank} of {world} (a peer did not join)",
+                lib.flavor.name()
+            ),
+            after: within,
+            missing: Vec::new(),
+        }),
+    }
+}
+
+/// A reduction as NCCL takes it: a built-in op, or premul_sum with its factor.
+#[derive(Debug, Clone, Copy)]
+pub enum CclReduction {
+    Op(ReduceOp),
+    /// The factor as a host value (converted to the call's dtype).
+    PreMulHost(f64),
+    /// The address of the factor, one element of the call's dtype, in device memory.
+    PreMulDevice(DevicePtr),
+}
+
+/// A dynamic premul_sum op, destroyed on drop.
+struct DynOp<'a> {
+    comm: &'a CclComm,
+    raw: RawComm,
+    op: c_int,
+}
+
+impl Drop for DynOp<'_> {
+    fn drop(&mut self) {
+        if let Some(destroy) = self.comm.lib.api.red_op_destroy {
+            // SAFETY: an op created on this communicator, destroyed once, after
+            // the collective that uses it was queued (NCCL allows that).
+            let _ = unsafe { destroy(self.op, self.raw) };
+        }
+    }
+}
+
+/// A host factor as bytes of `dtype` (what `ncclScalarHostImmediate` reads).
+fn factor_bytes(f: f64, dtype: DType) -> Result<[u8; 8]> {
+    let mut out = [0u8; 8];
+    match dtype {
+        DType::F32 => out[..4].copy_from_slice(&(f as f32).to_le_bytes()),
+        DType::F64 => out.copy_from_slice(&f.to_le_bytes()),
+        DType::F16 => out[..2].copy_from_slice(&half::f16::from_f64(f).to_bits().to_le_bytes()),
+        DType::BF16 => out[..2].copy_from_slice(&half::bf16::from_f64(f).to_bits().to_le_bytes()),
+        other => return Err(Error::invalid(format!("premul_sum takes a float dtype, not {other}"))),
+    }
+    Ok(out)
+}
+
 struct Handle(RawComm);
 
 // SAFETY: an ncclComm_t may be used from any thread as long as calls on it do
@@ -291,40 +387,57 @@ impl CclComm {
             id.internal.copy_from_slice(&bytes);
         }
 
-        let mut raw: RawComm = std::ptr::null_mut();
-        let nonblocking = lib.api.comm_init_rank_config.is_some();
-        let r = match lib.api.comm_init_rank_config {
-            Some(init) => {
-                let mut config = ffi::Config::new(false);
-                // SAFETY: valid out-pointer, id by value, config points at a
-                // live, NCCL_CONFIG_INITIALIZER-shaped struct for the call.
-                unsafe { init(&mut raw, world as c_int, id, rank as c_int, &mut config) }
+        let nonblocking = lib.api.comm_init_rank_config.is_some()
+            && std::env::var("FERROCOMM_NCCL_NONBLOCKING").is_ok_and(|v| v.trim() == "1");
+        let deadline = start + timeout;
+        let raw = if nonblocking {
+            let mut raw: RawComm = std::ptr::null_mut();
+            let mut config = ffi::Config::new(false);
+            let init = lib
+                .api
+                .comm_init_rank_config
+                .ok_or_else(|| Error::invalid("no ncclCommInitRankConfig"))?;
+            // SAFETY: valid out-pointer, id by value, config points at a
+            // live, NCCL_CONFIG_INITIALIZER-shaped struct for the call.
+            let r = unsafe { init(&mut raw, world as c_int, id, rank as c_int, &mut config) };
+            let comm = CclComm {
+                lib: lib.clone(),
+                comm: Mutex::new((!raw.is_null()).then_some(Handle(raw))),
+                rank,
+                world,
+                nonblocking,
+                timeout,
+            };
+            if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
+                let err = comm.lib.error("ncclCommInitRank", r, raw);
+                comm.abort_quietly();
+                return Err(err);
             }
-            // SAFETY: valid out-pointer, id by value. May block (documented).
-            None => unsafe { (lib.api.comm_init_rank)(&mut raw, world as c_int, id, rank as c_int) },
+            if raw.is_null() {
+                return Err(comm.lib.error("ncclCommInitRank", r, raw));
+            }
+            if let Err(e) = comm.wait_ready(raw, "ncclCommInitRank", r, deadline) {
+                comm.abort_quietly();
+                return Err(e);
+            }
+            return Ok(comm);
+        } else {
+            blocking_init(
+                &lib,
+                id,
+                rank,
+                world,
+                deadline.saturating_duration_since(Instant::now()),
+            )?
         };
-        let comm = CclComm {
+        Ok(CclComm {
             lib,
-            comm: Mutex::new((!raw.is_null()).then_some(Handle(raw))),
+            comm: Mutex::new(Some(Handle(raw))),
             rank,
             world,
             nonblocking,
             timeout,
-        };
-        if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
-            let err = comm.lib.error("ncclCommInitRank", r, raw);
-            comm.abort_quietly();
-            return Err(err);
-        }
-        if raw.is_null() {
-            return Err(comm.lib.error("ncclCommInitRank", r, raw));
-        }
-        let deadline = start + timeout;
-        if let Err(e) = comm.wait_ready(raw, "ncclCommInitRank", r, deadline) {
-            comm.abort_quietly();
-            return Err(e);
-        }
-        Ok(comm)
+        })
     }
 
     pub fn rank(&self) -> usize {
@@ -339,7 +452,7 @@ impl CclComm {
         &self.lib
     }
 
-    /// Whether init (and every call) is bounded by the timeout.
+    /// Whether the communicator is non-blocking (`FERROCOMM_NCCL_NONBLOCKING=1`).
     pub fn is_nonblocking(&self) -> bool {
         self.nonblocking
     }
@@ -391,6 +504,12 @@ impl CclComm {
 
     /// Run one NCCL call on the live communicator and settle its result.
     fn call(&self, name: &'static str, f: impl FnOnce(RawComm) -> NcclResult) -> Result<()> {
+        self.call_with(name, |comm| Ok(f(comm)))
+    }
+
+    /// [`CclComm::call`] for calls that may fail before reaching NCCL.
+    /// Blocking communicators return once the call is queued: no polling.
+    fn call_with(&self, name: &'static str, f: impl FnOnce(RawComm) -> Result<NcclResult>) -> Result<()> {
         let guard = lock(&self.comm);
         let Some(Handle(comm)) = guard.as_ref() else {
             return Err(Error::Aborted(format!(
@@ -399,7 +518,13 @@ impl CclComm {
             )));
         };
         let comm = *comm;
-        let r = f(comm);
+        let r = f(comm)?;
+        if !self.nonblocking {
+            return match r {
+                NCCL_SUCCESS => Ok(()),
+                other => Err(self.lib.error(name, other, comm)),
+            };
+        }
         self.wait_ready(comm, name, r, Instant::now() + self.timeout)
     }
 
@@ -435,6 +560,212 @@ impl CclComm {
                     stream as RawStream,
                 )
             }
+        })
+    }
+
+    /// The op of a reduction, and for premul_sum the dynamic op that must
+    /// outlive the call (destroyed when dropped, after the call is queued).
+    fn op_for<'a>(&'a self, comm: RawComm, red: CclReduction, dtype: DType) -> Result<(c_int, Option<DynOp<'a>>)> {
+        let (factor, residence) = match red {
+            CclReduction::Op(op) => {
+                check_supported(dtype, op)?;
+                return Ok((nccl_op(op)?, None));
+            }
+            CclReduction::PreMulHost(f) => (Some(factor_bytes(f, dtype)?), ffi::SCALAR_HOST_IMMEDIATE),
+            CclReduction::PreMulDevice(_) => (None, ffi::SCALAR_DEVICE),
+        };
+        let create = self.lib.api.red_op_create_premul_sum.ok_or_else(|| {
+            Error::Unsupported(format!(
+                "{} {} has no ncclRedOpCreatePreMulSum (premul_sum needs NCCL 2.11+)",
+                self.lib.flavor.name(),
+                self.lib.version
+            ))
+        })?;
+        let mut bytes = factor.unwrap_or([0; 8]);
+        let scalar = match red {
+            CclReduction::PreMulDevice(p) => p.0 as *mut c_void,
+            _ => bytes.as_mut_ptr() as *mut c_void,
+        };
+        let mut op: c_int = 0;
+        // SAFETY: valid out-pointer; `scalar` is a host value of `dtype` that
+        // lives across the call (NCCL copies it for HostImmediate) or a device
+        // address the caller keeps alive; live communicator.
+        let r = unsafe { create(&mut op, scalar, nccl_dtype(dtype), residence, comm) };
+        if r != NCCL_SUCCESS {
+            return Err(self.lib.error("ncclRedOpCreatePreMulSum", r, comm));
+        }
+        Ok((
+            op,
+            Some(DynOp {
+                comm: self,
+                raw: comm,
+                op,
+            }),
+        ))
+    }
+
+    /// All-reduce with any reduction (premul_sum through a dynamic op).
+    ///
+    /// # Safety
+    /// As [`CclComm::all_reduce`]; a device factor's address too.
+    pub unsafe fn all_reduce_with(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DType,
+        red: CclReduction,
+        stream: u64,
+    ) -> Result<()> {
+        let api = &self.lib.api;
+        self.call_with("ncclAllReduce", |comm| {
+            let (op, _dyn) = self.op_for(comm, red, dtype)?;
+            // SAFETY: forwarded from the caller's contract.
+            Ok(unsafe {
+                (api.all_reduce)(
+                    send.0 as *const c_void,
+                    recv.0 as *mut c_void,
+                    count,
+                    nccl_dtype(dtype),
+                    op,
+                    comm,
+                    stream as RawStream,
+                )
+            })
+        })
+    }
+
+    /// Reduce-scatter with any reduction.
+    ///
+    /// # Safety
+    /// As [`CclComm::reduce_scatter`]; a device factor's address too.
+    pub unsafe fn reduce_scatter_with(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        recv_count: usize,
+        dtype: DType,
+        red: CclReduction,
+        stream: u64,
+    ) -> Result<()> {
+        let api = &self.lib.api;
+        self.call_with("ncclReduceScatter", |comm| {
+            let (op, _dyn) = self.op_for(comm, red, dtype)?;
+            // SAFETY: forwarded from the caller's contract.
+            Ok(unsafe {
+                (api.reduce_scatter)(
+                    send.0 as *const c_void,
+                    recv.0 as *mut c_void,
+                    recv_count,
+                    nccl_dtype(dtype),
+                    op,
+                    comm,
+                    stream as RawStream,
+                )
+            })
+        })
+    }
+
+    /// Reduce `count` elements of every rank's `send` into `recv` on `root`.
+    ///
+    /// # Safety
+    /// As [`CclComm::all_reduce`] (`recv` is only written on the root).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DType,
+        red: CclReduction,
+        root: usize,
+        stream: u64,
+    ) -> Result<()> {
+        self.check_peer(root)?;
+        let api = &self.lib.api;
+        self.call_with("ncclReduce", |comm| {
+            let (op, _dyn) = self.op_for(comm, red, dtype)?;
+            // SAFETY: forwarded from the caller's contract.
+            Ok(unsafe {
+                (api.reduce)(
+                    send.0 as *const c_void,
+                    recv.0 as *mut c_void,
+                    count,
+                    nccl_dtype(dtype),
+                    op,
+                    root as c_int,
+                    comm,
+                    stream as RawStream,
+                )
+            })
+        })
+    }
+
+    /// Sends and receives with every listed peer as one group (`None`:
+    /// nothing with that peer): all-to-all(-v), gather, scatter, batches of
+    /// point-to-point calls. A group cannot deadlock on its own order.
+    ///
+    /// # Safety
+    /// As [`CclComm::all_reduce`], for every listed (count, address).
+    pub unsafe fn exchange(
+        &self,
+        sends: &[Option<(usize, DevicePtr)>],
+        recvs: &[Option<(usize, DevicePtr)>],
+        dtype: DType,
+        stream: u64,
+    ) -> Result<()> {
+        if sends.len() > self.world || recvs.len() > self.world {
+            return Err(Error::invalid(format!("more peers than a world of {}", self.world)));
+        }
+        let api = &self.lib.api;
+        self.call_with("ncclGroupEnd", |comm| {
+            // SAFETY: no arguments; group state is per thread, and the
+            // communicator lock keeps other threads' calls out of the group.
+            let r = unsafe { (api.group_start)() };
+            if r != NCCL_SUCCESS {
+                return Ok(r);
+            }
+            let mut first_error = NCCL_SUCCESS;
+            for (peer, item) in sends.iter().enumerate() {
+                if let Some((count, buf)) = item {
+                    // SAFETY: forwarded from the caller's contract.
+                    let r = unsafe {
+                        (api.send)(
+                            buf.0 as *const c_void,
+                            *count,
+                            nccl_dtype(dtype),
+                            peer as c_int,
+                            comm,
+                            stream as RawStream,
+                        )
+                    };
+                    if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS && first_error == NCCL_SUCCESS {
+                        first_error = r;
+                    }
+                }
+            }
+            for (peer, item) in recvs.iter().enumerate() {
+                if let Some((count, buf)) = item {
+                    // SAFETY: forwarded from the caller's contract.
+                    let r = unsafe {
+                        (api.recv)(
+                            buf.0 as *mut c_void,
+                            *count,
+                            nccl_dtype(dtype),
+                            peer as c_int,
+                            comm,
+                            stream as RawStream,
+                        )
+                    };
+                    if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS && first_error == NCCL_SUCCESS {
+                        first_error = r;
+                    }
+                }
+            }
+            // The group must end whatever happened inside it.
+            // SAFETY: ends the group started above on this thread.
+            let end = unsafe { (api.group_end)() };
+            Ok(if first_error != NCCL_SUCCESS { first_error } else { end })
         })
     }
 

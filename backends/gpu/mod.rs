@@ -498,7 +498,7 @@ impl<V: Vendor> Device for GpuDevice<V> {
         self.enter(stream)?;
         let f = module.function(kernel)?;
         // The one kernel argument, passed by value: the driver copies the
-        // 192-byte block out of `p` before the launch call returns.
+        // KERNEL_PARAMS_BYTES block out of `p` before the launch call returns.
         let mut p: KernelParams = *params;
         let mut args = [&mut p as *mut KernelParams as *mut std::ffi::c_void];
         // SAFETY: `f` is an entry point of a module loaded in this context
@@ -552,6 +552,10 @@ impl<V: Vendor> Device for GpuDevice<V> {
         )
     }
 
+    fn duplicate(&self) -> Result<Self> {
+        Self::new(self.facts.ordinal)
+    }
+
     fn bind_thread(&self) -> Result<()> {
         self.make_current()
     }
@@ -570,11 +574,11 @@ mod tests {
 
     #[test]
     fn params_block_is_the_abi_size() {
-        assert_eq!(KERNEL_PARAMS_BYTES, 192);
+        assert_eq!(KERNEL_PARAMS_BYTES, 448);
         // Both preludes pin the same size.
-        assert!(include_str!("../../kernels-cuda/prelude.cuh").contains("static_assert(sizeof(FcParams) == 192"));
+        assert!(include_str!("../../kernels-cuda/prelude.cuh").contains("static_assert(sizeof(FcParams) == 448"));
         let prelude = include_str!("../../kernels-hip/prelude.hip.h");
-        assert!(prelude.contains("static_assert(sizeof(FcParams) == 192"));
+        assert!(prelude.contains("static_assert(sizeof(FcParams) == 448"));
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 
+use super::collectives;
 use super::futex;
 use super::quickreduce;
 use super::reduce::{Lanes, Reduction, Tiles};
@@ -37,6 +38,12 @@ pub(super) enum HostKernel {
     QuickReduce { codec: Codec, dtype: DType },
     /// `fc_qr_encode_<codec>_<dtype>`: the codec alone.
     QrEncode { codec: Codec, dtype: DType },
+    /// `fc_exchange`: all-gather, gather, scatter, all-to-all(-v).
+    Exchange,
+    /// `fc_reduce_to_<dtype>_<op>`: reduce-scatter, reduce.
+    ReduceTo { dtype: DType, op: ReduceOp },
+    /// `fc_sendrecv`: a batch of sends and receives (no epoch).
+    SendRecv,
 }
 
 impl HostKernel {
@@ -52,10 +59,10 @@ impl HostKernel {
         unsafe {
             match self {
                 HostKernel::Collective { kind, dtype, op } => match dtype {
-                    DType::F32 => launch(p, |l| run::<f32>(l, kind, reduction::<f32>(p, op))),
-                    DType::F16 => launch(p, |l| run::<f16>(l, kind, reduction::<f16>(p, op))),
-                    DType::BF16 => launch(p, |l| run::<bf16>(l, kind, reduction::<bf16>(p, op))),
-                    DType::I32 => launch(p, |l| run::<i32>(l, kind, reduction::<i32>(p, op))),
+                    DType::F32 => launch(p, |l| run::<f32>(l, kind, op.into())),
+                    DType::F16 => launch(p, |l| run::<f16>(l, kind, op.into())),
+                    DType::BF16 => launch(p, |l| run::<bf16>(l, kind, op.into())),
+                    DType::I32 => launch(p, |l| run::<i32>(l, kind, op.into())),
                     // `module_kernels` names reducible dtypes only.
                     _ => {}
                 },
@@ -63,6 +70,16 @@ impl HostKernel {
                     DType::BF16 => launch(p, |l| quickreduce::all_reduce::<bf16>(l, codec)),
                     _ => launch(p, |l| quickreduce::all_reduce::<f16>(l, codec)),
                 },
+                HostKernel::Exchange => launch(p, |l| collectives::exchange(l)),
+                HostKernel::ReduceTo { dtype, op } => match dtype {
+                    DType::F32 => launch(p, |l| collectives::reduce_to::<f32>(l, op.into())),
+                    DType::F16 => launch(p, |l| collectives::reduce_to::<f16>(l, op.into())),
+                    DType::BF16 => launch(p, |l| collectives::reduce_to::<bf16>(l, op.into())),
+                    DType::I32 => launch(p, |l| collectives::reduce_to::<i32>(l, op.into())),
+                    // `module_kernels` names reducible dtypes only.
+                    _ => {}
+                },
+                HostKernel::SendRecv => collectives::send_recv(p),
                 HostKernel::QrEncode { codec, dtype } => match dtype {
                     DType::BF16 => quickreduce::encode_run::<bf16>(p, codec),
                     _ => quickreduce::encode_run::<f16>(p, codec),
@@ -72,21 +89,28 @@ impl HostKernel {
     }
 }
 
-/// The operator of a launch with its premul_sum factor: `scalar` holds the
-/// factor's f32 bits, or the address of one element of the call's dtype.
+/// This rank's premul_sum factor: `scalar` holds its f32 bits, or the
+/// address of one element of the call's dtype (1.0 for other ops).
 ///
 /// # Safety: with `PARAM_SCALAR_IS_PTR`, `scalar` is the address of a live element.
-unsafe fn reduction<T: Lanes>(p: &KernelParams, op: ReduceOp) -> Reduction {
-    let factor = if op != ReduceOp::PreMulSum {
-        1.0
-    } else if p.flags & PARAM_SCALAR_IS_PTR != 0 {
-        // SAFETY: guaranteed by the caller (the algorithm layer checked the pointer).
-        let x: T = unsafe { (p.scalar as *const T).read_unaligned() };
-        x.as_f32()
-    } else {
-        f32::from_bits(p.scalar as u32)
-    };
-    Reduction { op, factor }
+unsafe fn own_factor(p: &KernelParams) -> f32 {
+    if p.op != ReduceOp::PreMulSum as u32 {
+        return 1.0;
+    }
+    if p.flags & PARAM_SCALAR_IS_PTR == 0 {
+        return f32::from_bits(p.scalar as u32);
+    }
+    let at = p.scalar as *const u8;
+    // SAFETY: guaranteed by the caller (the communicator checked the factor
+    // tensor: one element of the call's dtype on this device).
+    unsafe {
+        match DType::from_code(p.dtype) {
+            Some(DType::F32) => (at as *const f32).read_unaligned(),
+            Some(DType::F16) => (at as *const f16).read_unaligned().to_f32(),
+            Some(DType::BF16) => (at as *const bf16).read_unaligned().to_f32(),
+            _ => 1.0,
+        }
+    }
 }
 
 /// Kernels of a module, by entry-point name.
@@ -100,7 +124,22 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
                     map.insert(kernel_name(kind, dtype, op), HostKernel::Collective { kind, dtype, op });
                 }
             }
+            for op in ReduceOp::ALL.into_iter().filter(|&op| dtype.supports(op)) {
+                map.insert(
+                    kernel_name(KernelKind::ReduceTo, dtype, op),
+                    HostKernel::ReduceTo { dtype, op },
+                );
+            }
         }
+        let any = DType::F32;
+        map.insert(
+            kernel_name(KernelKind::Exchange, any, ReduceOp::Sum),
+            HostKernel::Exchange,
+        );
+        map.insert(
+            kernel_name(KernelKind::SendRecv, any, ReduceOp::Sum),
+            HostKernel::SendRecv,
+        );
         debug_assert!(collective_kernel_names().iter().all(|n| map.contains_key(n)));
     } else if module == QUICK_REDUCE.name {
         for codec in QR_CODECS {
@@ -120,6 +159,10 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
 }
 
 // ---- raw access to the shared workspace (all unsafe, all tiny) ----
+
+/// Aux slot (see [`Launch::aux_addr`]) of premul_sum's factor; `collectives`
+/// uses slots 1 and 2.
+const AUX_FACTOR: usize = 3;
 
 /// # Safety: `addr` is a live, 4-byte aligned u32 in shared memory.
 unsafe fn atomic_u32<'a>(addr: DevicePtr) -> &'a AtomicU32 {
@@ -154,6 +197,8 @@ pub(super) struct Launch<'a> {
     pub(super) epoch: u32,
     parity: usize,
     block: usize,
+    /// This rank's premul_sum factor (1.0 for other ops).
+    factor: f32,
 }
 
 impl Launch<'_> {
@@ -223,6 +268,30 @@ impl Launch<'_> {
         ws.offset(self.p.flags_offset as usize + ((phase * MAX_BLOCKS + self.block) * MAX_RANKS + src) * 4)
     }
 
+    /// Rank `rank`'s aux word `k` (1..MAX_BLOCKS) from `src`, this parity:
+    /// the fingerprint slot of block `k`, which one-block host launches leave
+    /// free (the host protocols' chunk-0 counts; `collectives`).
+    pub(super) fn aux_addr(&self, rank: usize, k: usize, src: usize) -> DevicePtr {
+        let ws = self.p.peer_ws[rank];
+        ws.offset(self.p.fp_offset as usize + ((self.parity * MAX_BLOCKS + k) * MAX_RANKS + src) * 8)
+    }
+
+    /// premul_sum's factor of every source, as published at phase 0 (read
+    /// after the wait): the reduction with them.
+    pub(super) fn reduction(&self, op: Reduction) -> Reduction {
+        if op.op != ReduceOp::PreMulSum {
+            return op;
+        }
+        let mut factors = [1.0f32; MAX_RANKS];
+        for (s, f) in factors.iter_mut().enumerate().take(self.world()) {
+            // SAFETY: aux slots lie inside our own live workspace.
+            *f = f32::from_bits(
+                unsafe { atomic_u64(self.aux_addr(self.me(), AUX_FACTOR, s)) }.load(Ordering::Relaxed) as u32,
+            );
+        }
+        Reduction { op: op.op, factors }
+    }
+
     fn fp_addr(&self, ws: DevicePtr, src: usize) -> DevicePtr {
         ws.offset(self.p.fp_offset as usize + ((self.parity * MAX_BLOCKS + self.block) * MAX_RANKS + src) * 8)
     }
@@ -236,6 +305,11 @@ impl Launch<'_> {
             unsafe {
                 if phase == 0 {
                     atomic_u64(self.fp_addr(ws, me)).store(self.p.fingerprint, Ordering::Relaxed);
+                    if self.p.op == ReduceOp::PreMulSum as u32 {
+                        // Every rank scales its own input: readers need each source's factor.
+                        let at = self.aux_addr(q, AUX_FACTOR, me);
+                        atomic_u64(at).store(self.factor.to_bits() as u64, Ordering::Relaxed);
+                    }
                 }
                 // Release: our data writes (and the fingerprint) happen-before the flag.
                 let flag = atomic_u32(self.flag_addr(ws, phase, me));
@@ -318,7 +392,7 @@ impl Launch<'_> {
         }
     }
 
-    fn mismatch(&self, src: usize) {
+    pub(super) fn mismatch(&self, src: usize) {
         let _ = self
             .err(2)
             .compare_exchange(0, src as u32 + 1, Ordering::AcqRel, Ordering::Acquire);
@@ -351,6 +425,8 @@ unsafe fn launch(p: &KernelParams, body: impl FnOnce(&Launch) -> Option<u32>) {
         epoch,
         parity: (epoch & 1) as usize,
         block: 0,
+        // SAFETY: forwarded from the caller.
+        factor: unsafe { own_factor(p) },
     };
     // A communicator that already failed runs nothing more: no new waits.
     if l.err(0).load(Ordering::Acquire) != 0 {
@@ -379,8 +455,8 @@ unsafe fn run<T: Lanes>(l: &Launch, kind: KernelKind, op: Reduction) -> Option<u
             KernelKind::OneShotPush => oneshot_push::<T>(l, op),
             KernelKind::OneShotLl => oneshot_ll::<T>(l, op).then_some(l.epoch),
             KernelKind::TwoShotPush => twoshot_push::<T>(l, op),
-            // Not a name of this module (module_kernels never maps it here).
-            KernelKind::QuickReduce => None,
+            // Not names of this dispatch (module_kernels maps them elsewhere).
+            KernelKind::QuickReduce | KernelKind::Exchange | KernelKind::ReduceTo | KernelKind::SendRecv => None,
         }
     }
 }
@@ -394,7 +470,7 @@ unsafe fn run<T: Lanes>(l: &Launch, kind: KernelKind, op: Reduction) -> Option<u
 unsafe fn reduce_range<T: Lanes>(l: &Launch, op: Reduction, srcs: &[DevicePtr], n: usize, outs: &[DevicePtr]) {
     debug_assert_eq!(srcs.len(), l.world());
     // SAFETY: forwarded from the caller.
-    unsafe { Tiles::<T>::new().reduce(op, l.world(), srcs, n, outs) }
+    unsafe { Tiles::<T>::new().reduce(l.reduction(op), l.world(), srcs, n, outs) }
 }
 
 /// # Safety: see [`HostKernel::call`].

@@ -1,8 +1,10 @@
 //! Host "device memory": memfd-backed shared mappings that a peer process can
 //! map after receiving the fd, plus host-mapped error words.
 
+use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::device::{DeviceBuffer, DevicePtr, ExportedHandle, HostFlags};
 use crate::error::{Error, Result};
@@ -73,27 +75,75 @@ fn memfd(len: usize) -> Result<OwnedFd> {
 pub struct HostBuffer {
     map: Mapping,
     len: usize,
-    fd: OwnedFd,
+    fd: Arc<OwnedFd>,
+}
+
+/// Live host allocations by address, so caller memory inside one can be
+/// exported (`Device::export_range`): start -> (length, its fd).
+type Live = BTreeMap<usize, (usize, Weak<OwnedFd>)>;
+
+fn live() -> &'static Mutex<Live> {
+    static LIVE: OnceLock<Mutex<Live>> = OnceLock::new();
+    LIVE.get_or_init(Default::default)
+}
+
+fn lock_live() -> std::sync::MutexGuard<'static, Live> {
+    live().lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl HostBuffer {
     pub(super) fn new(len: usize) -> Result<HostBuffer> {
-        let fd = memfd(len)?;
+        let fd = Arc::new(memfd(len)?);
         let map = Mapping::new(&fd, len)?;
+        lock_live().insert(map.addr, (len, Arc::downgrade(&fd)));
         Ok(HostBuffer { map, len, fd })
     }
 
     pub(super) fn export(&self) -> Result<ExportedHandle> {
-        let fd = self
-            .fd
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|e| Error::io("duplicating a buffer fd for export", e))?;
-        Ok(ExportedHandle {
-            bytes: (self.len as u64).to_le_bytes().to_vec(),
-            fd: Some(fd),
-            size: self.len,
-        })
+        export_fd(&self.fd, self.len)
+    }
+}
+
+fn export_fd(fd: &OwnedFd, len: usize) -> Result<ExportedHandle> {
+    let fd = fd
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| Error::io("duplicating a buffer fd for export", e))?;
+    Ok(ExportedHandle {
+        bytes: (len as u64).to_le_bytes().to_vec(),
+        fd: Some(fd),
+        size: len,
+    })
+}
+
+/// Export the host allocation holding `ptr..ptr+bytes`: its handle and the
+/// offset of `ptr` in it. Only memory from this backend's allocator can be
+/// mapped by another process.
+pub(super) fn export_range(ptr: DevicePtr, bytes: usize) -> Result<(ExportedHandle, usize)> {
+    let at = ptr.0 as usize;
+    let live = lock_live();
+    let found = live.range(..=at).next_back().and_then(|(&start, (len, fd))| {
+        let end = at.checked_add(bytes)?;
+        (end <= start + len).then(|| (start, *len, fd.upgrade()))
+    });
+    match found {
+        Some((start, len, Some(fd))) => Ok((export_fd(&fd, len)?, at - start)),
+        _ => Err(Error::Unsupported(format!(
+            "{bytes} bytes at {at:#x} are not inside one buffer of the host backend's allocator \
+             (Communicator::alloc); only that memory can be shared with other processes"
+        ))),
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        let mut live = lock_live();
+        if live
+            .get(&self.map.addr)
+            .is_some_and(|(_, w)| w.ptr_eq(&Arc::downgrade(&self.fd)))
+        {
+            live.remove(&self.map.addr);
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 //! records the queued work, and replay queues it again. Kernels are Rust
 //! functions in [`kernels`] that follow `docs/protocol.md` exactly.
 
+mod collectives;
 mod futex;
 mod kernels;
 mod memory;
@@ -122,6 +123,10 @@ impl Device for HostDevice {
         HostPeerBuffer::import(handle)
     }
 
+    fn export_range(&self, ptr: DevicePtr, bytes: usize) -> Result<(ExportedHandle, usize)> {
+        memory::export_range(ptr, bytes)
+    }
+
     fn create_stream(&self) -> Result<HostStream> {
         HostStream::new()
     }
@@ -140,6 +145,10 @@ impl Device for HostDevice {
 
     fn query(&self, event: &HostEvent) -> Result<bool> {
         Ok(event.is_done())
+    }
+
+    fn duplicate(&self) -> Result<Self> {
+        HostDevice::new(self.facts.ordinal)
     }
 
     fn runtime_info(&self) -> String {

@@ -8,7 +8,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use crate::device::DevicePtr;
+use crate::device::{DevicePtr, MAX_RANKS};
 use crate::dtype::{Element, ReduceOp};
 
 /// Elements per tile: the accumulator and one source tile stay in L1.
@@ -23,8 +23,6 @@ pub(super) trait Lanes: Element<Acc = <Self as Lanes>::A> {
     fn widen(src: &[Self], acc: &mut [Self::A]);
     /// `dst[i] = narrow(acc[i])`, rounding as `Element::from_acc` does.
     fn narrow(acc: &[Self::A], dst: &mut [Self]);
-    /// The value as f32 (premul_sum's factor, read from memory).
-    fn as_f32(self) -> f32;
 }
 
 /// Accumulator arithmetic over slices, one loop per operator.
@@ -99,9 +97,6 @@ impl Lanes for f32 {
     fn narrow(acc: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(acc);
     }
-    fn as_f32(self) -> f32 {
-        self
-    }
 }
 
 impl Lanes for i32 {
@@ -115,9 +110,6 @@ impl Lanes for i32 {
     fn narrow(acc: &[i32], dst: &mut [i32]) {
         dst.copy_from_slice(acc);
     }
-    fn as_f32(self) -> f32 {
-        self as f32
-    }
 }
 
 impl Lanes for f16 {
@@ -130,9 +122,6 @@ impl Lanes for f16 {
     }
     fn narrow(acc: &[f32], dst: &mut [f16]) {
         dst.convert_from_f32_slice(acc);
-    }
-    fn as_f32(self) -> f32 {
-        self.to_f32()
     }
 }
 
@@ -171,21 +160,22 @@ impl Lanes for bf16 {
             .zip(acc)
             .for_each(|(d, a)| *d = bf16::from_bits(f32_to_bf16_bits(*a)));
     }
-    fn as_f32(self) -> f32 {
-        self.to_f32()
-    }
 }
 
-/// An operator with its premul_sum factor (1.0 for every other op).
+/// An operator with premul_sum's factor of every source rank (each rank
+/// scales its own input by its own factor; 1.0 for every other op).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Reduction {
     pub(super) op: ReduceOp,
-    pub(super) factor: f32,
+    pub(super) factors: [f32; MAX_RANKS],
 }
 
 impl From<ReduceOp> for Reduction {
     fn from(op: ReduceOp) -> Self {
-        Reduction { op, factor: 1.0 }
+        Reduction {
+            op,
+            factors: [1.0; MAX_RANKS],
+        }
     }
 }
 
@@ -247,7 +237,7 @@ impl<T: Lanes> Tiles<T> {
     /// As [`Tiles::reduce`].
     #[inline(always)]
     unsafe fn reduce_body(&mut self, red: Reduction, world: usize, srcs: &[DevicePtr], n: usize, outs: &[DevicePtr]) {
-        let (op, factor) = (red.op, red.factor);
+        let (op, factors) = (red.op, red.factors);
         let size = std::mem::size_of::<T>();
         let mut start = 0;
         while start < n {
@@ -266,12 +256,12 @@ impl<T: Lanes> Tiles<T> {
                 if r == 0 {
                     T::widen(elems, acc);
                     if op == ReduceOp::PreMulSum {
-                        T::A::premul(acc, factor);
+                        T::A::premul(acc, factors[r]);
                     }
                 } else {
                     T::widen(elems, wide);
                     if op == ReduceOp::PreMulSum {
-                        T::A::premul(wide, factor);
+                        T::A::premul(wide, factors[r]);
                     }
                     T::A::combine(op, acc, wide);
                 }
@@ -332,13 +322,13 @@ mod tests {
     fn check<T: Lanes>(values: impl Fn(usize, usize) -> T) {
         let world = 3;
         let n = TILE + 77;
-        let factor = 0.3f32;
+        let factors = [0.3f32, -1.5, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0];
         for op in ReduceOp::ALL.into_iter().filter(|&op| T::DTYPE.supports(op)) {
             let srcs: Vec<Vec<T>> = (0..world).map(|r| (0..n).map(|i| values(r, i)).collect()).collect();
             let x = |r: usize, i: usize| {
                 let x = srcs[r][i].to_acc();
                 if op == ReduceOp::PreMulSum {
-                    T::premul(x, factor)
+                    T::premul(x, factors[r])
                 } else {
                     x
                 }
@@ -354,7 +344,7 @@ mod tests {
             // An output at an odd address: the misaligned path.
             let out_at = DevicePtr(out.as_mut_ptr() as u64 + 1);
             // SAFETY: every source holds n elements; the output n + 1.
-            unsafe { Tiles::<T>::new().reduce(Reduction { op, factor }, world, &ptrs, n, &[out_at]) };
+            unsafe { Tiles::<T>::new().reduce(Reduction { op, factors }, world, &ptrs, n, &[out_at]) };
             let mut got = vec![T::ZERO; n];
             // SAFETY: reading back the n elements written at out_at.
             unsafe {

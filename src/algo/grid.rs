@@ -26,7 +26,7 @@ pub struct GridTable {
     /// every peer, so all blocks of a launch must be resident at once.
     cap: u32,
     /// Indexed like [`KernelKind::ALL`].
-    rules: [GridRule; 7],
+    rules: [GridRule; KernelKind::ALL.len()],
     /// Quick-reduce's largest chunk, in encoded bytes of all its segments
     /// (`FERROCOMM_QUICK_REDUCE_CHUNK_BYTES`).
     qr_chunk_bytes: usize,
@@ -62,6 +62,9 @@ fn env_prefix(kind: KernelKind) -> &'static str {
         KernelKind::OneShotLl => "ONESHOT_LL",
         KernelKind::TwoShotPush => "TWOSHOT_PUSH",
         KernelKind::QuickReduce => "QUICK_REDUCE",
+        KernelKind::Exchange => "EXCHANGE",
+        KernelKind::ReduceTo => "REDUCE_TO",
+        KernelKind::SendRecv => "SENDRECV",
     }
 }
 
@@ -86,6 +89,9 @@ fn default_rule(kind: KernelKind) -> GridRule {
         // Quick-reduce: as the push two-shot (dispatch takes it from 4 MiB
         // up, where that means 128 blocks).
         KernelKind::QuickReduce => (16 << 10, 128, 0),
+        // The host protocols (GPUs route these collectives to NCCL/RCCL
+        // until their kernels land): as the push two-shot.
+        KernelKind::Exchange | KernelKind::ReduceTo | KernelKind::SendRecv => (16 << 10, 128, 0),
     };
     GridRule {
         bytes_per_block,
@@ -100,7 +106,7 @@ impl GridTable {
     /// `<KIND>` one of ONESHOT, TWOSHOT, ONESHOT_PUSH, ONESHOT_LL, TWOSHOT_PUSH,
     /// QUICK_REDUCE.
     pub fn new(facts: &DeviceFacts) -> Result<Self> {
-        let mut rules = [default_rule(KernelKind::OneShot); 7];
+        let mut rules = [default_rule(KernelKind::OneShot); KernelKind::ALL.len()];
         for (rule, kind) in rules.iter_mut().zip(KernelKind::ALL) {
             let prefix = env_prefix(kind);
             *rule = default_rule(kind);

@@ -97,7 +97,7 @@ pub fn collective_entry(name: &str) -> Option<String> {
         KernelKind::OneShotPush => format!("fc::oneshot_push<{ty}, {}>(p)", device_op(op)),
         KernelKind::OneShotLl => format!("fc::oneshot_ll<{ty}, {}>(p)", device_op(op)),
         KernelKind::TwoShotPush => format!("fc::twoshot_push<{ty}, {}>(p)", device_op(op)),
-        KernelKind::QuickReduce => return None,
+        KernelKind::QuickReduce | KernelKind::Exchange | KernelKind::ReduceTo | KernelKind::SendRecv => return None,
     };
     Some(format!("FC_KERNEL({name}) {{ {call}; }}\n"))
 }
@@ -160,6 +160,17 @@ pub enum KernelKind {
     /// Quick-reduce: two-shot push with quantized payloads (module
     /// [`QUICK_REDUCE`]; the codec is part of the kernel's name).
     QuickReduce,
+    /// Every rank sends a block to some peers and receives one from some:
+    /// all-gather, gather, scatter and all-to-all(-v), with per-peer counts and
+    /// addresses (`KernelParams::per_peer`). Host protocol; GPUs use NCCL.
+    Exchange,
+    /// Every rank sends a block to some peers, and each receiver reduces
+    /// what it receives (its own block included) in rank order:
+    /// reduce-scatter and reduce. Host protocol; GPUs use NCCL.
+    ReduceTo,
+    /// A batch of sends and receives between pairs, with per-pair sequence
+    /// numbers instead of the group's epochs. Host protocol; GPUs use NCCL.
+    SendRecv,
 }
 
 impl KernelKind {
@@ -172,11 +183,18 @@ impl KernelKind {
             KernelKind::OneShotLl => "oneshot_ll",
             KernelKind::TwoShotPush => "twoshot_push",
             KernelKind::QuickReduce => "qr",
+            KernelKind::Exchange => "exchange",
+            KernelKind::ReduceTo => "reduce_to",
+            KernelKind::SendRecv => "sendrecv",
         }
     }
 
+    /// The host protocols of the collectives beyond all-reduce and
+    /// broadcast (the host module has them; GPUs route these to NCCL/RCCL).
+    pub const HOST_PROTOCOLS: [KernelKind; 3] = [KernelKind::Exchange, KernelKind::ReduceTo, KernelKind::SendRecv];
+
     /// Every kind, in a fixed order.
-    pub const ALL: [KernelKind; 7] = [
+    pub const ALL: [KernelKind; 10] = [
         KernelKind::OneShot,
         KernelKind::TwoShot,
         KernelKind::Broadcast,
@@ -184,6 +202,9 @@ impl KernelKind {
         KernelKind::OneShotLl,
         KernelKind::TwoShotPush,
         KernelKind::QuickReduce,
+        KernelKind::Exchange,
+        KernelKind::ReduceTo,
+        KernelKind::SendRecv,
     ];
 
     /// The kinds of the [`COLLECTIVES`] module.
@@ -206,14 +227,14 @@ impl KernelKind {
     ];
 }
 
-/// `fc_<kind>_<dtype>_<op>`; broadcast always uses op `sum`.
+/// `fc_<kind>_<dtype>_<op>`; broadcast always uses op `sum`; the kinds that
+/// only move bytes (exchange, sendrecv) are `fc_<kind>`.
 pub fn kernel_name(kind: KernelKind, dtype: DType, op: ReduceOp) -> String {
-    let op = if kind == KernelKind::Broadcast {
-        ReduceOp::Sum
-    } else {
-        op
-    };
-    format!("fc_{}_{}_{}", kind.name(), dtype.name(), op.name())
+    match kind {
+        KernelKind::Exchange | KernelKind::SendRecv => format!("fc_{}", kind.name()),
+        KernelKind::Broadcast => format!("fc_{}_{}_sum", kind.name(), dtype.name()),
+        _ => format!("fc_{}_{}_{}", kind.name(), dtype.name(), op.name()),
+    }
 }
 
 /// The dtypes quick-reduce carries.

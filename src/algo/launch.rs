@@ -11,7 +11,7 @@ use super::layout::{
 };
 use super::workspace::Workspace;
 use crate::codec::{Codec, BLOCK};
-use crate::device::{Device, DeviceBuffer, DevicePtr, HostFlags, KernelParams};
+use crate::device::{Device, DeviceBuffer, DevicePtr, HostFlags, KernelParams, MAX_RANKS};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 
@@ -23,11 +23,9 @@ pub struct KernelNames {
 }
 
 impl KernelNames {
-    const KINDS: [KernelKind; 6] = KernelKind::COLLECTIVES;
-
     pub fn new() -> Self {
         let mut names = Vec::new();
-        for kind in Self::KINDS {
+        for kind in KernelKind::ALL {
             for dtype in DType::ALL {
                 for op in ReduceOp::ALL {
                     names.push(kernel_name(kind, dtype, op));
@@ -48,7 +46,7 @@ impl KernelNames {
             let d = QR_DTYPES.iter().position(|&x| x == dtype).unwrap_or(0);
             return &self.qr[c * QR_DTYPES.len() + d];
         }
-        let k = Self::KINDS.iter().position(|&x| x == kind).unwrap_or(0);
+        let k = KernelKind::ALL.iter().position(|&x| x == kind).unwrap_or(0);
         &self.names[(k * DType::ALL.len() + dtype as usize) * ReduceOp::ALL.len() + op as usize]
     }
 }
@@ -71,6 +69,37 @@ pub struct CollectiveCall {
     pub output: DevicePtr,
     /// Quick-reduce's codec (`None` for every other kind).
     pub codec: Option<Codec>,
+    /// premul_sum's factor (`KernelParams::scalar`) and `PARAM_*` flags.
+    pub scalar: u64,
+    pub flags: u32,
+    /// Per-peer lists of the host protocols (`KernelParams::per_peer`).
+    pub per_peer: [[u64; MAX_RANKS]; 4],
+}
+
+impl CollectiveCall {
+    /// A call of `kind` with no codec, factor or lists.
+    pub fn new(
+        kind: KernelKind,
+        dtype: DType,
+        op: ReduceOp,
+        count: usize,
+        input: DevicePtr,
+        output: DevicePtr,
+    ) -> Self {
+        CollectiveCall {
+            kind,
+            dtype,
+            op,
+            count,
+            root: 0,
+            input,
+            output,
+            codec: None,
+            scalar: 0,
+            flags: 0,
+            per_peer: [[0; MAX_RANKS]; 4],
+        }
+    }
 }
 
 /// 64-bit FNV-1a over what must agree across ranks for one launch.
@@ -122,6 +151,9 @@ pub fn chunk_elems(
         KernelKind::TwoShotPush => world * (push_twoshot_stride(slot_bytes, world) / elem),
         // An LL unit carries 4 data bytes in 8.
         KernelKind::OneShotLl => ll_stride(slot_bytes, world) / 2 / elem,
+        // Per peer and chunk: one inbox (the host protocols loop over chunks).
+        KernelKind::Exchange | KernelKind::ReduceTo => push_twoshot_stride(slot_bytes, world) / elem,
+        KernelKind::SendRecv => super::layout::p2p_half_bytes(slot_bytes) / elem,
     };
     debug_assert!(kind != KernelKind::TwoShotPush || segment_elems(elems, world) * elem <= slot_bytes / world);
     elems.max(1)
@@ -133,7 +165,12 @@ pub fn chunk_elems(
 pub const fn whole_call(kind: KernelKind) -> bool {
     matches!(
         kind,
-        KernelKind::OneShotPush | KernelKind::TwoShotPush | KernelKind::QuickReduce
+        KernelKind::OneShotPush
+            | KernelKind::TwoShotPush
+            | KernelKind::QuickReduce
+            | KernelKind::Exchange
+            | KernelKind::ReduceTo
+            | KernelKind::SendRecv
     )
 }
 
@@ -174,8 +211,23 @@ impl CollectiveCall {
                 Some(_) => qr_blocks(self.codec, ws.slot_bytes(), ws.world(), chunk_bytes) as u32,
                 None => 0,
             },
+            scalar: self.scalar,
+            flags: self.flags,
+            per_peer: self.per_peer,
             ..KernelParams::default()
         };
+        if KernelKind::HOST_PROTOCOLS.contains(&self.kind) {
+            // One launch carries the whole call, even an empty one: only the
+            // group knows whether any rank moves anything (docs/protocol.md).
+            let params = KernelParams {
+                input: self.input,
+                output: self.output,
+                count: self.count as u64,
+                fingerprint: fingerprint(self, 0),
+                ..base
+            };
+            return dev.launch(module, name, grids.grid(self.kind, chunk_elems * elem), &params, stream);
+        }
         debug_assert!(ws.own().len() >= DATA_OFFSET);
         // The grid is sized for one chunk (a whole-call launch loops over chunks).
         let grid = grids.grid(self.kind, chunk_elems.min(self.count) * elem);

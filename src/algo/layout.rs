@@ -7,10 +7,24 @@
 //! offset 0          control (local): u32 epoch, u32 blocks_done
 //! FP_OFFSET         fingerprints  u64 [2 parity][MAX_BLOCKS][MAX_RANKS]   written by peers
 //! FLAGS_OFFSET      flags         u32 [2 phase ][MAX_BLOCKS][MAX_RANKS]   written by peers
+//! P2P_CTRL_OFFSET   send/recv control (see below)
 //! DATA_OFFSET       parity region 0: slots 0, 1  (2 * slot_bytes)
 //!                   parity region 1: slots 2, 3  (parity = epoch & 1)
 //! ll_offset(s)      LL fingerprint records  [2 parity][MAX_BLOCKS][MAX_RANKS] x 16 B
 //!                   LL lines, parity 0, then parity 1 (slot_bytes / 2 each)
+//! p2p_offset(s)     send/recv mailboxes [MAX_RANKS sources][2 halves] x p2p_half_bytes(s)
+//! ```
+//!
+//! Sends and receives involve two ranks, so they cannot use the epochs every
+//! rank advances together. Each ordered pair has its own chunk sequence
+//! numbers instead (docs/protocol.md, "Send and receive"):
+//!
+//! ```text
+//! P2P_CTRL_OFFSET + 0     u32 [MAX_RANKS] delivered: last chunk source s put in our mailbox [s]   (written by s)
+//!                 + 64    u32 [MAX_RANKS] consumed: last chunk of ours rank d took from its mailbox (written by d)
+//!                 + 128   u64 [MAX_RANKS][2] header per mailbox half: bytes of the message           (written by s)
+//!                 + 512   u32 [MAX_RANKS] sent: chunks we put at rank d, ever                         (local)
+//!                 + 576   u32 [MAX_RANKS] received: chunks we took from source s, ever                (local)
 //! ```
 //!
 //! A launch with epoch `E` touches only parity region `E & 1` (of any rank)
@@ -27,8 +41,16 @@ pub const FP_OFFSET: usize = CONTROL_BYTES;
 pub const FP_BYTES: usize = 2 * MAX_BLOCKS * MAX_RANKS * 8;
 pub const FLAGS_OFFSET: usize = FP_OFFSET + FP_BYTES;
 pub const FLAGS_BYTES: usize = 2 * MAX_BLOCKS * MAX_RANKS * 4;
+/// Send/receive control words (see the module docs), after the flags.
+pub const P2P_CTRL_OFFSET: usize = (FLAGS_OFFSET + FLAGS_BYTES).next_multiple_of(4096);
+pub const P2P_DELIVERED: usize = 0;
+pub const P2P_CONSUMED: usize = 64;
+pub const P2P_HEADER: usize = 128;
+pub const P2P_SENT: usize = 512;
+pub const P2P_RECEIVED: usize = 576;
+pub const P2P_CTRL_BYTES: usize = 1024;
 /// Data starts on a 64 KiB boundary so 16-byte vector access is always aligned.
-pub const DATA_OFFSET: usize = (FLAGS_OFFSET + FLAGS_BYTES).next_multiple_of(64 * 1024);
+pub const DATA_OFFSET: usize = (P2P_CTRL_OFFSET + P2P_CTRL_BYTES).next_multiple_of(64 * 1024);
 /// Number of data slots: two per parity region.
 pub const SLOTS: usize = 4;
 /// LL fingerprint records: 16 bytes (two LL units) per (parity, block, source).
@@ -44,9 +66,20 @@ pub const fn ll_parity_bytes(slot_bytes: usize) -> usize {
     slot_bytes / 2
 }
 
+/// Offset of the send/receive mailboxes (after the LL area).
+pub const fn p2p_offset(slot_bytes: usize) -> usize {
+    ll_offset(slot_bytes) + LL_FP_BYTES + 2 * ll_parity_bytes(slot_bytes)
+}
+
+/// Bytes of one half of one source's send/receive mailbox: the mailboxes
+/// together take one slot.
+pub const fn p2p_half_bytes(slot_bytes: usize) -> usize {
+    (slot_bytes / MAX_RANKS / 2) & !63
+}
+
 /// Bytes of a whole workspace for a given slot size.
 pub const fn workspace_bytes(slot_bytes: usize) -> usize {
-    ll_offset(slot_bytes) + LL_FP_BYTES + 2 * ll_parity_bytes(slot_bytes)
+    p2p_offset(slot_bytes) + 2 * MAX_RANKS * p2p_half_bytes(slot_bytes)
 }
 
 /// Elements per two-shot segment: ceil(count / world), rounded up to 8 elements
@@ -107,4 +140,6 @@ pub const fn ll_stride(slot_bytes: usize, world: usize) -> usize {
 }
 
 const _: () = assert!(DATA_OFFSET % 4096 == 0);
+const _: () = assert!(P2P_CTRL_OFFSET >= FLAGS_OFFSET + FLAGS_BYTES && P2P_CTRL_OFFSET + P2P_CTRL_BYTES <= DATA_OFFSET);
+const _: () = assert!(P2P_RECEIVED + 4 * MAX_RANKS <= P2P_CTRL_BYTES && P2P_HEADER + 16 * MAX_RANKS <= P2P_SENT);
 const _: () = assert!(LL_FP_BYTES % 64 == 0);

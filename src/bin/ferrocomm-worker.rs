@@ -5,16 +5,22 @@
 //!
 //! Scenarios:
 //! - `conformance`: the conformance suite; exit 0 iff it passed.
-//! - `kill`: all-reduce in a loop; the victim kills itself mid-loop; the
-//!   others must get an error within 2x the timeout.
+//! - `kill`: a collective (`--coll`, default all_reduce) in a loop; the
+//!   victim kills itself mid-loop; the others must get an error within 2x
+//!   the timeout.
 //! - `stall`: the victim sleeps past the timeout; the others must get a
 //!   timeout naming it.
-//! - `mismatch`: rank 0 passes a different count; every rank must get an error.
+//! - `mismatch`: rank 0 passes a different count (`--coll all_reduce`) or
+//!   different all-to-all splits (`--coll all_to_all`); every rank must get
+//!   an error.
 //! - `finalize`: use after finalize, double finalize and abort return errors.
 //! - `replay`: capture one all-reduce per algorithm into a graph and replay it
 //!   `--replays` times, changing the input before every replay and checking
 //!   every output.
 //! - `smoke`: one small launch of every kernel family (for compute-sanitizer).
+//! - `coldstart`: the time from process start to a communicator that has run
+//!   its first all-reduce (point `FERROCOMM_CACHE_DIR` at an empty directory
+//!   to measure a cold kernel cache), printed as `COLD START ...`.
 //! - `precompile-cuda`: compile the CUDA kernels for `--cc` (default 9.0) into
 //!   `FERROCOMM_CACHE_DIR` with no GPU, one kernel per compile on every
 //!   core, so a GPU machine skips NVRTC.
@@ -28,7 +34,7 @@ use std::time::{Duration, Instant};
 use ferrocomm::bootstrap::{rendezvous_from_env, Store, TcpStore};
 use ferrocomm::device::Device;
 use ferrocomm::testing::conformance::{run_suite, SuiteConfig};
-use ferrocomm::{CommOptions, Communicator, DType, Error, ReduceOp, Result};
+use ferrocomm::{Call, CommOptions, Communicator, DType, Error, P2p, ReduceOp, Result, Tensor};
 
 struct Args {
     scenario: String,
@@ -39,13 +45,16 @@ struct Args {
     replays: usize,
     /// Compute capability for `precompile-cuda`.
     cc: (i32, i32),
+    /// The collective `kill`, `stall` and `mismatch` run.
+    coll: String,
 }
 
 fn parse_args() -> Result<Args> {
     let mut it = std::env::args().skip(1);
     let scenario = it.next().ok_or_else(|| {
         Error::invalid(
-            "usage: ferrocomm-worker <scenario> [--backend B] [--victim R] [--timeout-secs S] [--max-bytes N]",
+            "usage: ferrocomm-worker <scenario> [--backend B] [--victim R] [--timeout-secs S] [--max-bytes N] \
+             [--coll all_reduce|all_gather|reduce_scatter|all_to_all|sendrecv|broadcast|reduce]",
         )
     })?;
     let mut a = Args {
@@ -56,6 +65,7 @@ fn parse_args() -> Result<Args> {
         max_bytes: 64 << 20,
         replays: 10_000,
         cc: (9, 0),
+        coll: "all_reduce".into(),
     };
     while let Some(flag) = it.next() {
         let value = it
@@ -68,6 +78,7 @@ fn parse_args() -> Result<Args> {
             "--timeout-secs" => a.timeout = Duration::from_secs_f64(value.parse().map_err(|_| bad())?),
             "--max-bytes" => a.max_bytes = value.parse().map_err(|_| bad())?,
             "--replays" => a.replays = value.parse().map_err(|_| bad())?,
+            "--coll" => a.coll = value.clone(),
             "--cc" => {
                 let (major, minor) = value.split_once('.').ok_or_else(bad)?;
                 a.cc = (major.parse().map_err(|_| bad())?, minor.parse().map_err(|_| bad())?);
@@ -134,7 +145,11 @@ fn main() -> ExitCode {
     }
 }
 
+/// When the process started (for `coldstart`).
+static STARTED: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+
 fn run() -> Result<String> {
+    STARTED.get_or_init(Instant::now);
     let args = parse_args()?;
     if args.scenario == "precompile-cuda" {
         return precompile_cuda(&args);
@@ -181,7 +196,23 @@ fn run() -> Result<String> {
 
 fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize, a: &Args) -> Result<String> {
     let opts = CommOptions::from_env()?.with_timeout(a.timeout);
+    let device_ready = STARTED.get().map_or(0.0, |t| t.elapsed().as_secs_f64());
     let comm = Communicator::new(dev, store.clone(), rank, world, opts)?;
+    let comm_ready = STARTED.get().map_or(0.0, |t| t.elapsed().as_secs_f64());
+    if a.scenario == "coldstart" {
+        let buf = comm.alloc(1 << 20)?;
+        comm.all_reduce(Tensor::of(&buf, DType::BF16), ReduceOp::Sum, &Call::new())?
+            .wait(None)?;
+        let first = STARTED.get().map_or(0.0, |t| t.elapsed().as_secs_f64());
+        // What the rest of the module costs, compiled in the background.
+        comm.prepare()?;
+        let all = STARTED.get().map_or(0.0, |t| t.elapsed().as_secs_f64());
+        comm.finalize()?;
+        return Ok(format!(
+            "COLD START rank={rank}: device {device_ready:.2} s, communicator {comm_ready:.2} s, \
+             first all_reduce done {first:.2} s after process start; every kernel ready at {all:.2} s"
+        ));
+    }
     match a.scenario.as_str() {
         "conformance" => {
             let cfg = SuiteConfig {
@@ -225,26 +256,46 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
             Ok(msg)
         }
         "mismatch" => {
-            let buf = comm.alloc(4096 * 4)?;
-            let count = if rank == 0 { 1000 } else { 4096 };
+            let buf = comm.alloc(4 * (4096 * world + 16 * world + 64))?;
+            let whole = Tensor::of(&buf, DType::F32);
             let start = Instant::now();
-            match comm
-                .all_reduce_in_place(&buf, count, DType::F32, ReduceOp::Sum)?
-                .wait(None)
-            {
-                Ok(()) => Err(Error::Aborted("mismatched counts completed silently".into())),
+            let work = match a.coll.as_str() {
+                "all_to_all" => {
+                    // Rank 0 sends rank 1 one element more than rank 1 expects.
+                    let mut sends = vec![16usize; world];
+                    let recvs = vec![16usize; world];
+                    if rank == 0 {
+                        sends[1] = 17;
+                    }
+                    let inp = whole.slice(0, sends.iter().sum())?;
+                    let out = whole.slice(4096 * world, 16 * world)?;
+                    comm.all_to_all_v_single(out, inp, &recvs, &sends, &Call::new())?
+                }
+                _ => {
+                    let count = if rank == 0 { 1000 } else { 4096 };
+                    comm.all_reduce(whole.slice(0, count)?, ReduceOp::Sum, &Call::new())?
+                }
+            };
+            match work.wait(None) {
+                // All-to-all: the receiver of the mismatched block detects it;
+                // the sender's own data is whole (what it received agrees).
+                Ok(()) if a.coll == "all_to_all" && rank != 1 => Ok("completed: rank 1 detects".into()),
+                Ok(()) => Err(Error::Aborted("mismatched calls completed silently".into())),
                 Err(e @ (Error::Mismatch { .. } | Error::Timeout { .. })) => {
                     Ok(format!("elapsed_ms={} error={e}", start.elapsed().as_millis()))
                 }
+                // A peer that saw the mismatch first aborted: this rank's error
+                // is the abort, or the timeout, never data.
+                Err(e @ Error::Aborted(_)) => Ok(format!("elapsed_ms={} error={e}", start.elapsed().as_millis())),
                 Err(e) => Err(e),
             }
         }
         "finalize" => {
             let buf = comm.alloc(64)?;
-            comm.all_reduce_in_place(&buf, 16, DType::F32, ReduceOp::Sum)?
-                .wait(None)?;
+            let t = Tensor::view(&buf, DType::F32, 0, 16)?;
+            comm.all_reduce(t, ReduceOp::Sum, &Call::new())?.wait(None)?;
             comm.finalize()?;
-            let after = comm.all_reduce_in_place(&buf, 16, DType::F32, ReduceOp::Sum).err();
+            let after = comm.all_reduce(t, ReduceOp::Sum, &Call::new()).err();
             let twice = comm.finalize().err();
             let abort = comm.abort().err();
             match (after, twice, abort) {
@@ -337,16 +388,41 @@ fn precompile_cuda(_: &Args) -> Result<String> {
     })
 }
 
-/// Run all-reduces until one fails; succeed iff the failure came within 2x
-/// the timeout of the last good iteration.
+/// One call of the collective `--coll` names, on `buf` (big enough for all).
+fn one_call<D: Device>(comm: &Communicator<D>, coll: &str, buf: &D::Buffer, n: usize) -> Result<ferrocomm::Work<D>> {
+    let world = comm.size();
+    let rank = comm.rank();
+    let t = Tensor::of(buf, DType::F32);
+    let call = Call::new();
+    match coll {
+        "all_gather" => comm.all_gather_single(t.slice(n, n * world)?, t.slice(0, n)?, &call),
+        "reduce_scatter" => {
+            comm.reduce_scatter_single(t.slice(n * world, n)?, t.slice(0, n * world)?, ReduceOp::Sum, &call)
+        }
+        "all_to_all" => comm.all_to_all_single(t.slice(n * world, n * world)?, t.slice(0, n * world)?, &call),
+        "sendrecv" => comm.batch_p2p(
+            &[
+                P2p::Send(t.slice(0, n)?, (rank + 1) % world),
+                P2p::Recv(t.slice(n, n)?, (rank + world - 1) % world),
+            ],
+            &call,
+        ),
+        "broadcast" => comm.broadcast(t.slice(0, n)?, 0, &call),
+        "reduce" => comm.reduce(t.slice(0, n)?, ReduceOp::Sum, 0, &call),
+        "all_reduce" => comm.all_reduce(t.slice(0, n)?, ReduceOp::Sum, &call),
+        other => Err(Error::invalid(format!("unknown --coll {other}"))),
+    }
+}
+
+/// Run the collective until one fails; succeed iff the failure came within
+/// 2x the timeout of the last good iteration.
 fn expect_failure<D: Device>(comm: &Communicator<D>, a: &Args, mut before: impl FnMut(usize)) -> Result<String> {
-    let buf = comm.alloc(1 << 16)?;
+    let n = 1 << 12;
+    let buf = comm.alloc(n * 4 * (2 * comm.size() + 1))?;
     let mut last_ok = Instant::now();
     for i in 0..1000 {
         before(i);
-        let res = comm
-            .all_reduce_in_place(&buf, 1 << 14, DType::F32, ReduceOp::Sum)
-            .and_then(|w| w.wait(None));
+        let res = one_call(comm, &a.coll, &buf, n).and_then(|w| w.wait(None));
         match res {
             Ok(()) => last_ok = Instant::now(),
             Err(e) => {
@@ -358,12 +434,16 @@ fn expect_failure<D: Device>(comm: &Communicator<D>, a: &Args, mut before: impl 
                     )));
                 }
                 // The communicator must now refuse work instead of hanging.
-                if comm.all_reduce_in_place(&buf, 1, DType::F32, ReduceOp::Sum).is_ok() {
+                if one_call(comm, &a.coll, &buf, n).is_ok() {
                     return Err(Error::Aborted(
                         "communicator still accepted work after a fatal error".into(),
                     ));
                 }
-                return Ok(format!("iteration={i} elapsed_ms={} error={e}", elapsed.as_millis()));
+                return Ok(format!(
+                    "{} iteration={i} elapsed_ms={} error={e}",
+                    a.coll,
+                    elapsed.as_millis()
+                ));
             }
         }
     }

@@ -2,10 +2,17 @@
 //! Slurm scripts): rank 0 runs the TCP store, every rank connects to it.
 //!
 //! Variables: `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT` (required),
-//! `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (default `RANK`), and the job token in
-//! `FERROCOMM_TOKEN` or in a mode-0600 file named by `FERROCOMM_TOKEN_FILE`.
-//! `FERROCOMM_STORE_BIND` overrides the address rank 0 listens on (e.g.
-//! `0.0.0.0`); `FERROCOMM_STORE_TIMEOUT_S` the connect/arrival timeout.
+//! `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (default `RANK`), `LOCAL_WORLD_SIZE`
+//! (optional), and the job token in `FERROCOMM_TOKEN` or in a mode-0600 file
+//! named by `FERROCOMM_TOKEN_FILE`. `FERROCOMM_STORE_BIND` overrides the
+//! address rank 0 listens on (e.g. `0.0.0.0`); `FERROCOMM_STORE_TIMEOUT_S`
+//! the connect/arrival timeout.
+//!
+//! Under torchrun with its agent store (`TORCHELASTIC_USE_AGENT_STORE=True`,
+//! or `TORCHELASTIC_RUN_ID` set without it), torch's own store already holds
+//! `MASTER_PORT`; rank 0 then starts ferrocomm's store on an ephemeral port
+//! and publishes it through torch's (see [`super::torchrun`]), and on one host
+//! the token may be left unset. `docs/bootstrap.md` has the whole design.
 
 use std::fs::File;
 use std::io::Read;
@@ -16,6 +23,7 @@ use std::time::Duration;
 
 use super::collect::store_barrier;
 use super::tcp::{TcpStore, TcpStoreConfig, TcpStoreServer};
+use super::torchrun::{self, AgentStoreJob};
 use super::Store;
 use crate::error::{Error, Result};
 
@@ -23,12 +31,31 @@ use crate::error::{Error, Result};
 /// because launchers start ranks on different hosts at different times.
 pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// Longest `TORCHELASTIC_RUN_ID` accepted; it becomes part of store keys.
+const MAX_RUN_ID_BYTES: usize = 256;
+
+/// Which launcher started this rank, as told by its variables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Launcher {
+    /// Variables set by hand or by an mpirun/Slurm wrapper (or [`rendezvous`]
+    /// called directly): rank 0 binds `MASTER_PORT`.
+    Plain,
+    /// torchrun. With `agent_store`, torch's store holds `MASTER_PORT` and
+    /// ferrocomm finds its own store through it; without, it is handled like
+    /// [`Launcher::Plain`].
+    Torchrun { agent_store: bool },
+}
+
 /// The result of a rendezvous: a connected store and this rank's place.
 pub struct EnvRendezvous {
     pub store: Arc<dyn Store>,
     pub rank: usize,
     pub world: usize,
     pub local_rank: usize,
+    /// Ranks on this host (`LOCAL_WORLD_SIZE`), when the launcher says.
+    pub local_world: Option<usize>,
+    pub launcher: Launcher,
     /// Rank 0 owns the server; it lives as long as this value.
     server: Option<TcpStoreServer>,
 }
@@ -46,6 +73,8 @@ impl std::fmt::Debug for EnvRendezvous {
             .field("rank", &self.rank)
             .field("world", &self.world)
             .field("local_rank", &self.local_rank)
+            .field("local_world", &self.local_world)
+            .field("launcher", &self.launcher)
             .field("server", &self.server.as_ref().map(|s| s.local_addr()))
             .finish_non_exhaustive()
     }
@@ -58,19 +87,58 @@ pub fn rendezvous_from_env() -> Result<EnvRendezvous> {
         Err(std::env::VarError::NotPresent) => Ok(None),
         Err(std::env::VarError::NotUnicode(_)) => Err(Error::invalid(format!("{name} is not valid UTF-8"))),
     })?;
-    let token = vars.token.load()?;
-    rendezvous_inner(
-        &vars.master_addr,
-        vars.port,
-        vars.bind,
-        Ranks {
-            rank: vars.rank,
-            world: vars.world,
-            local_rank: vars.local_rank,
-        },
-        &token,
-        vars.timeout,
-    )
+    rendezvous_with(&vars)
+}
+
+/// Like [`rendezvous_from_env`], reading each variable through `lookup`
+/// instead of the process environment: for launchers that build a rank's
+/// environment themselves, and for tests that run ranks as threads.
+pub fn rendezvous_from_vars(lookup: impl Fn(&str) -> Option<String>) -> Result<EnvRendezvous> {
+    rendezvous_with(&EnvVars::parse(|name| Ok(lookup(name)))?)
+}
+
+fn rendezvous_with(vars: &EnvVars) -> Result<EnvRendezvous> {
+    let ranks = Ranks {
+        rank: vars.rank,
+        world: vars.world,
+        local_rank: vars.local_rank,
+    };
+    check_ranks(&ranks)?;
+    let token = vars.token.as_ref().map(TokenSource::load).transpose()?;
+    let Some(agent) = &vars.agent_store else {
+        let token = token.ok_or_else(missing_token)?;
+        let mut rdv = rendezvous_inner(&vars.master_addr, vars.port, vars.bind, ranks, &token, vars.timeout)?;
+        rdv.local_world = vars.local_world;
+        rdv.launcher = vars.launcher;
+        return Ok(rdv);
+    };
+    let job = AgentStoreJob {
+        master: resolve(&vars.master_addr, vars.port)?,
+        run_id: &agent.run_id,
+        restart_count: agent.restart_count,
+        rank: vars.rank,
+        world: vars.world,
+        local_world: vars.local_world,
+        bind: vars.bind,
+        token,
+        timeout: vars.timeout,
+        xdg_runtime_dir: agent.xdg_runtime_dir.as_deref(),
+        tmpdir: agent.tmpdir.as_deref(),
+    };
+    let joined = torchrun::rendezvous(&job)?;
+    barrier(&*joined.store, &ranks, vars.timeout)?;
+    // Every rank has read the rendezvous file by now: remove it at once
+    // rather than leave it for the life of the job.
+    drop(joined.file);
+    Ok(EnvRendezvous {
+        store: joined.store,
+        rank: vars.rank,
+        world: vars.world,
+        local_rank: vars.local_rank,
+        local_world: vars.local_world,
+        launcher: vars.launcher,
+        server: joined.server,
+    })
 }
 
 /// Rendezvous without reading the environment (for launchers and tests).
@@ -100,6 +168,25 @@ struct Ranks {
     local_rank: usize,
 }
 
+fn check_ranks(ranks: &Ranks) -> Result<()> {
+    if ranks.world == 0 {
+        return Err(Error::invalid("WORLD_SIZE must be at least 1"));
+    }
+    if ranks.rank >= ranks.world {
+        return Err(Error::invalid(format!(
+            "RANK {} must be below WORLD_SIZE {}",
+            ranks.rank, ranks.world
+        )));
+    }
+    Ok(())
+}
+
+/// Everyone present before anyone uses the store; a rank launched with the
+/// wrong WORLD_SIZE or a duplicate RANK shows up here, not later.
+fn barrier(store: &dyn Store, ranks: &Ranks, timeout: Duration) -> Result<()> {
+    store_barrier(store, "ferrocomm/rendezvous", ranks.rank, ranks.world, timeout)
+}
+
 fn rendezvous_inner(
     master_addr: &str,
     port: u16,
@@ -108,17 +195,7 @@ fn rendezvous_inner(
     token: &[u8],
     timeout: Duration,
 ) -> Result<EnvRendezvous> {
-    let Ranks {
-        rank,
-        world,
-        local_rank,
-    } = ranks;
-    if world == 0 {
-        return Err(Error::invalid("WORLD_SIZE must be at least 1"));
-    }
-    if rank >= world {
-        return Err(Error::invalid(format!("RANK {rank} must be below WORLD_SIZE {world}")));
-    }
+    check_ranks(&ranks)?;
     if port == 0 {
         return Err(Error::invalid("MASTER_PORT must be a fixed non-zero port"));
     }
@@ -127,7 +204,7 @@ fn rendezvous_inner(
     }
     let master = resolve(master_addr, port)?;
 
-    let server = if rank == 0 {
+    let server = if ranks.rank == 0 {
         let cfg = TcpStoreConfig {
             bind_addr: bind.unwrap_or(master.ip()),
             port,
@@ -136,6 +213,13 @@ fn rendezvous_inner(
             ..TcpStoreConfig::default()
         };
         let server = TcpStoreServer::start(cfg).map_err(|e| match e {
+            Error::Io { context, source } if source.kind() == std::io::ErrorKind::AddrInUse => Error::io(
+                format!(
+                    "{context}: MASTER_PORT {port} is in use (rank 0 hosts the store on it); set MASTER_PORT \
+                     to a free port, or launch with torchrun, whose store ferrocomm then shares"
+                ),
+                source,
+            ),
             Error::Io { context, source } => Error::io(
                 format!(
                     "{context} (rank 0 hosts the store on MASTER_ADDR; \
@@ -151,14 +235,14 @@ fn rendezvous_inner(
     };
     let connect_to = server.as_ref().map_or(master, TcpStoreServer::connect_addr);
     let store: Arc<dyn Store> = Arc::new(TcpStore::connect(connect_to, token, timeout)?);
-    // Everyone present before anyone uses the store; a rank launched with the
-    // wrong WORLD_SIZE or a duplicate RANK shows up here, not later.
-    store_barrier(&*store, "ferrocomm/rendezvous", rank, world, timeout)?;
+    barrier(&*store, &ranks, timeout)?;
     Ok(EnvRendezvous {
         store,
-        rank,
-        world,
-        local_rank,
+        rank: ranks.rank,
+        world: ranks.world,
+        local_rank: ranks.local_rank,
+        local_world: None,
+        launcher: Launcher::Plain,
         server,
     })
 }
@@ -237,9 +321,23 @@ struct EnvVars {
     rank: usize,
     world: usize,
     local_rank: usize,
+    local_world: Option<usize>,
     bind: Option<IpAddr>,
     timeout: Duration,
-    token: TokenSource,
+    /// Required unless torchrun's agent store lets rank 0 generate one.
+    token: Option<TokenSource>,
+    launcher: Launcher,
+    /// Set when torchrun's agent store holds `MASTER_PORT`.
+    agent_store: Option<AgentStoreVars>,
+}
+
+/// The variables only the agent-store rendezvous reads.
+#[derive(Debug)]
+struct AgentStoreVars {
+    run_id: String,
+    restart_count: u64,
+    xdg_runtime_dir: Option<String>,
+    tmpdir: Option<String>,
 }
 
 impl EnvVars {
@@ -249,17 +347,18 @@ impl EnvVars {
         let required = |name: &str| {
             get(name)?.ok_or_else(|| Error::invalid(format!("{name} is not set; the launcher must export it")))
         };
+        let optional = |name: &str| -> Result<Option<usize>> { get(name)?.map(|v| parse_var(name, &v)).transpose() };
         let rank: usize = parse_var("RANK", &required("RANK")?)?;
-        let local_rank = match get("LOCAL_RANK")? {
-            Some(v) => parse_var("LOCAL_RANK", &v)?,
-            None => rank,
-        };
+        let local_rank = optional("LOCAL_RANK")?.unwrap_or(rank);
         let bind = match get("FERROCOMM_STORE_BIND")? {
             Some(v) => Some(parse_var("FERROCOMM_STORE_BIND", &v)?),
             None => None,
         };
         let timeout = match get("FERROCOMM_STORE_TIMEOUT_S")? {
-            Some(v) => Duration::from_secs(parse_var("FERROCOMM_STORE_TIMEOUT_S", &v)?),
+            Some(v) => match parse_var::<u64>("FERROCOMM_STORE_TIMEOUT_S", &v)? {
+                0 => return Err(Error::invalid("FERROCOMM_STORE_TIMEOUT_S must be at least 1 (seconds)")),
+                secs => Duration::from_secs(secs),
+            },
             None => DEFAULT_RENDEZVOUS_TIMEOUT,
         };
         let token = match (get("FERROCOMM_TOKEN")?, get("FERROCOMM_TOKEN_FILE")?) {
@@ -268,21 +367,70 @@ impl EnvVars {
                     "both FERROCOMM_TOKEN and FERROCOMM_TOKEN_FILE are set; set only one",
                 ))
             }
-            (Some(t), None) if !t.is_empty() => TokenSource::Inline(t.into_bytes()),
-            (None, Some(path)) if !path.is_empty() => TokenSource::File(path),
-            _ => return Err(missing_token()),
+            (Some(t), None) if !t.is_empty() => Some(TokenSource::Inline(t.into_bytes())),
+            (None, Some(path)) if !path.is_empty() => Some(TokenSource::File(path)),
+            _ => None,
         };
+        let launcher = match (get("TORCHELASTIC_USE_AGENT_STORE")?, get("TORCHELASTIC_RUN_ID")?) {
+            (Some(v), _) => Launcher::Torchrun {
+                agent_store: parse_bool("TORCHELASTIC_USE_AGENT_STORE", &v)?,
+            },
+            // torchrun sets both; a run id alone still means its agent.
+            (None, Some(_)) => Launcher::Torchrun { agent_store: true },
+            (None, None) => Launcher::Plain,
+        };
+        let agent_store = match launcher {
+            Launcher::Torchrun { agent_store: true } => Some(AgentStoreVars {
+                run_id: run_id(get("TORCHELASTIC_RUN_ID")?)?,
+                restart_count: match get("TORCHELASTIC_RESTART_COUNT")? {
+                    Some(v) => parse_var("TORCHELASTIC_RESTART_COUNT", &v)?,
+                    None => 0,
+                },
+                xdg_runtime_dir: get("XDG_RUNTIME_DIR")?,
+                tmpdir: get("TMPDIR")?,
+            }),
+            _ => None,
+        };
+        if agent_store.is_none() && token.is_none() {
+            return Err(missing_token());
+        }
         Ok(EnvVars {
             master_addr: get("MASTER_ADDR")?.unwrap_or_else(|| "127.0.0.1".into()),
             port: parse_var("MASTER_PORT", &required("MASTER_PORT")?)?,
             rank,
             world: parse_var("WORLD_SIZE", &required("WORLD_SIZE")?)?,
             local_rank,
+            local_world: optional("LOCAL_WORLD_SIZE")?,
             bind,
             timeout,
             token,
+            launcher,
+            agent_store,
         })
     }
+}
+
+/// torch writes Python booleans (`True`/`False`); accept the usual spellings.
+fn parse_bool(name: &str, value: &str) -> Result<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" | "" => Ok(false),
+        _ => Err(Error::invalid(format!(
+            "{name}='{value}' is not a boolean (True or False)"
+        ))),
+    }
+}
+
+/// The run id becomes part of store keys and of a line in the rendezvous
+/// file, so it must be short and printable.
+fn run_id(value: Option<String>) -> Result<String> {
+    let id = value.unwrap_or_else(|| "none".into());
+    if id.len() > MAX_RUN_ID_BYTES || id.chars().any(char::is_control) {
+        return Err(Error::invalid(format!(
+            "TORCHELASTIC_RUN_ID must be at most {MAX_RUN_ID_BYTES} bytes without control characters"
+        )));
+    }
+    Ok(id)
 }
 
 fn parse_var<T: std::str::FromStr>(name: &str, value: &str) -> Result<T>
@@ -317,8 +465,74 @@ mod tests {
         let v = parse(BASE).expect("valid variables");
         assert_eq!(v.master_addr, "127.0.0.1");
         assert_eq!((v.port, v.rank, v.world, v.local_rank), (29500, 2, 4, 2));
-        assert_eq!(v.token, TokenSource::Inline(b"secret".to_vec()));
+        assert_eq!(v.token, Some(TokenSource::Inline(b"secret".to_vec())));
         assert_eq!(v.bind, None);
+        assert_eq!(v.local_world, None);
+        assert_eq!(v.launcher, Launcher::Plain);
+        assert!(v.agent_store.is_none());
+    }
+
+    fn with(extra: &[(&'static str, &'static str)], without: &[&str]) -> Vec<(&'static str, &'static str)> {
+        let mut vars: Vec<_> = BASE.iter().filter(|(k, _)| !without.contains(k)).copied().collect();
+        vars.extend_from_slice(extra);
+        vars
+    }
+
+    #[test]
+    fn torchrun_agent_store_is_detected_and_the_token_becomes_optional() {
+        let torchrun = [
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RUN_ID", "job-7"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ("LOCAL_WORLD_SIZE", "4"),
+        ];
+        let v = parse(&with(&torchrun, &["FERROCOMM_TOKEN"])).expect("no token needed yet");
+        assert_eq!(v.launcher, Launcher::Torchrun { agent_store: true });
+        assert_eq!(v.token, None);
+        assert_eq!(v.local_world, Some(4));
+        let agent = v.agent_store.expect("agent store vars");
+        assert_eq!((agent.run_id.as_str(), agent.restart_count), ("job-7", 2));
+
+        // A run id alone (older torchrun) still means the agent's store.
+        let v = parse(&with(&[("TORCHELASTIC_RUN_ID", "x")], &[])).expect("run id only");
+        assert_eq!(v.launcher, Launcher::Torchrun { agent_store: true });
+
+        // Without the agent store it is a plain launch: the token is required.
+        let no_agent = [("TORCHELASTIC_USE_AGENT_STORE", "False"), ("TORCHELASTIC_RUN_ID", "x")];
+        let v = parse(&with(&no_agent, &[])).expect("valid");
+        assert_eq!(v.launcher, Launcher::Torchrun { agent_store: false });
+        assert!(v.agent_store.is_none());
+        let err = parse(&with(&no_agent, &["FERROCOMM_TOKEN"])).expect_err("token required");
+        assert!(err.to_string().contains("FERROCOMM_TOKEN"), "{err}");
+    }
+
+    #[test]
+    fn bad_torchrun_values_name_the_variable() {
+        for (name, bad) in [
+            ("TORCHELASTIC_USE_AGENT_STORE", "maybe"),
+            ("TORCHELASTIC_RESTART_COUNT", "-1"),
+            ("LOCAL_WORLD_SIZE", "four"),
+            ("TORCHELASTIC_RUN_ID", "two\nlines"),
+            ("FERROCOMM_STORE_TIMEOUT_S", "0"),
+        ] {
+            let mut vars = with(&[("TORCHELASTIC_RUN_ID", "x")], &[]);
+            vars.retain(|(k, _)| *k != name);
+            vars.push((name, bad));
+            let err = parse(&vars).expect_err("must fail").to_string();
+            assert!(err.contains(name), "{name}: {err}");
+        }
+    }
+
+    #[test]
+    fn master_port_in_use_says_what_to_do() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = taken.local_addr().expect("addr").port();
+        let err = rendezvous("127.0.0.1", port, 0, 1, 0, b"t").expect_err("port in use");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("MASTER_PORT") && msg.contains("in use") && msg.contains("torchrun"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -1,15 +1,24 @@
 //! Bootstrap: how ranks find each other and swap small blobs (handles, ids)
 //! before any device memory is shared.
 
+mod admission;
 mod collect;
 mod env;
 mod inproc;
+mod private_file;
 mod tcp;
+mod torch_store;
+mod torchrun;
+mod wire;
 
 pub use collect::{store_all_gather, store_barrier};
-pub use env::{read_token_file, rendezvous, rendezvous_from_env, EnvRendezvous, DEFAULT_RENDEZVOUS_TIMEOUT};
+pub use env::{
+    read_token_file, rendezvous, rendezvous_from_env, rendezvous_from_vars, EnvRendezvous, Launcher,
+    DEFAULT_RENDEZVOUS_TIMEOUT,
+};
 pub use inproc::InProcStore;
 pub use tcp::{TcpStore, TcpStoreConfig, TcpStoreServer};
+pub use torch_store::TorchStoreClient;
 
 use std::time::Duration;
 

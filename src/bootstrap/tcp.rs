@@ -1,15 +1,24 @@
 //! TCP store: a small authenticated key-value server run by rank 0, and the
 //! client every rank uses.
 //!
-//! Wire protocol (all integers little-endian, no self-describing encoding):
+//! Wire protocol, version 2 (all integers little-endian, no self-describing
+//! encoding):
 //!
 //! * handshake, client → server: `b"FCST"`, version `u8`, token length `u16`,
-//!   token. The server compares the token in constant time and, on a mismatch,
-//!   closes the connection without a word. On success it answers `OK`,
-//!   `max_key_bytes u32`, `max_value_bytes u32`, `idle_timeout_ms u64`, so the
-//!   client can refuse oversize requests itself instead of having its
-//!   connection closed, and can retire pooled connections before the server
-//!   idles them out.
+//!   token. The server compares the token in constant time and answers one
+//!   status byte:
+//!   - `OK`, then `max_key_bytes u32`, `max_value_bytes u32`,
+//!     `idle_timeout_ms u64`, so the client can refuse oversize requests itself
+//!     and retire pooled connections before the server idles them out;
+//!   - `DENIED`: wrong token (saying so reveals nothing secret);
+//!   - `BUSY`: the server holds `max_connections` authenticated connections, or
+//!     dropped this handshake to make room for a newer one; retry later;
+//!   - `TIMEOUT`: the hello did not arrive within `handshake_timeout`;
+//!   - `ERROR` + length `u32` + UTF-8 message: e.g. a protocol version the
+//!     server does not speak.
+//!
+//!   then closes the connection unless the status was `OK`. A hello with the
+//!   wrong magic is closed without a word (it is not a ferrocomm client).
 //! * request: op `u8`, key length `u32`, key (UTF-8), value length `u32`,
 //!   value (empty except for SET), then for GET the wait in ms `u64`, for ADD
 //!   the delta `i64`.
@@ -19,21 +28,29 @@
 //!
 //! A malformed frame (unknown op, a length over the caps, a non-UTF-8 key, a
 //! frame not completed within `io_timeout`) closes that connection only.
+//!
+//! Connections still in the handshake live in a small pool of their own
+//! (`max_pending_handshakes`, see [`super::admission`]) and cost no thread, so
+//! a flood of connections that never authenticate cannot take the slots that
+//! ranks need.
 
 use std::collections::HashMap;
-use std::io::{self, ErrorKind, Read, Write};
+use std::io::{self, ErrorKind, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use super::admission;
 use super::inproc::{get_timeout, Limits, Lookup, Table};
+use super::wire::{invalid_data, Deadlined};
 use super::Store;
 use crate::error::{Error, Result};
 
-const MAGIC: &[u8; 4] = b"FCST";
-const VERSION: u8 = 1;
+pub(super) const MAGIC: &[u8; 4] = b"FCST";
+/// Version 2 added the BUSY and DENIED handshake answers.
+pub(super) const VERSION: u8 = 2;
 
 const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
@@ -41,17 +58,28 @@ const OP_ADD: u8 = 3;
 const OP_CHECK: u8 = 4;
 const OP_DELETE: u8 = 5;
 
-const ST_OK: u8 = 0;
-const ST_TIMEOUT: u8 = 1;
-const ST_ERROR: u8 = 2;
+pub(super) const ST_OK: u8 = 0;
+/// A GET's wait ran out; in the handshake, the hello came too late.
+pub(super) const ST_TIMEOUT: u8 = 1;
+pub(super) const ST_ERROR: u8 = 2;
+/// Handshake only: no room now, retry later.
+pub(super) const ST_BUSY: u8 = 3;
+/// Handshake only: the token does not match.
+pub(super) const ST_DENIED: u8 = 4;
 
-/// How often the accept loop looks at the stop flag.
-const ACCEPT_POLL: Duration = Duration::from_millis(5);
 /// Client-side slack on top of a request's own wait, so a dead server gives an
 /// error instead of a hang while a slow but live one still answers.
 const CLIENT_IO_MARGIN: Duration = Duration::from_secs(10);
 /// Idle client connections kept for reuse; more are closed after use.
 const CLIENT_POOL_MAX: usize = 4;
+/// First pause between connection attempts, and the largest while nothing
+/// listens yet (the server may take a while to come up).
+const RETRY_FIRST: Duration = Duration::from_millis(10);
+const RETRY_MAX: Duration = Duration::from_millis(500);
+/// Largest pause after the server turned us away mid-handshake (BUSY, reset):
+/// a live server admits a prompt client on one of the next tries, so waiting
+/// long only adds latency.
+const RETRY_MAX_LIVE: Duration = Duration::from_millis(50);
 
 /// Settings for [`TcpStoreServer::start`].
 #[derive(Clone)]
@@ -68,14 +96,22 @@ pub struct TcpStoreConfig {
     pub max_value_bytes: usize,
     /// Most keys held at once; a SET/ADD creating one more gets an error.
     pub max_keys: usize,
-    /// Most connections served at once; more are closed on accept.
+    /// Most authenticated connections served at once (default 1024); a client
+    /// past it is answered BUSY. Handshakes in progress do not count.
     pub max_connections: usize,
+    /// Most connections still in the handshake (default 64). When full, the
+    /// oldest is dropped (answered BUSY) to admit the newcomer, so a flood of
+    /// connections that never say hello cannot keep a prompt client out.
+    pub max_pending_handshakes: usize,
+    /// Time from accept to a complete hello (default 2 s). Clients send it at
+    /// once, so only stalled or hostile peers hit this.
+    pub handshake_timeout: Duration,
     /// Default for clients connecting to this server (used by rendezvous).
     pub connect_timeout: Duration,
     /// A connection with no request for this long is closed.
     pub idle_timeout: Duration,
-    /// Time allowed for the handshake, and for the rest of a frame once its
-    /// first byte arrived; defeats half-open and slow-drip connections.
+    /// Time allowed for the rest of a frame once its first byte arrived;
+    /// defeats half-open and slow-drip connections.
     pub io_timeout: Duration,
 }
 
@@ -90,6 +126,8 @@ impl Default for TcpStoreConfig {
             max_value_bytes: limits.max_value_bytes,
             max_keys: limits.max_keys,
             max_connections: 1024,
+            max_pending_handshakes: 64,
+            handshake_timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(600),
             io_timeout: Duration::from_secs(10),
@@ -115,9 +153,14 @@ impl TcpStoreConfig {
         if self.token.len() > usize::from(u16::MAX) {
             return Err(Error::invalid("TcpStoreConfig.token is longer than 65535 bytes"));
         }
-        if self.io_timeout.is_zero() || self.idle_timeout.is_zero() {
+        if self.io_timeout.is_zero() || self.idle_timeout.is_zero() || self.handshake_timeout.is_zero() {
             return Err(Error::invalid(
-                "TcpStoreConfig io_timeout and idle_timeout must be non-zero",
+                "TcpStoreConfig io_timeout, idle_timeout and handshake_timeout must be non-zero",
+            ));
+        }
+        if self.max_connections == 0 || self.max_pending_handshakes == 0 {
+            return Err(Error::invalid(
+                "TcpStoreConfig max_connections and max_pending_handshakes must be at least 1",
             ));
         }
         Ok(())
@@ -135,6 +178,8 @@ impl std::fmt::Debug for TcpStoreConfig {
             .field("max_value_bytes", &self.max_value_bytes)
             .field("max_keys", &self.max_keys)
             .field("max_connections", &self.max_connections)
+            .field("max_pending_handshakes", &self.max_pending_handshakes)
+            .field("handshake_timeout", &self.handshake_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("idle_timeout", &self.idle_timeout)
             .field("io_timeout", &self.io_timeout)
@@ -145,91 +190,6 @@ impl std::fmt::Debug for TcpStoreConfig {
 // ---------------------------------------------------------------------------
 // Framing helpers shared by server and client.
 
-/// Reads against one deadline for a whole frame, so a peer that drips a
-/// byte at a time cannot stretch a per-read timeout forever.
-struct Deadlined<'a> {
-    stream: &'a mut TcpStream,
-    deadline: Option<Instant>,
-}
-
-impl Deadlined<'_> {
-    fn new(stream: &mut TcpStream, within: Duration) -> Deadlined<'_> {
-        Deadlined {
-            stream,
-            deadline: Instant::now().checked_add(within),
-        }
-    }
-
-    fn read_exact(&mut self, mut buf: &mut [u8]) -> io::Result<()> {
-        while !buf.is_empty() {
-            let left = match self.deadline {
-                None => None,
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(ErrorKind::TimedOut.into());
-                    }
-                    Some(left)
-                }
-            };
-            self.stream.set_read_timeout(left)?;
-            match self.stream.read(buf) {
-                Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
-                Ok(n) => buf = &mut buf[n..],
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
-    fn u8(&mut self) -> io::Result<u8> {
-        let mut b = [0u8; 1];
-        self.read_exact(&mut b)?;
-        Ok(b[0])
-    }
-
-    fn u16(&mut self) -> io::Result<u16> {
-        let mut b = [0u8; 2];
-        self.read_exact(&mut b)?;
-        Ok(u16::from_le_bytes(b))
-    }
-
-    fn u32(&mut self) -> io::Result<u32> {
-        let mut b = [0u8; 4];
-        self.read_exact(&mut b)?;
-        Ok(u32::from_le_bytes(b))
-    }
-
-    fn u64(&mut self) -> io::Result<u64> {
-        let mut b = [0u8; 8];
-        self.read_exact(&mut b)?;
-        Ok(u64::from_le_bytes(b))
-    }
-
-    fn i64(&mut self) -> io::Result<i64> {
-        let mut b = [0u8; 8];
-        self.read_exact(&mut b)?;
-        Ok(i64::from_le_bytes(b))
-    }
-
-    /// A `u32` length then that many bytes; the length is checked against
-    /// `max` before allocating, so a forged length cannot exhaust memory.
-    fn bytes(&mut self, max: usize) -> io::Result<Vec<u8>> {
-        let len = self.u32()? as usize;
-        if len > max {
-            return Err(invalid_data("length over the limit"));
-        }
-        let mut buf = vec![0u8; len];
-        self.read_exact(&mut buf)?;
-        Ok(buf)
-    }
-}
-
-fn invalid_data(msg: &str) -> io::Error {
-    io::Error::new(ErrorKind::InvalidData, msg)
-}
-
 fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
     // Callers check lengths against the caps (all far below u32::MAX) first.
     out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
@@ -237,7 +197,7 @@ fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
 }
 
 /// Equality whose running time does not depend on where the inputs differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(super) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     let mut diff = a.len() ^ b.len();
     for (i, x) in a.iter().enumerate() {
         diff |= usize::from(x ^ b.get(i).copied().unwrap_or(0));
@@ -245,28 +205,44 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section here is a plain insert/remove/push; a panic in
     // one cannot leave the data inconsistent, so poisoning is ignored.
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The handshake's `ERROR` answer to a client speaking another version.
+pub(super) fn version_mismatch_reply(version: u8) -> Vec<u8> {
+    let mut reply = vec![ST_ERROR];
+    let msg = format!("protocol version {version} not supported; server speaks {VERSION}");
+    put_bytes(&mut reply, msg.as_bytes());
+    reply
+}
+
 // ---------------------------------------------------------------------------
 // Server.
 
-/// State shared by the accept thread, the connection threads and `Drop`.
-struct Shared {
-    cfg: TcpStoreConfig,
+/// State shared by the admission thread, the connection threads and `Drop`.
+pub(super) struct Shared {
+    pub(super) cfg: TcpStoreConfig,
     table: Table,
-    stop: AtomicBool,
+    pub(super) stop: AtomicBool,
     conns: Mutex<Registry>,
 }
 
-/// Live connections, so shutdown can unblock their reads.
+/// Live authenticated connections, so shutdown can unblock their reads.
 struct Registry {
     stopping: bool,
     next_id: u64,
     streams: HashMap<u64, TcpStream>,
+}
+
+/// Why an authenticated connection was not given a thread.
+pub(super) enum Refusal {
+    /// `max_connections` reached: tell the client to retry.
+    Full,
+    /// Shutting down, or the OS would not give us a thread or a handle.
+    Gone,
 }
 
 /// The store server. Runs on background threads until dropped; dropping it
@@ -286,7 +262,9 @@ impl TcpStoreServer {
         let local_addr = listener
             .local_addr()
             .map_err(|e| Error::io("reading the store's bound address", e))?;
-        // Non-blocking accept lets the loop notice the stop flag promptly.
+        admission::widen_backlog(&listener);
+        // Non-blocking accept: the admission loop polls the listener together
+        // with the pending handshakes.
         listener
             .set_nonblocking(true)
             .map_err(|e| Error::io("making the store listener non-blocking", e))?;
@@ -308,7 +286,7 @@ impl TcpStoreServer {
         let for_thread = Arc::clone(&shared);
         let accept_thread = thread::Builder::new()
             .name("ferrocomm-store-accept".into())
-            .spawn(move || accept_loop(&for_thread, &listener))
+            .spawn(move || admission::run(&for_thread, &listener))
             .map_err(|e| Error::io("spawning the store accept thread", e))?;
         Ok(TcpStoreServer {
             shared,
@@ -338,7 +316,7 @@ impl Drop for TcpStoreServer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         {
-            // Under the registry lock, so the accept thread cannot admit a
+            // Under the registry lock, so the admission thread cannot admit a
             // connection after this sweep.
             let mut reg = lock(&self.shared.conns);
             reg.stopping = true;
@@ -348,45 +326,29 @@ impl Drop for TcpStoreServer {
         }
         self.shared.table.close();
         if let Some(handle) = self.accept_thread.take() {
-            // The accept thread joins the connection threads before it exits.
+            // The admission thread joins the connection threads before it exits.
             let _ = handle.join();
         }
     }
 }
 
-fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
-    let mut workers: Vec<JoinHandle<()>> = Vec::new();
-    while !shared.stop.load(Ordering::SeqCst) {
-        match listener.accept() {
-            Ok((stream, _)) => {
-                if let Some(worker) = admit(shared, stream) {
-                    workers.push(worker);
-                }
-            }
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            // WouldBlock: nothing pending. Anything else (e.g. out of fds):
-            // back off instead of spinning; the peer will retry.
-            Err(_) => thread::sleep(ACCEPT_POLL),
-        }
-        workers.retain(|w| !w.is_finished());
-    }
-    for worker in workers {
-        let _ = worker.join();
-    }
-}
-
-/// Register a new connection and start its thread, or close it when the
-/// server is stopping or full.
-fn admit(shared: &Arc<Shared>, stream: TcpStream) -> Option<JoinHandle<()>> {
-    // Accepted sockets may inherit non-blocking mode on some platforms.
-    stream.set_nonblocking(false).ok()?;
-    stream.set_write_timeout(Some(shared.cfg.io_timeout)).ok()?;
-    let _ = stream.set_nodelay(true);
-    let watch = stream.try_clone().ok()?;
+/// Give an authenticated connection its own thread, which first sends the
+/// handshake's `OK` answer. On refusal the stream is handed back so the
+/// caller can answer BUSY.
+pub(super) fn serve_authenticated(
+    shared: &Arc<Shared>,
+    stream: TcpStream,
+) -> std::result::Result<JoinHandle<()>, (Refusal, Option<TcpStream>)> {
+    let Ok(watch) = stream.try_clone() else {
+        return Err((Refusal::Gone, None));
+    };
     let id = {
         let mut reg = lock(&shared.conns);
-        if reg.stopping || reg.streams.len() >= shared.cfg.max_connections {
-            return None;
+        if reg.stopping {
+            return Err((Refusal::Gone, None));
+        }
+        if reg.streams.len() >= shared.cfg.max_connections {
+            return Err((Refusal::Full, Some(stream)));
         }
         let id = reg.next_id;
         reg.next_id += 1;
@@ -400,19 +362,21 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream) -> Option<JoinHandle<()>> {
             serve_connection(&for_thread, stream);
             lock(&for_thread.conns).streams.remove(&id);
         });
-    match spawned {
-        Ok(handle) => Some(handle),
-        Err(_) => {
-            lock(&shared.conns).streams.remove(&id);
-            None
-        }
-    }
+    spawned.map_err(|_| {
+        lock(&shared.conns).streams.remove(&id);
+        (Refusal::Gone, None)
+    })
 }
 
-/// Serve one client until it leaves, misbehaves, idles out or the server stops.
-/// Every exit path simply drops (closes) the stream.
+/// Serve one authenticated client until it leaves, misbehaves, idles out or
+/// the server stops. Every exit path simply drops (closes) the stream.
 fn serve_connection(shared: &Shared, mut stream: TcpStream) {
-    if !handshake(shared, &mut stream).unwrap_or(false) {
+    // The admission loop left the socket non-blocking; from here on each
+    // read and write is bounded by its own timeout instead.
+    if stream.set_nonblocking(false).is_err()
+        || stream.set_write_timeout(Some(shared.cfg.io_timeout)).is_err()
+        || stream.write_all(&ok_reply(&shared.cfg)).is_err()
+    {
         return;
     }
     while !shared.stop.load(Ordering::SeqCst) {
@@ -431,37 +395,14 @@ fn serve_connection(shared: &Shared, mut stream: TcpStream) {
     }
 }
 
-/// Check magic, version and token; answer with the limits. `Ok(false)` means
-/// the client is turned away.
-fn handshake(shared: &Shared, stream: &mut TcpStream) -> io::Result<bool> {
-    let mut rd = Deadlined::new(stream, shared.cfg.io_timeout);
-    let mut magic = [0u8; 4];
-    rd.read_exact(&mut magic)?;
-    if &magic != MAGIC {
-        return Ok(false);
-    }
-    let version = rd.u8()?;
-    let token_len = usize::from(rd.u16()?);
-    let mut token = vec![0u8; token_len];
-    rd.read_exact(&mut token)?;
-    if version != VERSION {
-        // Not secret, and it saves a confusing "wrong token" at upgrade time.
-        let mut reply = vec![ST_ERROR];
-        let msg = format!("protocol version {version} not supported; server speaks {VERSION}");
-        put_bytes(&mut reply, msg.as_bytes());
-        stream.write_all(&reply)?;
-        return Ok(false);
-    }
-    if !constant_time_eq(&token, &shared.cfg.token) {
-        return Ok(false);
-    }
+/// The handshake's `OK` answer: the limits the client must respect.
+fn ok_reply(cfg: &TcpStoreConfig) -> Vec<u8> {
     let mut reply = vec![ST_OK];
     let cap = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
-    reply.extend_from_slice(&cap(shared.cfg.max_key_bytes).to_le_bytes());
-    reply.extend_from_slice(&cap(shared.cfg.max_value_bytes).to_le_bytes());
-    reply.extend_from_slice(&millis(shared.cfg.idle_timeout).to_le_bytes());
-    stream.write_all(&reply)?;
-    Ok(true)
+    reply.extend_from_slice(&cap(cfg.max_key_bytes).to_le_bytes());
+    reply.extend_from_slice(&cap(cfg.max_value_bytes).to_le_bytes());
+    reply.extend_from_slice(&millis(cfg.idle_timeout).to_le_bytes());
+    reply
 }
 
 enum Request {
@@ -678,35 +619,134 @@ fn exchange<T>(
 }
 
 /// Open and authenticate one connection; returns it with the server's limits.
+///
+/// Refused connections, BUSY answers and handshakes cut short are retried
+/// with backoff until `timeout` passes, since the server may not be up yet or
+/// may be shedding a flood; the final error says which of these kept
+/// happening. A wrong token or a protocol mismatch fails at once.
 fn open(addr: SocketAddr, token: &[u8], timeout: Duration) -> Result<(TcpStream, ServerInfo)> {
-    let mut stream = connect_with_retry(addr, timeout)?;
+    let start = Instant::now();
+    let mut backoff = RETRY_FIRST;
+    loop {
+        let left = timeout.saturating_sub(start.elapsed());
+        let retry = match handshake_once(addr, token, left) {
+            Ok(opened) => return Ok(opened),
+            Err(Attempt::Fatal(e)) => return Err(e),
+            Err(Attempt::Retry(why)) => why,
+        };
+        if start.elapsed() >= timeout {
+            return Err(retry.into_error(addr, timeout));
+        }
+        let cap = if matches!(retry, Transient::Connect(_)) {
+            RETRY_MAX
+        } else {
+            RETRY_MAX_LIVE
+        };
+        backoff = backoff.min(cap);
+        thread::sleep(backoff.min(timeout.saturating_sub(start.elapsed())));
+        backoff = (backoff * 2).min(cap);
+    }
+}
+
+/// How one connection attempt failed.
+enum Attempt {
+    /// Retrying cannot help (wrong token, protocol mismatch, garbage reply).
+    Fatal(Error),
+    Retry(Transient),
+}
+
+/// A failure that may clear up if the client tries again.
+enum Transient {
+    /// Nothing accepted the TCP connection (not up yet, or unreachable).
+    Connect(io::Error),
+    /// The server answered BUSY.
+    Busy,
+    /// The server said our hello came too late.
+    HandshakeTimedOut,
+    /// Closed or reset before any answer; the error says how.
+    Closed(io::Error),
+    /// No answer within our own deadline.
+    NoAnswer(io::Error),
+}
+
+impl Transient {
+    fn into_error(self, addr: SocketAddr, timeout: Duration) -> Error {
+        match self {
+            Transient::Connect(e) => Error::io(
+                format!("connecting to the store at {addr} (gave up after {timeout:?})"),
+                e,
+            ),
+            Transient::Busy => Error::Store(format!(
+                "store at {addr} is full: it answered BUSY until the connect timeout ({timeout:?}) \
+                 ran out (too many connections, or a flood of unauthenticated ones)"
+            )),
+            Transient::HandshakeTimedOut => Error::Store(format!(
+                "store at {addr} timed out our handshake until the connect timeout ({timeout:?}) ran out"
+            )),
+            Transient::Closed(e) => Error::Store(format!(
+                "store at {addr} closed the connection during the handshake without an answer \
+                 ({e}; gave up after {timeout:?}): is it a ferrocomm store?"
+            )),
+            Transient::NoAnswer(e) => Error::io(
+                format!("waiting for the store at {addr} to answer the handshake (gave up after {timeout:?})"),
+                e,
+            ),
+        }
+    }
+}
+
+fn handshake_once(
+    addr: SocketAddr,
+    token: &[u8],
+    left: Duration,
+) -> std::result::Result<(TcpStream, ServerInfo), Attempt> {
+    // connect_timeout rejects a zero duration; always make one real attempt.
+    let attempt = left.clamp(Duration::from_millis(100), Duration::from_secs(5));
+    let mut stream = TcpStream::connect_timeout(&addr, attempt).map_err(|e| Attempt::Retry(Transient::Connect(e)))?;
     let ctx = || format!("store handshake with {addr}");
-    stream
-        .set_write_timeout(Some(CLIENT_IO_MARGIN))
-        .map_err(|e| Error::io(ctx(), e))?;
+    let fatal = |e: io::Error| Attempt::Fatal(Error::io(ctx(), e));
+    stream.set_write_timeout(Some(CLIENT_IO_MARGIN)).map_err(fatal)?;
     let _ = stream.set_nodelay(true);
     let mut hello = Vec::with_capacity(7 + token.len());
     hello.extend_from_slice(MAGIC);
     hello.push(VERSION);
     hello.extend_from_slice(&(token.len() as u16).to_le_bytes());
     hello.extend_from_slice(token);
-    stream.write_all(&hello).map_err(|e| Error::io(ctx(), e))?;
+    stream
+        .write_all(&hello)
+        .map_err(|e| Attempt::Retry(Transient::Closed(e)))?;
 
-    let mut rd = Deadlined::new(&mut stream, CLIENT_IO_MARGIN);
+    let mut rd = Deadlined::new(&mut stream, attempt.min(CLIENT_IO_MARGIN));
     let status = rd.u8().map_err(|e| match e.kind() {
-        // The server turns a wrong token away by closing without a word.
-        ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset => Error::Store(format!(
-            "store at {addr} closed the connection during the handshake: wrong token?"
-        )),
-        _ => Error::io(ctx(), e),
+        ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted => {
+            Attempt::Retry(Transient::Closed(e))
+        }
+        ErrorKind::TimedOut => Attempt::Retry(Transient::NoAnswer(e)),
+        _ => fatal(e),
     })?;
     match status {
         ST_OK => {}
-        ST_ERROR => {
-            let msg = rd.bytes(u16::MAX.into()).map_err(|e| Error::io(ctx(), e))?;
-            return Err(Error::Store(String::from_utf8_lossy(&msg).into_owned()));
+        ST_BUSY => return Err(Attempt::Retry(Transient::Busy)),
+        ST_TIMEOUT => return Err(Attempt::Retry(Transient::HandshakeTimedOut)),
+        ST_DENIED => {
+            return Err(Attempt::Fatal(Error::Store(format!(
+                "store at {addr} rejected our token: this rank's FERROCOMM_TOKEN (or FERROCOMM_TOKEN_FILE) \
+                 differs from the one the store was started with"
+            ))))
         }
-        _ => return Err(Error::Store(format!("{}: unexpected reply {status}", ctx()))),
+        ST_ERROR => {
+            let msg = rd.bytes(u16::MAX.into()).map_err(fatal)?;
+            return Err(Attempt::Fatal(Error::Store(format!(
+                "store at {addr} refused the handshake: {}",
+                String::from_utf8_lossy(&msg)
+            ))));
+        }
+        _ => {
+            return Err(Attempt::Fatal(Error::Store(format!(
+                "{}: unexpected reply {status}",
+                ctx()
+            ))))
+        }
     }
     let mut info = || -> io::Result<ServerInfo> {
         Ok(ServerInfo {
@@ -715,32 +755,8 @@ fn open(addr: SocketAddr, token: &[u8], timeout: Duration) -> Result<(TcpStream,
             idle_timeout: Duration::from_millis(rd.u64()?),
         })
     };
-    let info = info().map_err(|e| Error::io(ctx(), e))?;
+    let info = info().map_err(fatal)?;
     Ok((stream, info))
-}
-
-/// Connect, retrying refused/unreachable attempts until `timeout` passes.
-fn connect_with_retry(addr: SocketAddr, timeout: Duration) -> Result<TcpStream> {
-    let start = Instant::now();
-    let mut backoff = Duration::from_millis(10);
-    loop {
-        let left = timeout.saturating_sub(start.elapsed());
-        // connect_timeout rejects a zero duration; always make one attempt.
-        let attempt = left.clamp(Duration::from_millis(100), Duration::from_secs(5));
-        match TcpStream::connect_timeout(&addr, attempt) {
-            Ok(stream) => return Ok(stream),
-            Err(e) if start.elapsed() >= timeout => {
-                return Err(Error::io(
-                    format!("connecting to the store at {addr} (gave up after {timeout:?})"),
-                    e,
-                ))
-            }
-            Err(_) => {
-                thread::sleep(backoff.min(timeout.saturating_sub(start.elapsed())));
-                backoff = (backoff * 2).min(Duration::from_millis(500));
-            }
-        }
-    }
 }
 
 fn frame(op: u8, key: &str, value: &[u8]) -> Vec<u8> {

@@ -1,19 +1,37 @@
 //! The communicator: one per group of ranks, generic over the device backend.
+//! This file holds its life cycle (create, split, finalize, abort), its
+//! resources and the submission path every collective goes through; the
+//! collectives themselves are in `collectives.rs`, registration in
+//! `registry.rs`.
+//!
+//! # Ordering
+//! Every rank must issue the same collectives in the same order. Calls from
+//! several threads are serialised by one lock in the order they take it, so
+//! threads of one rank that race make that rank's order, and a group whose
+//! ranks disagree gets [`Error::Mismatch`] or a timeout naming the ranks,
+//! never a deadlock or wrong data. Calls on different streams are ordered
+//! too: when a call's stream differs from the previous call's, the new
+//! stream first waits for the previous one (an event), because the kernels
+//! of one communicator share its workspace and must run one after another.
+//! Inside a graph capture that wait cannot be recorded, so a graph must
+//! capture all of a communicator's calls on one stream.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
+use super::call::Call;
 use super::options::CommOptions;
+use super::registry::Registry;
 use super::vendor::Vendor;
 use super::work::Work;
-use crate::algo::kernels::{KernelKind, COLLECTIVES, QR_DTYPES, QUICK_REDUCE};
-use crate::algo::{AlgoChoice, Algorithm, CollectiveCall, DispatchTable, GridTable, KernelNames, Workspace};
-use crate::bootstrap::{store_barrier, Store};
-use crate::codec::Codec;
+use crate::algo::kernels::{COLLECTIVES, QUICK_REDUCE};
+use crate::algo::{DispatchTable, GridTable, KernelNames, Workspace};
+use crate::bootstrap::{store_all_gather, store_barrier, Store};
 use crate::device::{
     Device, DeviceBuffer, HostFlags, MemKind, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE, ERR_CODE_TIMEOUT,
     ERR_WORDS, MAX_RANKS,
 };
-use crate::dtype::{check_supported, DType, ReduceOp};
 use crate::error::{Error, Result};
 
 enum Phase {
@@ -23,19 +41,30 @@ enum Phase {
 }
 
 /// What finalize releases.
-struct Resources<D: Device> {
-    ws: Workspace<D>,
-    module: D::Module,
+pub(crate) struct Resources<D: Device> {
+    pub(crate) ws: Workspace<D>,
+    pub(crate) module: D::Module,
     /// Loaded at creation when the caller opted in to quick-reduce, else on
     /// the first quick-reduce call.
-    qr_module: Option<D::Module>,
-    scratch: D::Buffer,
-    vendor: Vendor,
+    pub(crate) qr_module: Option<D::Module>,
+    pub(crate) scratch: D::Buffer,
+    pub(crate) vendor: Vendor,
+    pub(crate) registry: Registry<D>,
+    /// Contiguous staging for a list reduce-scatter handed to NCCL (grown on demand).
+    pub(crate) staging: Option<D::Buffer>,
+}
+
+/// The last stream a collective was queued on (its vendor handle, or the
+/// wrapper's address for backends without one).
+struct LastStream<D: Device> {
+    id: u64,
+    event: Arc<D::Event>,
 }
 
 struct State<D: Device> {
     phase: Phase,
     res: Option<Resources<D>>,
+    last: Option<LastStream<D>>,
 }
 
 pub(crate) struct Inner<D: Device> {
@@ -44,14 +73,20 @@ pub(crate) struct Inner<D: Device> {
     pub(crate) device: D,
     pub(crate) stream: D::Stream,
     pub(crate) flags: D::Flags,
-    rank: usize,
-    world: usize,
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
     pub(crate) opts: CommOptions,
-    table: DispatchTable,
-    grids: GridTable,
-    names: KernelNames,
+    pub(crate) table: DispatchTable,
+    pub(crate) grids: GridTable,
+    pub(crate) names: KernelNames,
     /// Whether the vendor library is loaded (fixed at creation).
-    has_vendor: bool,
+    pub(crate) has_vendor: bool,
+    pub(crate) name: String,
+    prefix: String,
+    pub(crate) store: Arc<dyn Store>,
+    /// Splits, registrations and other collective setup steps of this
+    /// communicator (every rank counts them alike): their store keys.
+    serial: AtomicU64,
 }
 
 impl<D: Device> Drop for Inner<D> {
@@ -62,7 +97,7 @@ impl<D: Device> Drop for Inner<D> {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -84,14 +119,18 @@ impl<D: Device> Inner<D> {
             ERR_CODE_MISMATCH => Some(Error::Mismatch {
                 rank: self.rank,
                 peer: self.flags.load(2).saturating_sub(1) as usize,
-                detail: format!("count, dtype, op, root or algorithm differ at launch #{epoch}"),
+                detail: format!(
+                    "count, dtype, op, root, splits or algorithm differ at launch #{epoch} of communicator {}",
+                    self.name
+                ),
             }),
             ERR_CODE_ABORTED => Some(Error::Aborted("the communicator was aborted".into())),
             other => Some(Error::Aborted(format!("kernel reported unknown error code {other}"))),
         }
     }
 
-    /// Mark the communicator unusable and make queued kernels exit at once.
+    /// Mark the communicator unusable, make queued kernels exit at once, and
+    /// abort the vendor communicator (its kernels may be waiting on a peer).
     pub(crate) fn abort(&self, reason: &str) {
         if self.flags.load(0) == ERR_CODE_NONE {
             self.flags.store(0, ERR_CODE_ABORTED);
@@ -99,16 +138,41 @@ impl<D: Device> Inner<D> {
         let mut st = lock(&self.state);
         if matches!(st.phase, Phase::Active) {
             st.phase = Phase::Aborted(reason.to_string());
+            crate::fc_log!(tracing::Level::WARN, "communicator {} aborted: {reason}", self.name);
+        }
+        if let Some(res) = st.res.as_ref() {
+            res.vendor.abort();
         }
     }
+
+    /// A fresh store key prefix for a collective setup step (split,
+    /// registration): the same on every rank that takes the steps in order.
+    pub(crate) fn next_key(&self, what: &str) -> String {
+        let n = self.serial.fetch_add(1, Ordering::Relaxed);
+        format!("{}/{what}{n}", self.prefix)
+    }
+
+    /// The timeout of a call.
+    pub(crate) fn timeout_of(&self, call: &Call<'_, D>) -> Duration {
+        call.timeout.unwrap_or(self.opts.timeout)
+    }
+}
+
+/// What the submission path hands a collective's enqueue step.
+pub(crate) struct Submit<'a, D: Device> {
+    pub(crate) inner: &'a Inner<D>,
+    pub(crate) res: &'a mut Resources<D>,
+    pub(crate) stream: &'a D::Stream,
+    pub(crate) timeout: Duration,
+    pub(crate) capturing: bool,
 }
 
 /// A group of ranks that run collectives together.
 ///
-/// Every rank must issue the same collectives in the same order. All methods
-/// take `&self`; calls from several threads are serialised in call order.
+/// Every rank must issue the same collectives in the same order (see the
+/// module docs for threads and streams). All methods take `&self`.
 pub struct Communicator<D: Device> {
-    inner: Arc<Inner<D>>,
+    pub(crate) inner: Arc<Inner<D>>,
 }
 
 impl<D: Device> Communicator<D> {
@@ -118,20 +182,36 @@ impl<D: Device> Communicator<D> {
         if world == 0 || rank >= world {
             return Err(Error::invalid(format!("rank {rank} is not in a world of {world}")));
         }
+        // Each rank numbers its communicators; creating them in the same order
+        // on every rank gives the group a shared key prefix.
+        let serial = store.add(&format!("fc/ncomm/{rank}"), 1)?;
+        Self::create(device, store, format!("fc/comm{serial}"), rank, world, opts)
+    }
+
+    /// Create a communicator whose store keys live under `prefix` (unique to
+    /// the group, the same on every member).
+    fn create(
+        device: D,
+        store: Arc<dyn Store>,
+        prefix: String,
+        rank: usize,
+        world: usize,
+        opts: CommOptions,
+    ) -> Result<Self> {
+        if world == 0 || rank >= world {
+            return Err(Error::invalid(format!("rank {rank} is not in a world of {world}")));
+        }
         if world > MAX_RANKS {
             return Err(Error::Unsupported(format!(
                 "world {world}: ferrocomm's kernels serve up to {MAX_RANKS} ranks on one node"
             )));
         }
-        // Each rank numbers its communicators; creating them in the same order
-        // on every rank gives the group a shared key prefix.
-        let serial = store.add(&format!("fc/ncomm/{rank}"), 1)?;
-        let prefix = format!("fc/comm{serial}");
+        let started = std::time::Instant::now();
         let stream = device.create_stream()?;
         let flags = device.alloc_host_flags(ERR_WORDS)?;
         let module = device.load_module(&COLLECTIVES)?;
-        // Opted-in communicators compile quick-reduce now, not on the first
-        // large call (which may be inside a graph capture).
+        // Opted-in communicators start quick-reduce's compile now, not on
+        // the first large call.
         let qr_module = match opts.quantization.codec(device.facts().backend) {
             Some(_) => Some(device.load_module(&QUICK_REDUCE)?),
             None => None,
@@ -151,12 +231,14 @@ impl<D: Device> Communicator<D> {
         let table = DispatchTable::default_for(device.facts().backend);
         let grids = GridTable::new(device.facts())?;
         let has_vendor = vendor.available();
+        let name = opts.name.clone().unwrap_or_else(|| prefix.replace('/', "-"));
         if crate::log::enabled(tracing::Level::INFO) {
             let f = device.facts();
             crate::fc_log!(
                 tracing::Level::INFO,
-                "communicator {prefix} ready: rank {rank} of {world}, backend {} device {} ({}, {}, {} SMs/CUs), \
-                 workspace {} MiB ({} MiB slots), library underneath {}, runtime: {}",
+                "communicator {name} ready in {:.2} s: rank {rank} of {world}, backend {} device {} ({}, {}, \
+                 {} SMs/CUs), workspace {} MiB ({} MiB slots), library underneath {}, runtime: {}",
+                started.elapsed().as_secs_f64(),
                 f.backend.name(),
                 f.ordinal,
                 f.name,
@@ -178,7 +260,10 @@ impl<D: Device> Communicator<D> {
                         qr_module,
                         scratch,
                         vendor,
+                        registry: Registry::default(),
+                        staging: None,
                     }),
+                    last: None,
                 }),
                 device,
                 stream,
@@ -190,6 +275,10 @@ impl<D: Device> Communicator<D> {
                 grids,
                 names: KernelNames::new(),
                 has_vendor,
+                name,
+                prefix,
+                store,
+                serial: AtomicU64::new(0),
             }),
         })
     }
@@ -202,11 +291,17 @@ impl<D: Device> Communicator<D> {
         self.inner.world
     }
 
+    /// The communicator's name (`CommOptions::name`, or one derived from its
+    /// creation order).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
     pub fn device(&self) -> &D {
         &self.inner.device
     }
 
-    /// The communicator's own stream, where `all_reduce` and friends run.
+    /// The communicator's own stream, where calls without a stream run.
     pub fn stream(&self) -> &D::Stream {
         &self.inner.stream
     }
@@ -215,9 +310,23 @@ impl<D: Device> Communicator<D> {
         &self.inner.opts
     }
 
-    /// Allocate a device buffer for use with this communicator.
+    /// Whether NCCL/RCCL is loaded underneath this communicator.
+    pub fn has_vendor_library(&self) -> bool {
+        self.inner.has_vendor
+    }
+
+    /// Run `f` on the NCCL/RCCL communicator underneath, if there is one
+    /// (for side-by-side measurements of the library itself).
+    #[cfg(any(feature = "nccl", feature = "rccl"))]
+    #[doc(hidden)]
+    pub fn with_ccl<R>(&self, f: impl FnOnce(&crate::backends::ccl::CclComm) -> R) -> Result<Option<R>> {
+        self.with_resources(|res| res.vendor.ccl().map(f))
+    }
+
+    /// Allocate a (zeroed) device buffer that peers can map: zero-copy when
+    /// registered ([`Communicator::register`]).
     pub fn alloc(&self, bytes: usize) -> Result<D::Buffer> {
-        self.inner.device.alloc(bytes, MemKind::Plain)
+        self.inner.device.alloc(bytes, MemKind::Shareable)
     }
 
     /// Copy host bytes into `buf` at `offset`, ordered on the communicator's stream.
@@ -230,139 +339,78 @@ impl<D: Device> Communicator<D> {
         self.inner.device.copy_to_host(buf, offset, out, &self.inner.stream)
     }
 
-    /// The algorithm dispatch would pick for an all-reduce of `count` x `dtype`.
-    pub fn choose(&self, algo: AlgoChoice, count: usize, dtype: DType, op: ReduceOp) -> Algorithm {
-        let ccl_allowed = self.inner.has_vendor && !self.inner.opts.deterministic;
-        let quantize = self
-            .inner
-            .opts
-            .quantization
-            .codec(self.inner.device.facts().backend)
-            .filter(|_| quick_reduce_supports(dtype, op));
-        let bytes = count.saturating_mul(dtype.size());
-        let chosen = self
-            .inner
-            .table
-            .choose(algo, bytes, self.inner.world, ccl_allowed, quantize);
-        crate::fc_log!(
-            tracing::Level::DEBUG,
-            "dispatch: all_reduce {count} x {dtype} {op} ({bytes} bytes, world {}, asked {algo:?}) -> {chosen}",
-            self.inner.world
-        );
-        chosen
-    }
-
-    /// Whether NCCL/RCCL is loaded underneath this communicator.
-    pub fn has_vendor_library(&self) -> bool {
-        self.inner.has_vendor
-    }
-
-    /// Out-of-place all-reduce of `count` elements on the communicator's stream.
-    pub fn all_reduce(
-        &self,
-        input: &D::Buffer,
-        output: &D::Buffer,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<Work<D>> {
-        self.all_reduce_with(self.inner.opts.algo, input, output, count, dtype, op)
-    }
-
-    /// In-place all-reduce.
-    pub fn all_reduce_in_place(&self, buf: &D::Buffer, count: usize, dtype: DType, op: ReduceOp) -> Result<Work<D>> {
-        self.all_reduce(buf, buf, count, dtype, op)
-    }
-
-    /// All-reduce with an explicit algorithm choice.
-    pub fn all_reduce_with(
-        &self,
-        algo: AlgoChoice,
-        input: &D::Buffer,
-        output: &D::Buffer,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<Work<D>> {
-        self.all_reduce_on(&self.inner.stream, algo, input, output, count, dtype, op)?;
-        Work::record(self.inner.clone(), "all_reduce")
-    }
-
-    /// Stream-ordered all-reduce on a caller's stream; may be captured into a
-    /// graph. Completion is the caller's stream reaching this point.
-    #[allow(clippy::too_many_arguments)]
-    pub fn all_reduce_on(
-        &self,
-        stream: &D::Stream,
-        algo: AlgoChoice,
-        input: &D::Buffer,
-        output: &D::Buffer,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        check_supported(dtype, op)?;
-        // Saturating: an overflowing count is rejected by `submit`'s size check.
-        let algorithm = self.choose(algo, count, dtype, op);
-        let Some(kind) = algorithm.kernel_kind() else {
-            return self.submit_vendor(stream, input, output, count, dtype, op);
-        };
-        let codec = algorithm.codec();
-        if codec.is_some() && !quick_reduce_supports(dtype, op) {
-            return Err(Error::Unsupported(format!(
-                "{algorithm} reduces f16 or bf16 sums only, not {dtype} {op}"
-            )));
-        }
-        self.submit(stream, kind, codec, input, output, count, dtype, op, 0)
-    }
-
-    /// Copy `count` elements of `input` on `root` into `output` on every rank.
-    pub fn broadcast(
-        &self,
-        input: &D::Buffer,
-        output: &D::Buffer,
-        count: usize,
-        dtype: DType,
-        root: usize,
-    ) -> Result<Work<D>> {
-        if root >= self.inner.world {
-            return Err(Error::invalid(format!(
-                "broadcast root {root} is not in a world of {}",
-                self.inner.world
-            )));
-        }
-        self.submit(
-            &self.inner.stream,
-            KernelKind::Broadcast,
-            None,
-            input,
-            output,
-            count,
-            dtype,
-            ReduceOp::Sum,
-            root,
-        )?;
-        Work::record(self.inner.clone(), "broadcast")
-    }
-
-    /// Wait until every rank reaches the barrier (a one-element all-reduce).
-    pub fn barrier(&self) -> Result<Work<D>> {
+    /// Block until the kernels every later call may need are compiled and
+    /// loaded (GPUs compile on first need, in the background; see
+    /// [`Device::prepare`]). Call it before capturing a graph to keep a
+    /// capture from waiting for a compile.
+    pub fn prepare(&self) -> Result<()> {
         let st = self.lock_active()?;
-        let scratch = &st.res.as_ref().ok_or(Error::Finalized)?.scratch;
-        let ptr = scratch.ptr();
-        drop(st);
-        self.submit_ptrs(
-            &self.inner.stream,
-            KernelKind::OneShot,
-            None,
-            ptr,
-            ptr,
-            1,
-            DType::I32,
-            ReduceOp::Sum,
-            0,
+        let res = st.res.as_ref().ok_or(Error::Finalized)?;
+        self.inner.device.prepare(&res.module, &[])?;
+        if let Some(qr) = &res.qr_module {
+            self.inner.device.prepare(qr, &[])?;
+        }
+        Ok(())
+    }
+
+    /// A communicator of the ranks in `ranks` (ranks of this one, in the new
+    /// rank order), named `name`. Collective over this communicator: every
+    /// rank calls it, each with the list of the group it joins; a rank that
+    /// is not in its list gets `None` (as torchcomms' split). The new
+    /// communicator uses the same device and store, and NCCL/RCCL underneath
+    /// when this one does.
+    pub fn split(&self, ranks: &[usize], name: Option<&str>) -> Result<Option<Communicator<D>>> {
+        drop(self.lock_active()?);
+        let inner = &*self.inner;
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != ranks.len() || ranks.iter().any(|&r| r >= inner.world) {
+            return Err(Error::invalid(format!(
+                "split ranks {ranks:?}: each must be a distinct rank of a world of {}",
+                inner.world
+            )));
+        }
+        // Every rank takes part in the agreement, members or not, so the
+        // split counts stay in step across the group.
+        let key = inner.next_key("split");
+        let mine: Vec<u8> = ranks.iter().flat_map(|&r| (r as u32).to_le_bytes()).collect();
+        let lists = store_all_gather(
+            inner.store.as_ref(),
+            &format!("{key}/lists"),
+            inner.rank,
+            inner.world,
+            &mine,
+            inner.opts.timeout,
         )?;
-        Work::record(self.inner.clone(), "barrier")
+        let Some(new_rank) = ranks.iter().position(|&r| r == inner.rank) else {
+            return Ok(None);
+        };
+        for &member in ranks {
+            if lists[member] != mine {
+                return Err(Error::Mismatch {
+                    rank: inner.rank,
+                    peer: member,
+                    detail: format!("{key}: rank {member} asked for a different group than {ranks:?}"),
+                });
+            }
+        }
+        let group: String = ranks.iter().map(|r| format!("-{r}")).collect();
+        let mut opts = inner.opts.clone();
+        opts.name = Some(name.map_or_else(
+            || format!("{}.{}", inner.name, key.rsplit('/').next().unwrap_or("split")),
+            str::to_string,
+        ));
+        let device = inner.device.duplicate()?;
+        Self::create(
+            device,
+            inner.store.clone(),
+            format!("{key}/g{group}"),
+            new_rank,
+            ranks.len(),
+            opts,
+        )
+        .map(Some)
     }
 
     /// Drain queued work and release the workspace. Later calls return
@@ -374,17 +422,26 @@ impl<D: Device> Communicator<D> {
         }
         let drained = self.inner.device.synchronize(&self.inner.stream);
         st.res = None;
+        st.last = None;
         st.phase = Phase::Finalized;
         drained
     }
 
-    /// Make the communicator unusable now; queued kernels exit without waiting.
+    /// Make the communicator unusable now: queued kernels exit without
+    /// waiting, and NCCL/RCCL underneath is aborted (`ncclCommAbort`).
     pub fn abort(&self) -> Result<()> {
         if matches!(lock(&self.inner.state).phase, Phase::Finalized) {
             return Err(Error::Finalized);
         }
         self.inner.abort("aborted by the caller");
         Ok(())
+    }
+
+    /// Run `f` on the resources of an active communicator, under its lock.
+    pub(crate) fn with_resources<R>(&self, f: impl FnOnce(&mut Resources<D>) -> R) -> Result<R> {
+        let mut st = self.lock_active()?;
+        let res = st.res.as_mut().ok_or(Error::Finalized)?;
+        Ok(f(res))
     }
 
     fn lock_active(&self) -> Result<MutexGuard<'_, State<D>>> {
@@ -396,119 +453,45 @@ impl<D: Device> Communicator<D> {
         }
     }
 
-    /// Hand an all-reduce to NCCL/RCCL, after the same argument checks.
-    fn submit_vendor(
+    /// The submission path of every collective: under the communicator's
+    /// lock (so launch order is call order), on the call's stream, ordered
+    /// after the previous call's stream, then a [`Work`] for it.
+    pub(crate) fn submit(
         &self,
-        stream: &D::Stream,
-        input: &D::Buffer,
-        output: &D::Buffer,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let bytes = check_buffers(input, output, count, dtype)?;
-        let st = self.lock_active()?;
-        let res = st.res.as_ref().ok_or(Error::Finalized)?;
-        if bytes == 0 {
-            return Ok(());
-        }
-        res.vendor
-            .all_reduce(&self.inner.device, stream, input.ptr(), output.ptr(), count, dtype, op)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn submit(
-        &self,
-        stream: &D::Stream,
-        kind: KernelKind,
-        codec: Option<Codec>,
-        input: &D::Buffer,
-        output: &D::Buffer,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<()> {
-        check_buffers(input, output, count, dtype)?;
-        self.submit_ptrs(stream, kind, codec, input.ptr(), output.ptr(), count, dtype, op, root)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn submit_ptrs(
-        &self,
-        stream: &D::Stream,
-        kind: KernelKind,
-        codec: Option<Codec>,
-        input: crate::device::DevicePtr,
-        output: crate::device::DevicePtr,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<()> {
-        // Holding the lock while enqueuing keeps launch order equal to call order.
-        let mut st = self.lock_active()?;
+        call: &Call<'_, D>,
+        what: &'static str,
+        enqueue: impl FnOnce(&mut Submit<'_, D>) -> Result<()>,
+    ) -> Result<Work<D>> {
         let inner = &*self.inner;
-        if codec.is_some() {
-            let res = st.res.as_mut().ok_or(Error::Finalized)?;
-            if res.qr_module.is_none() {
-                res.qr_module = Some(inner.device.load_module(&QUICK_REDUCE)?);
+        let mut st = self.lock_active()?;
+        let stream = call.stream.unwrap_or(&inner.stream);
+        let capturing = inner.device.is_capturing(stream)?;
+        let id = stream_id::<D>(&inner.device, stream);
+        let st = &mut *st;
+        if !capturing {
+            if let Some(last) = st.last.as_ref().filter(|l| l.id != id) {
+                inner.device.wait_event(stream, &last.event)?;
             }
         }
-        let res = st.res.as_ref().ok_or(Error::Finalized)?;
-        let module = match (&res.qr_module, codec) {
-            (Some(m), Some(_)) => m,
-            _ => &res.module,
-        };
-        if count == 0 {
-            return Ok(());
-        }
-        if inner.world == 1 {
-            if input != output {
-                inner.device.copy_device(output, input, count * dtype.size(), stream)?;
-            }
-            return Ok(());
-        }
-        let call = CollectiveCall {
-            kind,
-            dtype,
-            op,
-            count,
-            root,
-            input,
-            output,
-            codec,
-        };
-        call.enqueue(
-            &inner.device,
-            module,
-            &inner.names,
-            &inner.grids,
-            &res.ws,
-            &inner.flags,
-            inner.rank,
-            inner.opts.timeout,
+        let res = st.res.as_mut().ok_or(Error::Finalized)?;
+        let mut sub = Submit {
+            inner,
+            res,
             stream,
-        )
-    }
-}
-
-/// Whether quick-reduce can run an all-reduce of this dtype and op.
-fn quick_reduce_supports(dtype: DType, op: ReduceOp) -> bool {
-    QR_DTYPES.contains(&dtype) && op == ReduceOp::Sum
-}
-
-/// Bytes of `count` x `dtype`, if both buffers hold that many.
-fn check_buffers<B: DeviceBuffer>(input: &B, output: &B, count: usize, dtype: DType) -> Result<usize> {
-    let bytes = count
-        .checked_mul(dtype.size())
-        .ok_or_else(|| Error::invalid(format!("count {count} overflows")))?;
-    for (what, len) in [("input", input.len()), ("output", output.len())] {
-        if bytes > len {
-            return Err(Error::invalid(format!(
-                "{what} buffer holds {len} bytes, but {count} x {dtype} needs {bytes}"
-            )));
+            timeout: inner.timeout_of(call),
+            capturing,
+        };
+        enqueue(&mut sub)?;
+        let work = Work::record(self.inner.clone(), stream, what, call.timeout, capturing)?;
+        if let Some(event) = work.event() {
+            // The next call on another stream waits for this one.
+            st.last = Some(LastStream { id, event });
         }
+        Ok(work)
     }
-    Ok(bytes)
+}
+
+/// A stream's identity across wrappers: the vendor handle where there is one.
+fn stream_id<D: Device>(dev: &D, stream: &D::Stream) -> u64 {
+    dev.raw_stream(stream).unwrap_or(stream as *const D::Stream as u64)
 }

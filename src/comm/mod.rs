@@ -1,11 +1,20 @@
 //! The public API: one [`Communicator`] per group of ranks; every collective
-//! returns a [`Work`] to wait on or poll.
+//! takes [`Tensor`]s (the caller's memory), a [`Call`] (stream, timeout,
+//! hints) and returns a [`Work`] to wait on or poll.
 
+mod call;
+mod collectives;
 mod communicator;
 mod options;
+mod registry;
+mod tensor;
 mod vendor;
 mod work;
 
+pub use call::{Call, Factor, Reduction};
+pub use collectives::P2p;
 pub use communicator::Communicator;
 pub use options::CommOptions;
+pub use registry::Registration;
+pub use tensor::Tensor;
 pub use work::Work;

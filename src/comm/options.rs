@@ -25,6 +25,9 @@ pub struct CommOptions {
     /// Opt-in quantized all-reduce for large f16/bf16 sums
     /// (`FERROCOMM_QUICK_REDUCE=fp8|int8|int6|int4|none`, default none).
     pub quantization: Quantization,
+    /// The communicator's name (logs, errors); derived from its creation
+    /// order when unset.
+    pub name: Option<String>,
 }
 
 impl Default for CommOptions {
@@ -35,6 +38,7 @@ impl Default for CommOptions {
             algo: AlgoChoice::Auto,
             slot_bytes: None,
             quantization: Quantization::None,
+            name: None,
         }
     }
 }
@@ -99,6 +103,11 @@ impl CommOptions {
 
     pub fn with_quantization(mut self, q: Quantization) -> Self {
         self.quantization = q;
+        self
+    }
+
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
         self
     }
 

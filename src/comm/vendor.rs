@@ -1,12 +1,69 @@
 //! NCCL/RCCL underneath the communicator, when built (`nccl`/`rccl`
 //! features), wanted (`FERROCOMM_CCL` is not `0`) and present on every rank.
+//! On GPUs it runs every collective ferrocomm has no kernel for.
 
 use std::time::Duration;
 
+use super::call::{Factor, Reduction};
 use crate::bootstrap::Store;
 use crate::device::{Device, DevicePtr};
-use crate::dtype::{DType, ReduceOp};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
+
+/// One collective, as the vendor library takes it.
+#[cfg_attr(not(any(feature = "nccl", feature = "rccl")), allow(dead_code))]
+pub(crate) enum VendorOp<'a> {
+    AllReduce {
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        red: Reduction,
+    },
+    Broadcast {
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        root: usize,
+    },
+    Reduce {
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        red: Reduction,
+        root: usize,
+    },
+    AllGather {
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+    },
+    ReduceScatter {
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        red: Reduction,
+    },
+    /// Sends and receives per peer, as one group (`None`: nothing with that
+    /// peer): all-to-all(-v), gather, scatter, list all-gathers, and batches
+    /// of sends and receives.
+    Exchange {
+        sends: &'a [Option<(usize, DevicePtr)>],
+        recvs: &'a [Option<(usize, DevicePtr)>],
+    },
+}
+
+impl VendorOp<'_> {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            VendorOp::AllReduce { .. } => "all_reduce",
+            VendorOp::Broadcast { .. } => "broadcast",
+            VendorOp::Reduce { .. } => "reduce",
+            VendorOp::AllGather { .. } => "all_gather",
+            VendorOp::ReduceScatter { .. } => "reduce_scatter",
+            VendorOp::Exchange { .. } => "send/recv group",
+        }
+    }
+}
 
 /// The vendor communicator, if this communicator has one.
 pub(crate) struct Vendor {
@@ -95,30 +152,86 @@ impl Vendor {
         false
     }
 
-    /// Stream-ordered all-reduce through the vendor library.
-    #[allow(clippy::too_many_arguments, unused_variables)]
-    pub(crate) fn all_reduce<D: Device>(
-        &self,
-        dev: &D,
-        stream: &D::Stream,
-        input: DevicePtr,
-        output: DevicePtr,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<()> {
+    /// The vendor communicator itself, for side-by-side measurements.
+    #[cfg(any(feature = "nccl", feature = "rccl"))]
+    pub(crate) fn ccl(&self) -> Option<&crate::backends::ccl::CclComm> {
+        self.comm.as_ref()
+    }
+
+    /// Abort the vendor communicator, if any (its kernels may wait on a dead
+    /// peer; nothing else stops them).
+    pub(crate) fn abort(&self) {
+        #[cfg(any(feature = "nccl", feature = "rccl"))]
+        if let Some(comm) = &self.comm {
+            let _ = comm.abort();
+        }
+    }
+
+    /// Queue `op` on `stream` through the vendor library.
+    ///
+    /// The communicator checked every address and count against the call's
+    /// tensors before this, and keeps them alive as its callers promise.
+    #[allow(unused_variables)]
+    pub(crate) fn run<D: Device>(&self, dev: &D, stream: &D::Stream, dtype: DType, op: VendorOp<'_>) -> Result<()> {
         #[cfg(any(feature = "nccl", feature = "rccl"))]
         if let (Some(comm), Some(raw)) = (&self.comm, dev.raw_stream(stream)) {
             dev.bind_thread()?;
-            // SAFETY: the communicator checked that `input` and `output` are
-            // buffers of this device holding `count` elements, and callers keep
-            // them alive until the stream has run the operation.
-            return unsafe { comm.all_reduce(input, output, count, dtype, op, raw) };
+            // SAFETY: the communicator checked that every address lies in a
+            // tensor of this device holding the counts given, and callers keep
+            // that memory alive until the stream has run the operation.
+            return unsafe { run_ccl(comm, raw, dtype, op) };
         }
-        Err(Error::Unsupported(
-            "the NCCL/RCCL path is not available: build with --features nccl (or rccl), \
-             install the library (or set FERROCOMM_NCCL_PATH) and leave FERROCOMM_CCL unset"
-                .into(),
-        ))
+        Err(Error::Unsupported(format!(
+            "{} on this backend goes to NCCL/RCCL, which is not available: build with --features nccl (or \
+             rccl), install the library (or set FERROCOMM_NCCL_PATH) and leave FERROCOMM_CCL unset",
+            op.name()
+        )))
     }
 }
+
+/// The factor of a premul_sum, as NCCL's `ncclRedOpCreatePreMulSum` takes it.
+#[cfg(any(feature = "nccl", feature = "rccl"))]
+fn ccl_reduction(red: Reduction) -> Result<crate::backends::ccl::CclReduction> {
+    use crate::backends::ccl::CclReduction;
+    Ok(match red.factor()? {
+        None => CclReduction::Op(red.op()),
+        Some(Factor::Host(f)) => CclReduction::PreMulHost(f),
+        Some(Factor::Device(t)) => CclReduction::PreMulDevice(t.ptr()),
+    })
+}
+
+/// # Safety
+/// As [`crate::backends::ccl::CclComm::all_reduce`] for every address of `op`.
+#[cfg(any(feature = "nccl", feature = "rccl"))]
+unsafe fn run_ccl(comm: &crate::backends::ccl::CclComm, raw: u64, dtype: DType, op: VendorOp<'_>) -> Result<()> {
+    // SAFETY (every call below): forwarded from the caller.
+    unsafe {
+        match op {
+            VendorOp::AllReduce { send, recv, count, red } => {
+                comm.all_reduce_with(send, recv, count, dtype, ccl_reduction(red)?, raw)
+            }
+            VendorOp::Broadcast {
+                send,
+                recv,
+                count,
+                root,
+            } => comm.broadcast(send, recv, count, dtype, root, raw),
+            VendorOp::Reduce {
+                send,
+                recv,
+                count,
+                red,
+                root,
+            } => comm.reduce(send, recv, count, dtype, ccl_reduction(red)?, root, raw),
+            VendorOp::AllGather { send, recv, count } => comm.all_gather(send, recv, count, dtype, raw),
+            VendorOp::ReduceScatter { send, recv, count, red } => {
+                comm.reduce_scatter_with(send, recv, count, dtype, ccl_reduction(red)?, raw)
+            }
+            VendorOp::Exchange { sends, recvs } => comm.exchange(sends, recvs, dtype, raw),
+        }
+    }
+}
+
+#[cfg(not(any(feature = "nccl", feature = "rccl")))]
+#[allow(dead_code)]
+fn unused(_: Factor) {}

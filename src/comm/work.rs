@@ -7,37 +7,76 @@ use super::communicator::Inner;
 use crate::device::Device;
 use crate::error::{Error, Result};
 
-/// A collective queued on a communicator's stream.
+/// A collective queued on a stream. Dropping it does not wait: the work
+/// stays queued, stream-ordered (torchcomms' `async_op=False` is a dropped
+/// `Work`).
 pub struct Work<D: Device> {
     inner: Arc<Inner<D>>,
-    event: D::Event,
+    /// `None` for a call captured into a graph: it runs at replay.
+    event: Option<Arc<D::Event>>,
     what: &'static str,
+    /// The call's own timeout, if it had one.
+    timeout: Option<Duration>,
 }
 
 impl<D: Device> Work<D> {
-    pub(crate) fn record(inner: Arc<Inner<D>>, what: &'static str) -> Result<Self> {
-        let event = inner.device.create_event()?;
-        inner.device.record(&event, &inner.stream)?;
-        Ok(Work { inner, event, what })
+    pub(crate) fn record(
+        inner: Arc<Inner<D>>,
+        stream: &D::Stream,
+        what: &'static str,
+        timeout: Option<Duration>,
+        capturing: bool,
+    ) -> Result<Self> {
+        let event = if capturing {
+            None
+        } else {
+            let event = inner.device.create_event()?;
+            inner.device.record(&event, stream)?;
+            Some(Arc::new(event))
+        };
+        Ok(Work {
+            inner,
+            event,
+            what,
+            timeout,
+        })
+    }
+
+    pub(crate) fn event(&self) -> Option<Arc<D::Event>> {
+        self.event.clone()
+    }
+
+    /// What this work is (`"all_reduce"`, `"all_gather"`, ...).
+    pub fn name(&self) -> &'static str {
+        self.what
     }
 
     /// True once the collective has finished, successfully or not
-    /// ([`Work::wait`] tells which).
+    /// ([`Work::wait`] tells which). A captured call is complete at once:
+    /// it runs when the graph is replayed.
     pub fn is_completed(&self) -> bool {
-        self.inner.device_error().is_some() || self.inner.device.query(&self.event).unwrap_or(true)
+        let Some(event) = &self.event else {
+            return true;
+        };
+        self.inner.device_error().is_some() || self.inner.device.query(event).unwrap_or(true)
     }
 
-    /// Wait for the collective. `None` waits as long as the communicator's
-    /// timeout (plus a grace period for the kernels' own deadline to report
-    /// which ranks are missing).
+    /// Wait for the collective. `None` waits as long as the call's timeout
+    /// (or the communicator's), plus a grace period for the kernels' own
+    /// deadline to report which ranks are missing.
     ///
     /// A kernel-reported failure (a peer that never arrived, a mismatched
-    /// call) aborts the communicator. A caller-chosen timeout shorter than the
-    /// communicator's returns [`Error::Timeout`] and leaves it usable.
+    /// call) aborts the communicator, NCCL/RCCL underneath included. A
+    /// timeout at least as long as the call's aborts it too (the vendor
+    /// library's kernels cannot be stopped otherwise); a shorter one returns
+    /// [`Error::Timeout`] and leaves it usable.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
-        let comm_timeout = self.inner.opts.timeout;
-        let grace = (comm_timeout / 4).clamp(Duration::from_millis(500), Duration::from_secs(30));
-        let limit = timeout.unwrap_or(comm_timeout + grace);
+        let Some(event) = &self.event else {
+            return Ok(());
+        };
+        let call_timeout = self.timeout.unwrap_or(self.inner.opts.timeout);
+        let grace = (call_timeout / 4).clamp(Duration::from_millis(500), Duration::from_secs(30));
+        let limit = timeout.unwrap_or(call_timeout + grace);
         let start = Instant::now();
         // Device errors are looked at between slices of waiting: a kernel that
         // failed may leave its event pending until its own deadline.
@@ -48,7 +87,7 @@ impl<D: Device> Work<D> {
                 return Err(err);
             }
             let left = limit.saturating_sub(start.elapsed());
-            if self.inner.device.wait_event_for(&self.event, left.min(slice))? {
+            if self.inner.device.wait_event_for(event, left.min(slice))? {
                 // The kernels may have failed just before the event completed.
                 if let Some(err) = self.inner.device_error() {
                     self.inner.abort(&err.to_string());
@@ -58,11 +97,11 @@ impl<D: Device> Work<D> {
             }
             if start.elapsed() >= limit {
                 let err = Error::Timeout {
-                    what: format!("{} to complete", self.what),
+                    what: format!("{} on communicator {} to complete", self.what, self.inner.name),
                     after: limit,
                     missing: Vec::new(),
                 };
-                if limit >= comm_timeout {
+                if limit >= call_timeout {
                     self.inner.abort(&err.to_string());
                 }
                 return Err(err);

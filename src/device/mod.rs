@@ -319,6 +319,10 @@ pub trait Device: Send + Sync + Sized + 'static {
         stream: &Self::Stream,
     ) -> Result<()>;
 
+    /// Another handle to the same device (a split communicator needs its
+    /// own). Backends whose handles own nothing device-wide just reopen it.
+    fn duplicate(&self) -> Result<Self>;
+
     /// Sleep granularity for host-side polling of this device's events.
     fn poll_interval(&self) -> Duration {
         Duration::from_micros(20)

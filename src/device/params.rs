@@ -52,13 +52,18 @@ pub struct KernelParams {
     /// premul_sum's factor: its f32 bits, or (with [`PARAM_SCALAR_IS_PTR`])
     /// the address of one element of the call's dtype in device memory.
     pub scalar: u64,
-    /// A per-call table in memory the kernel can read (all-to-all-v: counts
-    /// and offsets per peer, see `algo::layout`), or null.
+    /// A per-call table in memory the kernel can read, or null (reserved).
     pub table: DevicePtr,
     /// The other rank of a send or receive.
     pub peer: u32,
     /// `PARAM_*` bits.
     pub flags: u32,
+    /// Four per-peer lists, in elements or addresses; their meaning depends on
+    /// the collective (`algo::launch`): all-to-all-v: send counts, send
+    /// offsets, receive counts, receive offsets; a batch of sends and
+    /// receives: send counts, send addresses, receive counts, receive
+    /// addresses. Carried by value, so graph replays see the call's lists.
+    pub per_peer: [[u64; MAX_RANKS]; 4],
 }
 
 /// [`KernelParams::flags`]: `scalar` is an address, not the factor's bits.
@@ -67,4 +72,4 @@ pub const PARAM_SCALAR_IS_PTR: u32 = 1;
 /// Size of the ABI struct; the device headers assert the same number.
 pub const KERNEL_PARAMS_BYTES: usize = std::mem::size_of::<KernelParams>();
 
-const _: () = assert!(KERNEL_PARAMS_BYTES == 8 * 8 + 3 * 8 + 7 * 8 + 6 * 4 + 2 * 8 + 2 * 4);
+const _: () = assert!(KERNEL_PARAMS_BYTES == 8 * 8 + 3 * 8 + 7 * 8 + 6 * 4 + 2 * 8 + 2 * 4 + 4 * MAX_RANKS * 8);

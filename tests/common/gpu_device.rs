@@ -19,7 +19,7 @@ use ferrocomm::device::{
     BackendKind, Device, DeviceBuffer, DevicePtr, ExportedHandle, HostFlags, KernelParams, LaunchConfig, MemKind,
     ModuleSource,
 };
-use ferrocomm::{CommOptions, Communicator, DType, Error, ReduceOp};
+use ferrocomm::{Call, CommOptions, Communicator, DType, Error, ReduceOp, Tensor};
 
 /// One vendor, as the tests see it.
 pub struct Gpu<D: Device> {
@@ -774,7 +774,7 @@ pub fn child_cold_start<D: Device>(g: &Gpu<D>) {
             let count = 2048;
             let buf = comm.alloc(count * 2)?;
             comm.write(&buf, 0, &vec![0u8; count * 2])?;
-            comm.all_reduce_in_place(&buf, count, DType::BF16, ReduceOp::Sum)?
+            comm.all_reduce(Tensor::of(&buf, DType::BF16), ReduceOp::Sum, &Call::new())?
                 .wait(None)?;
             let done = started.elapsed();
             let info = comm.device().runtime_info();

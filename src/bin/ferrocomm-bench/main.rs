@@ -1,11 +1,14 @@
-//! `ferrocomm-bench`: an nccl-tests-style all-reduce benchmark.
+//! `ferrocomm-bench`: an nccl-tests-style collectives benchmark.
 //!
 //! Run without `RANK` set, it launches `--world` rank processes of itself
-//! (hosting their store) and prints rank 0's table. Each rank times every
-//! algorithm (and NCCL, where built and present) side by side: device events
-//! after warm-up, median over iterations, inputs rotated across buffers so
-//! the cache does not flatter small sizes; eager launches and, with
-//! `--graph`, graph replays. Every row is checked exactly (#wrong).
+//! (hosting their store) and prints rank 0's table as it is measured. Each
+//! rank times every collective of `--coll` (all-reduce by default) and
+//! every algorithm of `--algo` side by side with NCCL/RCCL called directly
+//! (`nccl-direct`, where built and present) and a device memcpy of the same
+//! bytes: device events after warm-up, median over iterations, inputs
+//! rotated across buffers so the cache does not flatter small sizes; eager
+//! launches and, with `--graph`, graph replays. Every row is checked
+//! exactly (#wrong). Sizes and bus bandwidth follow nccl-tests.
 //!
 //! `--quantization int4,int6,int8,fp8` adds a quick-reduce row per codec
 //! (f16/bf16 sums) next to the `--algo` rows, feeds Gaussian data instead of
@@ -15,6 +18,7 @@
 //! against the exact rule, on the same samples; NCCL rows are not bitwise
 //! comparable on such data (`#wrong` shows `-`).
 
+mod colls;
 mod plot;
 
 use std::fmt::Write as _;
@@ -31,23 +35,24 @@ use ferrocomm::codec::{self, Half16, Quantization};
 use ferrocomm::device::{BackendKind, Device, DeviceBuffer};
 use ferrocomm::testing::data::{self, Values};
 use ferrocomm::testing::launch::run_process_ranks_echo;
-use ferrocomm::{CommOptions, Communicator, DType, Error, ReduceOp, Result};
+use ferrocomm::{CommOptions, Communicator, DType, Error, ReduceOp, Result, Tensor};
 
 /// Dispatch `$f::<T>(args)` on a runtime dtype.
 macro_rules! with_dtype {
-    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+    ($dtype:expr, $($f:ident)::+($($arg:expr),*)) => {
         match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F16 => $f::<half::f16>($($arg),*),
-            DType::BF16 => $f::<half::bf16>($($arg),*),
-            DType::I32 => $f::<i32>($($arg),*),
+            DType::F32 => $($f)::+::<f32>($($arg),*),
+            DType::F16 => $($f)::+::<half::f16>($($arg),*),
+            DType::BF16 => $($f)::+::<half::bf16>($($arg),*),
+            DType::I32 => $($f)::+::<i32>($($arg),*),
             other => return Err(Error::invalid(format!("the all-reduce bench reduces f32, f16, bf16 or i32, not {other}"))),
         }
     };
 }
 
 const USAGE: &str =
-    "usage: ferrocomm-bench [--backend host|cuda|hip] [--world N] [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
+    "usage: ferrocomm-bench [--backend host|cuda|hip] [--world N] [--coll all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|reduce|sendrecv|all]
+                       [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
                        [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|oneshot-push|twoshot-push|oneshot-ll|nccl|all]
                        [--graph] [--graph-only] [--eager-only] [--json FILE] [--plot FILE.svg] [--timeout-secs S]
                        [--quantization int4,int6,int8,fp8]
@@ -57,6 +62,7 @@ sizes take K, M, G suffixes (powers of 1024); --iters and --warmup default to 20
 struct Args {
     backend: String,
     world: usize,
+    colls: Vec<colls::Coll>,
     dtypes: Vec<DType>,
     op: ReduceOp,
     min_bytes: usize,
@@ -114,6 +120,7 @@ fn parse_args() -> Result<Args> {
     let mut a = Args {
         backend: "host".into(),
         world: 2,
+        colls: vec![colls::Coll::AllReduce],
         dtypes: vec![DType::BF16],
         op: ReduceOp::Sum,
         min_bytes: 1 << 10,
@@ -137,6 +144,7 @@ fn parse_args() -> Result<Args> {
         match flag.as_str() {
             "--backend" => a.backend = value()?,
             "--world" => a.world = value()?.parse().map_err(|_| Error::invalid("--world takes a number"))?,
+            "--coll" => a.colls = colls::Coll::parse(&value()?)?,
             "--dtype" => a.dtypes = value()?.split(',').map(str::parse).collect::<Result<_>>()?,
             "--op" => a.op = value()?.parse()?,
             "--min-bytes" => a.min_bytes = parse_size(&value()?)?,
@@ -278,6 +286,7 @@ fn rank_main(a: &Args) -> Result<()> {
 }
 
 struct Row {
+    coll: colls::Coll,
     bytes: usize,
     count: usize,
     dtype: DType,
@@ -302,7 +311,11 @@ const OPS_PER_SAMPLE: usize = 20;
 /// What a row times.
 #[derive(Clone, Copy)]
 enum Subject {
-    AllReduce(AlgoChoice),
+    /// The collective through ferrocomm, with an algorithm choice (the
+    /// all-reduce's; `Auto` for the others).
+    Ferro(AlgoChoice),
+    /// The collective straight through NCCL/RCCL on the same stream.
+    NcclDirect,
     /// A device-to-device copy of the same bytes: the memory floor beside
     /// the collectives (a plain memcpy on the host).
     Memcpy,
@@ -350,18 +363,24 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     let mut subjects: Vec<(String, Subject)> = Vec::new();
     for algo in &a.algos {
         let choice = algo_choice(algo).ok_or_else(|| Error::invalid(format!("unknown --algo {algo:?}")))?;
-        if choice == AlgoChoice::Fixed(Algorithm::Ccl) && !comm.has_vendor_library() {
-            if rank == 0 {
-                println!("# no {algo} rows: the vendor library is not built in or not loaded");
+        if choice == AlgoChoice::Fixed(Algorithm::Ccl) {
+            if !comm.has_vendor_library() {
+                if rank == 0 {
+                    println!("# no {algo} rows: the vendor library is not built in or not loaded");
+                }
+                continue;
             }
+            // NCCL through ferrocomm, and NCCL called directly beside it.
+            subjects.push((algo.clone(), Subject::Ferro(choice)));
+            subjects.push(("nccl-direct".into(), Subject::NcclDirect));
             continue;
         }
-        subjects.push((algo.clone(), Subject::AllReduce(choice)));
+        subjects.push((algo.clone(), Subject::Ferro(choice)));
     }
     for q in &a.quantization {
         if let Some(codec) = q.codec(backend) {
             let qr = Algorithm::QuickReduce(codec);
-            subjects.push((qr.to_string(), Subject::AllReduce(AlgoChoice::Fixed(qr))));
+            subjects.push((qr.to_string(), Subject::Ferro(AlgoChoice::Fixed(qr))));
         }
     }
     subjects.push(("memcpy".into(), Subject::Memcpy));
@@ -371,10 +390,24 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
         _ => &["eager"],
     };
     let sizes = |dtype: DType| {
-        let first = a.min_bytes.max(dtype.size());
+        let first = a.min_bytes.max(dtype.size() * world);
         std::iter::successors(Some(first), |b| b.checked_mul(2)).take_while(|&b| b <= a.max_bytes)
     };
-    let rows_total: usize = a.dtypes.iter().map(|&d| sizes(d).count()).sum::<usize>() * subjects.len() * modes.len();
+    // Subjects a collective takes: the all-reduce's algorithms apply to it
+    // alone; memcpy rows once per size.
+    let applies = |c: colls::Coll, s: &Subject| match s {
+        Subject::Ferro(choice) => colls::algo_applies(c, *choice),
+        Subject::NcclDirect => true,
+        Subject::Memcpy => c == a.colls[0],
+    };
+    let rows_total: usize = a
+        .colls
+        .iter()
+        .map(|&c| {
+            let per_size = subjects.iter().filter(|(_, s)| applies(c, s)).count() * modes.len();
+            a.dtypes.iter().map(|&d| sizes(d).count()).sum::<usize>() * per_size
+        })
+        .sum();
     let mut progress = Progress::new(rank, rows_total);
     let mut rows = Vec::new();
     let mut seq = 0usize;
@@ -387,59 +420,100 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
             comm.device().facts().name
         );
         println!(
-            "{:>12} {:>12} {:>5} {:>5} {:>20} {:>6} {:>10} {:>9} {:>9} {:>8} {:>7} {:>8}",
-            "size", "count", "dtype", "op", "algo", "mode", "time_us", "algbw", "busbw", "cpu_us", "#wrong", "relerr"
+            "{:>14} {:>12} {:>12} {:>6} {:>5} {:>20} {:>6} {:>10} {:>9} {:>9} {:>8} {:>7} {:>8}",
+            "coll",
+            "size",
+            "count",
+            "dtype",
+            "op",
+            "algo",
+            "mode",
+            "time_us",
+            "algbw",
+            "busbw",
+            "cpu_us",
+            "#wrong",
+            "relerr"
         );
     }
-    for &dtype in &a.dtypes {
-        ferrocomm::dtype::check_supported(dtype, a.op)?;
-        for bytes in sizes(dtype) {
-            let count = bytes / dtype.size();
-            // Inputs and the exact expected output, made once per size.
-            let seed = bytes as u64;
-            let values = if quantized { Values::Random } else { Values::Exact };
-            let input = with_dtype!(dtype, input_bytes(seed, rank, count, a.op, values));
-            // Gaussian data: checked on samples; small integers: the whole output.
-            let want = if quantized {
-                Vec::new()
-            } else {
-                with_dtype!(dtype, reference_bytes(seed, world, count, a.op))
-            };
-            for (name, subject) in &subjects {
-                for &mode in modes {
-                    seq += 1;
-                    progress.step(&format!("{} {name} {mode}", plot::human_bytes(bytes as f64)));
-                    let (mut row, got) = measure(&comm, a, dtype, count, *subject, mode, &input)?;
-                    match *subject {
-                        Subject::Memcpy => {
-                            row.algo = name.clone();
-                            row.wrong = Some(count_wrong(&got, &input, dtype));
-                        }
-                        Subject::AllReduce(choice) => {
-                            if quantized {
-                                let algorithm = comm.choose(choice, count, dtype, a.op);
-                                let (wrong, relerr) = match dtype {
-                                    DType::F16 => check_samples::<half::f16>(seed, world, &got, algorithm),
-                                    _ => check_samples::<half::bf16>(seed, world, &got, algorithm),
-                                };
-                                row.wrong = wrong;
-                                row.relerr = Some(relerr);
-                            } else {
+    for &coll in &a.colls {
+        for &dtype in &a.dtypes {
+            if coll.reduces() {
+                ferrocomm::dtype::check_supported(dtype, a.op)?;
+            }
+            for bytes in sizes(dtype) {
+                let Some((n_in, n_out)) = coll.counts(bytes, dtype, world) else {
+                    continue;
+                };
+                // Inputs and the exact expected output, made once per size.
+                let seed = bytes as u64 ^ coll as u64;
+                let (input, want) = if quantized && coll == colls::Coll::AllReduce {
+                    let values = Values::Random;
+                    (
+                        with_dtype!(dtype, input_bytes(seed, rank, n_in, a.op, values)),
+                        Vec::new(),
+                    )
+                } else {
+                    with_dtype!(dtype, colls::data_for(coll, seed, rank, world, n_in, n_out, a.op))
+                };
+                for (name, subject) in &subjects {
+                    if !applies(coll, subject) {
+                        continue;
+                    }
+                    for &mode in modes {
+                        seq += 1;
+                        progress.step(&format!(
+                            "{} {} {name} {mode}",
+                            coll.name(),
+                            plot::human_bytes(bytes as f64)
+                        ));
+                        let case = Case {
+                            coll,
+                            dtype,
+                            n_in,
+                            n_out,
+                            bytes,
+                        };
+                        let (mut row, got) = measure(&comm, a, &case, *subject, mode, &input)?;
+                        match *subject {
+                            Subject::Memcpy => {
+                                row.algo = name.clone();
+                                row.wrong = Some(count_wrong(&got, &input[..got.len().min(input.len())], dtype));
+                            }
+                            Subject::NcclDirect => {
+                                row.algo = name.clone();
                                 row.wrong = Some(count_wrong(&got, &want, dtype));
                             }
-                            row.algo = match choice {
-                                AlgoChoice::Auto => format!("auto:{}", comm.choose(choice, count, dtype, a.op)),
-                                AlgoChoice::Fixed(Algorithm::Ccl) => name.clone(),
-                                AlgoChoice::Fixed(x) => x.to_string(),
-                            };
+                            Subject::Ferro(choice) => {
+                                if quantized && coll == colls::Coll::AllReduce {
+                                    let algorithm = comm.choose(choice, n_in, dtype, a.op);
+                                    let (wrong, relerr) = match dtype {
+                                        DType::F16 => check_samples::<half::f16>(seed, world, &got, algorithm),
+                                        _ => check_samples::<half::bf16>(seed, world, &got, algorithm),
+                                    };
+                                    row.wrong = wrong;
+                                    row.relerr = Some(relerr);
+                                } else {
+                                    row.wrong = Some(count_wrong(&got, &want, dtype));
+                                }
+                                row.algo = match (coll, choice) {
+                                    (colls::Coll::AllReduce, AlgoChoice::Auto) => {
+                                        format!("auto:{}", comm.choose(choice, n_in, dtype, a.op))
+                                    }
+                                    (_, AlgoChoice::Auto) if backend == BackendKind::Host => "auto:host".into(),
+                                    (_, AlgoChoice::Auto) => "auto:nccl".into(),
+                                    (_, AlgoChoice::Fixed(Algorithm::Ccl)) => name.clone(),
+                                    (_, AlgoChoice::Fixed(x)) => x.to_string(),
+                                };
+                            }
                         }
+                        let row = agree(&store, seq, rank, world, row, a.timeout)?;
+                        if rank == 0 {
+                            progress.finish();
+                            print_row(&row, world);
+                        }
+                        rows.push(row);
                     }
-                    let row = agree(&store, seq, rank, world, row, a.timeout)?;
-                    if rank == 0 {
-                        progress.finish();
-                        print_row(&row, world);
-                    }
-                    rows.push(row);
                 }
             }
         }
@@ -455,14 +529,25 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
                 .iter()
                 .map(|r| plot::Point {
                     // "auto:oneshot" and "auto:twoshot-push" are one line, "auto".
-                    series: format!("{} {}", r.algo.split(':').next().unwrap_or(&r.algo), r.mode),
+                    series: format!(
+                        "{}{} {}",
+                        if a.colls.len() > 1 {
+                            format!("{} ", r.coll.name())
+                        } else {
+                            String::new()
+                        },
+                        r.algo.split(':').next().unwrap_or(&r.algo),
+                        r.mode
+                    ),
                     bytes: r.bytes,
                     busbw: bandwidths(r, world).1,
                 })
                 .collect();
             let dtypes: Vec<&str> = a.dtypes.iter().map(|d| d.name()).collect();
+            let names: Vec<&str> = a.colls.iter().map(|c| c.name()).collect();
             let title = format!(
-                "all-reduce {} {}, {} backend, world {world} ({})",
+                "{} {} {}, {} backend, world {world} ({})",
+                names.join("/"),
                 dtypes.join("/"),
                 a.op,
                 a.backend,
@@ -483,21 +568,30 @@ fn algo_choice(name: &str) -> Option<AlgoChoice> {
     name.parse().ok()
 }
 
+/// One row's collective and sizes.
+struct Case {
+    coll: colls::Coll,
+    dtype: DType,
+    n_in: usize,
+    n_out: usize,
+    bytes: usize,
+}
+
 fn measure<D: Device>(
     comm: &Communicator<D>,
     a: &Args,
-    dtype: DType,
-    count: usize,
+    case: &Case,
     subject: Subject,
     mode: &'static str,
     input: &[u8],
 ) -> Result<(Row, Vec<u8>)> {
     let dev = comm.device();
     let backend = dev.facts().backend;
-    let bytes = count * dtype.size();
-    let nbuf = (ROTATE_BYTES / bytes.max(1)).clamp(1, 8);
-    let inputs: Vec<D::Buffer> = (0..nbuf).map(|_| comm.alloc(bytes)).collect::<Result<_>>()?;
-    let output = comm.alloc(bytes)?;
+    let (coll, dtype) = (case.coll, case.dtype);
+    let (in_bytes, out_bytes) = (case.n_in * dtype.size(), case.n_out * dtype.size());
+    let nbuf = (ROTATE_BYTES / in_bytes.max(1)).clamp(1, 8);
+    let inputs: Vec<D::Buffer> = (0..nbuf).map(|_| comm.alloc(in_bytes)).collect::<Result<_>>()?;
+    let output = comm.alloc(out_bytes.max(in_bytes))?;
     for buf in &inputs {
         comm.write(buf, 0, input)?;
     }
@@ -505,16 +599,26 @@ fn measure<D: Device>(
     // on another one.
     dev.synchronize(comm.stream())?;
     let stream = dev.create_stream()?;
-    let run = |i: usize| match subject {
-        Subject::AllReduce(choice) => {
-            comm.all_reduce_on(&stream, choice, &inputs[i % nbuf], &output, count, dtype, a.op)
+    let t_in = |i: usize| Tensor::view(&inputs[i % nbuf], dtype, 0, case.n_in);
+    let t_out = Tensor::view(&output, dtype, 0, case.n_out)?;
+    let run = |i: usize| -> Result<()> {
+        match subject {
+            Subject::Ferro(choice) => {
+                let call = ferrocomm::Call::<D>::on(&stream).algo(choice);
+                colls::through_ferrocomm(comm, &call, coll, t_in(i)?, t_out, a.op)
+            }
+            Subject::NcclDirect => nccl_direct(comm, &stream, coll, t_in(i)?, t_out, a.op),
+            Subject::Memcpy => dev.copy_device(output.ptr(), inputs[i % nbuf].ptr(), in_bytes, &stream),
         }
-        Subject::Memcpy => dev.copy_device(output.ptr(), inputs[i % nbuf].ptr(), bytes, &stream),
     };
     // A sample is a few back-to-back operations (eager launches, or one
     // replay of a graph holding them), timed by events and divided: the same
     // shape as nccl-tests and the torch baseline.
-    let ops = ops_per_sample(backend, bytes);
+    let ops = ops_per_sample(backend, case.bytes);
+    // The first call compiles (GPUs) or loads what it needs: before capture.
+    run(0)?;
+    dev.synchronize(&stream)?;
+    comm.prepare()?;
     let graph = if mode == "graph" {
         dev.begin_capture(&stream)?;
         let captured = (0..ops).try_for_each(run);
@@ -549,14 +653,26 @@ fn measure<D: Device>(
         .iter()
         .map(|(e0, e1)| dev.elapsed_ms(e0, e1).map(|ms| ms as f64 * 1e3 / ops as f64))
         .collect::<Result<_>>()?;
-    // The output of one more run, from a poisoned buffer, for the checks.
-    dev.memset(&output, 0, bytes, 0x7F, &stream)?;
+    // The output of one more run, from a poisoned buffer (or, for the
+    // in-place reduce, from the input), for the checks.
+    let check_len = if matches!(subject, Subject::Memcpy) {
+        in_bytes
+    } else {
+        out_bytes
+    };
+    if colls::in_place(coll) && !matches!(subject, Subject::Memcpy) {
+        comm.write(&output, 0, input)?;
+        dev.synchronize(comm.stream())?;
+    } else {
+        dev.memset(&output, 0, check_len, 0x7F, &stream)?;
+    }
     run(0)?;
-    let mut got = vec![0u8; bytes];
+    let mut got = vec![0u8; check_len];
     dev.copy_to_host(&output, 0, &mut got, &stream)?;
     let row = Row {
-        bytes,
-        count,
+        coll,
+        bytes: case.bytes,
+        count: case.n_in,
         dtype,
         op: a.op,
         algo: String::new(),
@@ -567,6 +683,30 @@ fn measure<D: Device>(
         relerr: None,
     };
     Ok((row, got))
+}
+
+#[cfg(any(feature = "nccl", feature = "rccl"))]
+fn nccl_direct<D: Device>(
+    comm: &Communicator<D>,
+    stream: &D::Stream,
+    coll: colls::Coll,
+    input: Tensor,
+    output: Tensor,
+    op: ReduceOp,
+) -> Result<()> {
+    colls::through_ccl(comm, stream, coll, input, output, op)
+}
+
+#[cfg(not(any(feature = "nccl", feature = "rccl")))]
+fn nccl_direct<D: Device>(
+    _: &Communicator<D>,
+    _: &D::Stream,
+    _: colls::Coll,
+    _: Tensor,
+    _: Tensor,
+    _: ReduceOp,
+) -> Result<()> {
+    Err(Error::Unsupported("built without NCCL/RCCL".into()))
 }
 
 /// Elements whose bytes differ.
@@ -634,10 +774,6 @@ fn input_bytes<T: data::FromF64>(seed: u64, rank: usize, count: usize, op: Reduc
     data::to_bytes(&data::make_input::<T>(seed, rank, 0, count, op, values))
 }
 
-fn reference_bytes<T: data::FromF64>(seed: u64, world: usize, count: usize, op: ReduceOp) -> Vec<u8> {
-    data::to_bytes(&data::reference::<T>(seed, world, 0, count, op, Values::Exact))
-}
-
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     if v.is_empty() {
@@ -659,14 +795,15 @@ fn agree(store: &Arc<dyn Store>, seq: usize, rank: usize, world: usize, row: Row
     })
 }
 
-/// (algbw, busbw) in GB/s: busbw is nccl-tests' all-reduce factor
-/// 2(n-1)/n; a memcpy moves its bytes once, so its busbw is its algbw.
+/// (algbw, busbw) in GB/s: busbw is nccl-tests' factor of the collective
+/// (2(n-1)/n for all-reduce, ...); a memcpy moves its bytes once, so its
+/// busbw is its algbw.
 fn bandwidths(row: &Row, world: usize) -> (f64, f64) {
     let algbw = row.bytes as f64 / (row.time_us * 1e-6) / 1e9;
     let factor = if row.algo == "memcpy" {
         1.0
     } else {
-        2.0 * (world as f64 - 1.0) / world as f64
+        row.coll.busbw_factor(world)
     };
     (algbw, algbw * factor)
 }
@@ -675,9 +812,22 @@ fn print_row(r: &Row, world: usize) {
     let (algbw, busbw) = bandwidths(r, world);
     let wrong = r.wrong.map_or("-".to_string(), |w| w.to_string());
     let relerr = r.relerr.map_or("-".to_string(), |e| format!("{e:.4}"));
+    let op = if r.coll.reduces() { r.op.name() } else { "-" };
     println!(
-        "{:>12} {:>12} {:>5} {:>5} {:>20} {:>6} {:>10.2} {:>9.2} {:>9.2} {:>8.2} {:>7} {:>8}",
-        r.bytes, r.count, r.dtype, r.op, r.algo, r.mode, r.time_us, algbw, busbw, r.cpu_us, wrong, relerr
+        "{:>14} {:>12} {:>12} {:>6} {:>5} {:>20} {:>6} {:>10.2} {:>9.2} {:>9.2} {:>8.2} {:>7} {:>8}",
+        r.coll.name(),
+        r.bytes,
+        r.count,
+        r.dtype,
+        op,
+        r.algo,
+        r.mode,
+        r.time_us,
+        algbw,
+        busbw,
+        r.cpu_us,
+        wrong,
+        relerr
     );
 }
 
@@ -692,8 +842,9 @@ fn to_json(rows: &[Row], a: &Args) -> String {
         let (algbw, busbw) = bandwidths(r, a.world);
         let _ = write!(
             s,
-            "{}{{\"size\":{},\"count\":{},\"dtype\":\"{}\",\"op\":\"{}\",\"algo\":\"{}\",\"mode\":\"{}\",\"time_us\":{:.3},\"algbw\":{:.3},\"busbw\":{:.3},\"cpu_us\":{:.3},\"wrong\":{},\"relerr\":{}}}",
+            "{}{{\"coll\":\"{}\",\"size\":{},\"count\":{},\"dtype\":\"{}\",\"op\":\"{}\",\"algo\":\"{}\",\"mode\":\"{}\",\"time_us\":{:.3},\"algbw\":{:.3},\"busbw\":{:.3},\"cpu_us\":{:.3},\"wrong\":{},\"relerr\":{}}}",
             if i == 0 { "" } else { "," },
+            r.coll.name(),
             r.bytes,
             r.count,
             r.dtype,

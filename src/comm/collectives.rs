@@ -1,0 +1,979 @@
+//! Every torchcomms collective, in Rust form: validation (before anything is
+//! launched, so bad input changes nothing), then the route: ferrocomm's
+//! kernels where it has them (all of them on the host backend, which is the
+//! reference), NCCL/RCCL underneath otherwise.
+
+use super::call::{Call, Factor, Reduction};
+use super::communicator::{Communicator, Submit};
+use super::tensor::Tensor;
+use super::vendor::VendorOp;
+use super::work::Work;
+use crate::algo::kernels::{KernelKind, KERNEL_OPS, QR_DTYPES, QUICK_REDUCE};
+use crate::algo::{AlgoChoice, Algorithm, CollectiveCall};
+use crate::device::{BackendKind, Device, DeviceBuffer, DevicePtr, MAX_RANKS, PARAM_SCALAR_IS_PTR};
+use crate::dtype::{check_supported, DType, ReduceOp};
+use crate::error::{Error, Result};
+
+/// One side of a point-to-point batch ([`Communicator::batch_p2p`]).
+#[derive(Debug, Clone, Copy)]
+pub enum P2p {
+    Send(Tensor, usize),
+    Recv(Tensor, usize),
+}
+
+/// `per_peer` rows of the host protocols (`backends/host/collectives.rs`).
+const SEND_COUNT: usize = 0;
+const SEND_ADDR: usize = 1;
+const RECV_COUNT: usize = 2;
+const RECV_ADDR: usize = 3;
+
+/// Per-peer send and receive lists of one exchange.
+#[derive(Clone, Copy)]
+struct Lists {
+    sends: [Option<(usize, DevicePtr)>; MAX_RANKS],
+    recvs: [Option<(usize, DevicePtr)>; MAX_RANKS],
+}
+
+impl Lists {
+    fn new() -> Self {
+        Lists {
+            sends: [None; MAX_RANKS],
+            recvs: [None; MAX_RANKS],
+        }
+    }
+
+    /// The host protocols' table: counts and addresses; `absent` marks a peer
+    /// with nothing listed (0 for exchanges, u64::MAX for send/recv batches,
+    /// where a message of 0 elements still counts).
+    fn table(&self, absent: u64) -> [[u64; MAX_RANKS]; 4] {
+        let mut t = [[0u64; MAX_RANKS]; 4];
+        for (q, (send, recv)) in self.sends.iter().zip(&self.recvs).enumerate() {
+            let (sc, sa) = send.map_or((absent, 0), |(c, p)| (c as u64, p.0));
+            let (rc, ra) = recv.map_or((absent, 0), |(c, p)| (c as u64, p.0));
+            t[SEND_COUNT][q] = sc;
+            t[SEND_ADDR][q] = sa;
+            t[RECV_COUNT][q] = rc;
+            t[RECV_ADDR][q] = ra;
+        }
+        t
+    }
+}
+
+impl<D: Device> Communicator<D> {
+    // ---------------------------------------------------------------- checks
+
+    fn backend(&self) -> BackendKind {
+        self.inner.device.facts().backend
+    }
+
+    fn on_host(&self) -> bool {
+        self.backend() == BackendKind::Host
+    }
+
+    /// Bytes of `t`, checked against the device (before anything is queued).
+    fn checked(&self, what: &str, t: &Tensor) -> Result<usize> {
+        let bytes = t.bytes().map_err(|e| context(e, what))?;
+        if bytes > 0 {
+            self.inner
+                .device
+                .check_memory(t.ptr(), bytes)
+                .map_err(|e| context(e, what))?;
+        }
+        Ok(bytes)
+    }
+
+    fn check_rank(&self, what: &str, r: usize) -> Result<()> {
+        if r >= self.size() {
+            return Err(Error::invalid(format!(
+                "{what} {r} is not a rank of a world of {}",
+                self.size()
+            )));
+        }
+        Ok(())
+    }
+
+    fn same_dtype(a: &Tensor, b: &Tensor) -> Result<()> {
+        if a.dtype() != b.dtype() {
+            return Err(Error::invalid(format!(
+                "input is {} but output is {}: a collective moves one dtype",
+                a.dtype(),
+                b.dtype()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The reduction's op and factor, checked against `dtype`.
+    fn checked_reduction(&self, red: &Reduction, dtype: DType) -> Result<(ReduceOp, u64, u32)> {
+        let op = red.op();
+        check_supported(dtype, op)?;
+        match red.factor()? {
+            None => Ok((op, 0, 0)),
+            Some(Factor::Host(f)) => Ok((op, (f as f32).to_bits() as u64, 0)),
+            Some(Factor::Device(t)) => {
+                if t.dtype() != dtype || t.count() == 0 {
+                    return Err(Error::invalid(format!(
+                        "premul_sum's device factor must be one {dtype} element, not {} x {}",
+                        t.count(),
+                        t.dtype()
+                    )));
+                }
+                self.checked("premul_sum factor", &t)?;
+                Ok((op, t.ptr().0, PARAM_SCALAR_IS_PTR))
+            }
+        }
+    }
+
+    /// The algorithm a call asked for: the `algo` hint, else the communicator's.
+    fn asked_algo(&self, call: &Call<'_, D>) -> Result<AlgoChoice> {
+        Ok(call.asked_algo()?.unwrap_or(self.inner.opts.algo))
+    }
+
+    // ------------------------------------------------------------ all-reduce
+
+    /// The algorithm dispatch picks for an all-reduce of `count` x `dtype`.
+    pub fn choose(&self, algo: AlgoChoice, count: usize, dtype: DType, op: ReduceOp) -> Algorithm {
+        let inner = &*self.inner;
+        let ccl_allowed = inner.has_vendor && !inner.opts.deterministic;
+        let quantize = inner
+            .opts
+            .quantization
+            .codec(self.backend())
+            .filter(|_| QR_DTYPES.contains(&dtype) && op == ReduceOp::Sum);
+        let bytes = count.saturating_mul(dtype.size());
+        let chosen = inner.table.choose(algo, bytes, inner.world, ccl_allowed, quantize);
+        crate::fc_log!(
+            tracing::Level::DEBUG,
+            "dispatch: all_reduce {count} x {dtype} {op} ({bytes} bytes, world {}, asked {algo:?}) -> {chosen}",
+            inner.world
+        );
+        chosen
+    }
+
+    /// In-place all-reduce of `t`.
+    pub fn all_reduce(&self, t: Tensor, red: impl Into<Reduction>, call: &Call<'_, D>) -> Result<Work<D>> {
+        self.all_reduce_into(t, t, red, call)
+    }
+
+    /// Out-of-place all-reduce: `output` (as many elements as `input`, or
+    /// `input` itself) receives the reduction of every rank's `input`.
+    pub fn all_reduce_into(
+        &self,
+        input: Tensor,
+        output: Tensor,
+        red: impl Into<Reduction>,
+        call: &Call<'_, D>,
+    ) -> Result<Work<D>> {
+        let red = red.into();
+        Self::same_dtype(&input, &output)?;
+        if input.count() != output.count() {
+            return Err(Error::invalid(format!(
+                "all_reduce: input has {} elements, output {}",
+                input.count(),
+                output.count()
+            )));
+        }
+        self.checked("all_reduce input", &input)?;
+        self.checked("all_reduce output", &output)?;
+        let dtype = input.dtype();
+        let (op, scalar, flags) = self.checked_reduction(&red, dtype)?;
+        let algo = self.asked_algo(call)?;
+        let algorithm = self.choose(algo, input.count(), dtype, op);
+        let vendor = algorithm == Algorithm::Ccl || (!self.on_host() && !KERNEL_OPS.contains(&op));
+        if let Some(codec) = algorithm.codec() {
+            if !(QR_DTYPES.contains(&dtype) && op == ReduceOp::Sum) {
+                return Err(Error::Unsupported(format!(
+                    "{algorithm} reduces f16 or bf16 sums only, not {dtype} {op}"
+                )));
+            }
+            let _ = codec;
+        }
+        if algorithm == Algorithm::OneShotLl && op == ReduceOp::PreMulSum {
+            return Err(Error::Unsupported(
+                "oneshot-ll carries no premul_sum factors; let dispatch choose".into(),
+            ));
+        }
+        let count = input.count();
+        self.submit(call, "all_reduce", |s| {
+            if count == 0 {
+                return Ok(());
+            }
+            if s.inner.world == 1 && op != ReduceOp::PreMulSum {
+                return copy_if_apart(s, output.ptr(), input.ptr(), count * dtype.size());
+            }
+            if vendor {
+                let op = VendorOp::AllReduce {
+                    send: input.ptr(),
+                    recv: output.ptr(),
+                    count,
+                    red,
+                };
+                return s.res.vendor.run(&s.inner.device, s.stream, dtype, op);
+            }
+            let Some(kind) = algorithm.kernel_kind() else {
+                return Err(Error::Unsupported(format!("{algorithm} has no kernel")));
+            };
+            let bytes = count * dtype.size();
+            // GPU kernels load whole elements: memory that is not aligned to
+            // its element goes through the staging buffer (in place there).
+            let staged = gpu_misaligned(s, &[input, output]);
+            let (inp, out) = match staged {
+                true => {
+                    let at = stage(s, &[input.ptr()], bytes)?;
+                    (at, at)
+                }
+                false => (input.ptr(), output.ptr()),
+            };
+            let mut c = CollectiveCall::new(kind, dtype, op, count, inp, out);
+            c.codec = algorithm.codec();
+            c.scalar = scalar;
+            c.flags = flags;
+            enqueue(s, &c)?;
+            if staged {
+                s.inner.device.copy_device(output.ptr(), out, bytes, s.stream)?;
+            }
+            Ok(())
+        })
+    }
+
+    // ------------------------------------------------- broadcast and reduce
+
+    /// `root`'s `t` into `t` on every rank.
+    pub fn broadcast(&self, t: Tensor, root: usize, call: &Call<'_, D>) -> Result<Work<D>> {
+        self.broadcast_into(t, t, root, call)
+    }
+
+    /// `root`'s `input` into `output` on every rank (`input` is only read on
+    /// the root; the same count everywhere).
+    pub fn broadcast_into(&self, input: Tensor, output: Tensor, root: usize, call: &Call<'_, D>) -> Result<Work<D>> {
+        self.check_rank("broadcast root", root)?;
+        Self::same_dtype(&input, &output)?;
+        if input.count() != output.count() {
+            return Err(Error::invalid("broadcast: input and output differ in length"));
+        }
+        let bytes = self.checked("broadcast output", &output)?;
+        if self.rank() == root {
+            self.checked("broadcast input", &input)?;
+        }
+        let dtype = input.dtype();
+        let count = input.count();
+        let on_host = self.on_host();
+        self.submit(call, "broadcast", |s| {
+            if count == 0 {
+                return Ok(());
+            }
+            if s.inner.world == 1 {
+                return copy_if_apart(s, output.ptr(), input.ptr(), bytes);
+            }
+            // The broadcast kernel moves elements of 2 or 4 bytes: any dtype
+            // whose bytes and addresses fit that (the bits are not looked at).
+            let fits = |k: usize| bytes % k == 0 && input.ptr().0 % k as u64 == 0 && output.ptr().0 % k as u64 == 0;
+            let as_kernel = if fits(4) {
+                Some((DType::I32, bytes / 4))
+            } else if fits(2) {
+                Some((DType::F16, bytes / 2))
+            } else {
+                None
+            };
+            match as_kernel {
+                Some((kd, n)) if on_host || !s.res.vendor.available() || dtype.size() <= 4 => {
+                    let mut c =
+                        CollectiveCall::new(KernelKind::Broadcast, kd, ReduceOp::Sum, n, input.ptr(), output.ptr());
+                    c.root = root;
+                    enqueue(s, &c)
+                }
+                None if !on_host && !s.res.vendor.available() => {
+                    // No NCCL: through the staging buffer, 4-byte aligned.
+                    let padded = bytes.next_multiple_of(4);
+                    let at = stage_padded(s, &[input.ptr()], bytes, padded)?;
+                    let mut c =
+                        CollectiveCall::new(KernelKind::Broadcast, DType::I32, ReduceOp::Sum, padded / 4, at, at);
+                    c.root = root;
+                    enqueue(s, &c)?;
+                    s.inner.device.copy_device(output.ptr(), at, bytes, s.stream)
+                }
+                _ if on_host => {
+                    // Odd byte counts: the root sends to everyone.
+                    let mut l = Lists::new();
+                    if s.inner.rank == root {
+                        for q in 0..s.inner.world {
+                            l.sends[q] = Some((count, input.ptr()));
+                        }
+                    }
+                    l.recvs[root] = Some((count, output.ptr()));
+                    exchange(s, dtype, &l)
+                }
+                _ => {
+                    let op = VendorOp::Broadcast {
+                        send: input.ptr(),
+                        recv: output.ptr(),
+                        count,
+                        root,
+                    };
+                    s.res.vendor.run(&s.inner.device, s.stream, dtype, op)
+                }
+            }
+        })
+    }
+
+    /// Reduce every rank's `t` into `t` on `root` (in place there; the other
+    /// ranks' `t` is only read).
+    pub fn reduce(&self, t: Tensor, red: impl Into<Reduction>, root: usize, call: &Call<'_, D>) -> Result<Work<D>> {
+        let red = red.into();
+        self.check_rank("reduce root", root)?;
+        self.checked("reduce tensor", &t)?;
+        let dtype = t.dtype();
+        let (op, scalar, flags) = self.checked_reduction(&red, dtype)?;
+        let count = t.count();
+        let on_host = self.on_host();
+        self.submit(call, "reduce", |s| {
+            if count == 0 || (s.inner.world == 1 && op != ReduceOp::PreMulSum) {
+                return Ok(());
+            }
+            if !on_host {
+                let op = VendorOp::Reduce {
+                    send: t.ptr(),
+                    recv: t.ptr(),
+                    count,
+                    red,
+                    root,
+                };
+                return s.res.vendor.run(&s.inner.device, s.stream, dtype, op);
+            }
+            let mut l = Lists::new();
+            l.sends[root] = Some((count, t.ptr()));
+            if s.inner.rank == root {
+                for q in 0..s.inner.world {
+                    l.recvs[q] = Some((count, t.ptr()));
+                }
+            }
+            reduce_to(s, dtype, op, scalar, flags, count, t.ptr(), &l)
+        })
+    }
+
+    // ------------------------------------------- all-gather, reduce-scatter
+
+    /// Every rank's `input` into `output`, in rank order (`output` holds
+    /// `world` times `input`; `input` may be this rank's part of it).
+    pub fn all_gather_single(&self, output: Tensor, input: Tensor, call: &Call<'_, D>) -> Result<Work<D>> {
+        Self::same_dtype(&input, &output)?;
+        let world = self.size();
+        let n = input.count();
+        if output.count() != n.saturating_mul(world) {
+            return Err(Error::invalid(format!(
+                "all_gather_single: output has {} elements, not world ({world}) x input ({n})",
+                output.count()
+            )));
+        }
+        let parts: Vec<Tensor> = (0..world).map(|r| output.slice(r * n, n)).collect::<Result<_>>()?;
+        self.all_gather_impl(&parts, input, Some(output), call)
+    }
+
+    /// Every rank's `input` into `outputs[rank]` (one tensor per rank, each
+    /// as long as `input`).
+    pub fn all_gather(&self, outputs: &[Tensor], input: Tensor, call: &Call<'_, D>) -> Result<Work<D>> {
+        self.all_gather_impl(outputs, input, None, call)
+    }
+
+    fn all_gather_impl(
+        &self,
+        outputs: &[Tensor],
+        input: Tensor,
+        whole: Option<Tensor>,
+        call: &Call<'_, D>,
+    ) -> Result<Work<D>> {
+        let world = self.size();
+        if outputs.len() != world {
+            return Err(Error::invalid(format!(
+                "all_gather: {} output tensors for a world of {world}",
+                outputs.len()
+            )));
+        }
+        let n = input.count();
+        self.checked("all_gather input", &input)?;
+        for (r, o) in outputs.iter().enumerate() {
+            Self::same_dtype(&input, o)?;
+            if o.count() != n {
+                return Err(Error::invalid(format!(
+                    "all_gather: output {r} has {} elements, input {n}",
+                    o.count()
+                )));
+            }
+            self.checked("all_gather output", o)?;
+        }
+        let dtype = input.dtype();
+        let outs: Vec<DevicePtr> = outputs.iter().map(Tensor::ptr).collect();
+        let on_host = self.on_host();
+        self.submit(call, "all_gather", |s| {
+            let me = s.inner.rank;
+            let mut l = Lists::new();
+            for (q, out) in outs.iter().enumerate() {
+                l.sends[q] = Some((n, input.ptr()));
+                l.recvs[q] = Some((n, *out));
+            }
+            if on_host {
+                return exchange(s, dtype, &l);
+            }
+            if n == 0 {
+                return Ok(());
+            }
+            if world == 1 {
+                return copy_if_apart(s, outs[0], input.ptr(), n * dtype.size());
+            }
+            match whole {
+                Some(out) => {
+                    let op = VendorOp::AllGather {
+                        send: input.ptr(),
+                        recv: out.ptr(),
+                        count: n,
+                    };
+                    s.res.vendor.run(&s.inner.device, s.stream, dtype, op)
+                }
+                None => vendor_exchange(s, dtype, l, me),
+            }
+        })
+    }
+
+    /// Reduce every rank's `input` (`world` blocks of `output`'s length) and
+    /// leave block `rank` of the result in `output`.
+    pub fn reduce_scatter_single(
+        &self,
+        output: Tensor,
+        input: Tensor,
+        red: impl Into<Reduction>,
+        call: &Call<'_, D>,
+    ) -> Result<Work<D>> {
+        Self::same_dtype(&input, &output)?;
+        let world = self.size();
+        let n = output.count();
+        if input.count() != n.saturating_mul(world) {
+            return Err(Error::invalid(format!(
+                "reduce_scatter_single: input has {} elements, not world ({world}) x output ({n})",
+                input.count()
+            )));
+        }
+        let parts: Vec<Tensor> = (0..world).map(|r| input.slice(r * n, n)).collect::<Result<_>>()?;
+        self.reduce_scatter_impl(output, &parts, Some(input), red.into(), call)
+    }
+
+    /// Reduce `inputs[r]` of every rank into `output` on rank `r` (one input
+    /// tensor per rank, each as long as `output`).
+    pub fn reduce_scatter(
+        &self,
+        output: Tensor,
+        inputs: &[Tensor],
+        red: impl Into<Reduction>,
+        call: &Call<'_, D>,
+    ) -> Result<Work<D>> {
+        self.reduce_scatter_impl(output, inputs, None, red.into(), call)
+    }
+
+    fn reduce_scatter_impl(
+        &self,
+        output: Tensor,
+        inputs: &[Tensor],
+        whole: Option<Tensor>,
+        red: Reduction,
+        call: &Call<'_, D>,
+    ) -> Result<Work<D>> {
+        let world = self.size();
+        if inputs.len() != world {
+            return Err(Error::invalid(format!(
+                "reduce_scatter: {} input tensors for a world of {world}",
+                inputs.len()
+            )));
+        }
+        let n = output.count();
+        self.checked("reduce_scatter output", &output)?;
+        for (r, i) in inputs.iter().enumerate() {
+            Self::same_dtype(i, &output)?;
+            if i.count() != n {
+                return Err(Error::invalid(format!(
+                    "reduce_scatter: input {r} has {} elements, output {n}",
+                    i.count()
+                )));
+            }
+            self.checked("reduce_scatter input", i)?;
+        }
+        let dtype = output.dtype();
+        let (op, scalar, flags) = self.checked_reduction(&red, dtype)?;
+        let ins: Vec<DevicePtr> = inputs.iter().map(Tensor::ptr).collect();
+        let on_host = self.on_host();
+        self.submit(call, "reduce_scatter", |s| {
+            let mut l = Lists::new();
+            for (q, inp) in ins.iter().enumerate() {
+                l.sends[q] = Some((n, *inp));
+                l.recvs[q] = Some((n, output.ptr()));
+            }
+            if on_host {
+                return reduce_to(s, dtype, op, scalar, flags, n, output.ptr(), &l);
+            }
+            if n == 0 {
+                return Ok(());
+            }
+            if world == 1 && op != ReduceOp::PreMulSum {
+                return copy_if_apart(s, output.ptr(), ins[0], n * dtype.size());
+            }
+            let send = match whole {
+                Some(t) => t.ptr(),
+                // NCCL reduces one contiguous input: stage the list there.
+                None => stage(s, &ins, n * dtype.size())?,
+            };
+            let op = VendorOp::ReduceScatter {
+                send,
+                recv: output.ptr(),
+                count: n,
+                red,
+            };
+            s.res.vendor.run(&s.inner.device, s.stream, dtype, op)
+        })
+    }
+
+    // ------------------------------------------------------------ all-to-all
+
+    /// Block `q` of `input` to rank `q`, block `s` of `output` from rank `s`
+    /// (equal blocks of `count / world`; in place allowed).
+    pub fn all_to_all_single(&self, output: Tensor, input: Tensor, call: &Call<'_, D>) -> Result<Work<D>> {
+        self.all_to_all_v_single(output, input, &[], &[], call)
+    }
+
+    /// All-to-all with split sizes per peer (in elements; zeros allowed;
+    /// empty slices mean equal splits): `input_splits[q]` elements go to
+    /// rank `q`, `output_splits[s]` come from rank `s`, blocks back to back.
+    /// The splits must sum to the tensors' lengths; in place only with equal
+    /// input and output splits.
+    pub fn all_to_all_v_single(
+        &self,
+        output: Tensor,
+        input: Tensor,
+        output_splits: &[usize],
+        input_splits: &[usize],
+        call: &Call<'_, D>,
+    ) -> Result<Work<D>> {
+        Self::same_dtype(&input, &output)?;
+        let world = self.size();
+        let splits = |what: &str, given: &[usize], t: &Tensor| -> Result<Vec<usize>> {
+            if given.is_empty() {
+                if t.count() % world != 0 {
+                    return Err(Error::invalid(format!(
+                        "all_to_all: {what} of {} elements does not split evenly over {world} ranks",
+                        t.count()
+                    )));
+                }
+                return Ok(vec![t.count() / world; world]);
+            }
+            if given.len() != world {
+                return Err(Error::invalid(format!(
+                    "all_to_all: {} {what} splits for a world of {world}",
+                    given.len()
+                )));
+            }
+            let sum = given.iter().try_fold(0usize, |a, &b| a.checked_add(b));
+            if sum != Some(t.count()) {
+                return Err(Error::invalid(format!(
+                    "all_to_all: {what} splits {given:?} do not sum to its {} elements",
+                    t.count()
+                )));
+            }
+            Ok(given.to_vec())
+        };
+        let ins = splits("input", input_splits, &input)?;
+        let outs = splits("output", output_splits, &output)?;
+        if input.overlaps(&output) && (input != output || ins != outs) {
+            return Err(Error::invalid(
+                "all_to_all in place needs the same tensor and equal input and output splits",
+            ));
+        }
+        let blocks = |t: &Tensor, s: &[usize]| -> Result<Vec<Tensor>> {
+            let mut at = 0;
+            s.iter()
+                .map(|&n| {
+                    let b = t.slice(at, n);
+                    at += n;
+                    b
+                })
+                .collect()
+        };
+        let (ib, ob) = (blocks(&input, &ins)?, blocks(&output, &outs)?);
+        self.all_to_all_impl(&ob, &ib, call)
+    }
+
+    /// `inputs[q]` to rank `q`, `outputs[s]` from rank `s` (lists of one
+    /// tensor per rank; lengths may differ per peer).
+    pub fn all_to_all(&self, outputs: &[Tensor], inputs: &[Tensor], call: &Call<'_, D>) -> Result<Work<D>> {
+        let world = self.size();
+        if outputs.len() != world || inputs.len() != world {
+            return Err(Error::invalid(format!(
+                "all_to_all: {} outputs and {} inputs for a world of {world}",
+                outputs.len(),
+                inputs.len()
+            )));
+        }
+        self.all_to_all_impl(outputs, inputs, call)
+    }
+
+    fn all_to_all_impl(&self, outputs: &[Tensor], inputs: &[Tensor], call: &Call<'_, D>) -> Result<Work<D>> {
+        let dtype = inputs.first().map_or(DType::U8, Tensor::dtype);
+        for t in inputs.iter().chain(outputs) {
+            if t.dtype() != dtype {
+                return Err(Error::invalid("all_to_all: every tensor must have one dtype"));
+            }
+            self.checked("all_to_all tensor", t)?;
+        }
+        let me = self.rank();
+        if inputs[me].count() != outputs[me].count() {
+            return Err(Error::invalid(format!(
+                "all_to_all: rank {me} sends itself {} elements but expects {}",
+                inputs[me].count(),
+                outputs[me].count()
+            )));
+        }
+        let mut l = Lists::new();
+        for q in 0..self.size() {
+            l.sends[q] = Some((inputs[q].count(), inputs[q].ptr()));
+            l.recvs[q] = Some((outputs[q].count(), outputs[q].ptr()));
+        }
+        let on_host = self.on_host();
+        self.submit(call, "all_to_all", |s| {
+            if on_host {
+                exchange(s, dtype, &l)
+            } else {
+                vendor_exchange(s, dtype, l, me)
+            }
+        })
+    }
+
+    // -------------------------------------------------------- gather, scatter
+
+    /// Every rank's `input` into `outputs[rank]` on `root` (elsewhere
+    /// `outputs` may be empty).
+    pub fn gather(&self, outputs: &[Tensor], input: Tensor, root: usize, call: &Call<'_, D>) -> Result<Work<D>> {
+        self.check_rank("gather root", root)?;
+        self.checked("gather input", &input)?;
+        let me = self.rank();
+        let world = self.size();
+        let n = input.count();
+        let mut l = Lists::new();
+        l.sends[root] = Some((n, input.ptr()));
+        if me == root {
+            if outputs.len() != world {
+                return Err(Error::invalid(format!(
+                    "gather: the root needs {world} output tensors, got {}",
+                    outputs.len()
+                )));
+            }
+            for (s, o) in outputs.iter().enumerate() {
+                Self::same_dtype(&input, o)?;
+                if o.count() != n {
+                    return Err(Error::invalid(format!(
+                        "gather: output {s} has {} elements, input {n}",
+                        o.count()
+                    )));
+                }
+                self.checked("gather output", o)?;
+                l.recvs[s] = Some((n, o.ptr()));
+            }
+        }
+        let (dtype, on_host) = (input.dtype(), self.on_host());
+        self.submit(call, "gather", |s| match on_host {
+            true => exchange(s, dtype, &l),
+            false => vendor_exchange(s, dtype, l, me),
+        })
+    }
+
+    /// `inputs[rank]` of `root` into `output` on every rank (elsewhere
+    /// `inputs` may be empty).
+    pub fn scatter(&self, output: Tensor, inputs: &[Tensor], root: usize, call: &Call<'_, D>) -> Result<Work<D>> {
+        self.check_rank("scatter root", root)?;
+        self.checked("scatter output", &output)?;
+        let me = self.rank();
+        let world = self.size();
+        let n = output.count();
+        let mut l = Lists::new();
+        l.recvs[root] = Some((n, output.ptr()));
+        if me == root {
+            if inputs.len() != world {
+                return Err(Error::invalid(format!(
+                    "scatter: the root needs {world} input tensors, got {}",
+                    inputs.len()
+                )));
+            }
+            for (q, i) in inputs.iter().enumerate() {
+                Self::same_dtype(i, &output)?;
+                if i.count() != n {
+                    return Err(Error::invalid(format!(
+                        "scatter: input {q} has {} elements, output {n}",
+                        i.count()
+                    )));
+                }
+                self.checked("scatter input", i)?;
+                l.sends[q] = Some((n, i.ptr()));
+            }
+        }
+        let (dtype, on_host) = (output.dtype(), self.on_host());
+        self.submit(call, "scatter", |s| match on_host {
+            true => exchange(s, dtype, &l),
+            false => vendor_exchange(s, dtype, l, me),
+        })
+    }
+
+    // --------------------------------------------------------- send, receive
+
+    /// Send `t` to `peer` (matched, in order, by its [`Communicator::recv`]).
+    pub fn send(&self, t: Tensor, peer: usize, call: &Call<'_, D>) -> Result<Work<D>> {
+        self.batch_p2p(&[P2p::Send(t, peer)], call)
+    }
+
+    /// Receive into `t` from `peer`.
+    pub fn recv(&self, t: Tensor, peer: usize, call: &Call<'_, D>) -> Result<Work<D>> {
+        self.batch_p2p(&[P2p::Recv(t, peer)], call)
+    }
+
+    /// Sends and receives as one group: they all make progress together, so
+    /// a batch cannot deadlock on its own order (a ring, a pairwise swap).
+    /// Messages between two ranks are matched in the order they are issued;
+    /// each receive must expect as many elements as its send carries.
+    pub fn batch_p2p(&self, ops: &[P2p], call: &Call<'_, D>) -> Result<Work<D>> {
+        let me = self.rank();
+        let dtype = match ops.first() {
+            Some(P2p::Send(t, _) | P2p::Recv(t, _)) => t.dtype(),
+            None => DType::U8,
+        };
+        for op in ops {
+            let (t, peer) = match op {
+                P2p::Send(t, p) | P2p::Recv(t, p) => (t, *p),
+            };
+            self.check_rank("peer", peer)?;
+            self.checked("send/recv tensor", t)?;
+            if t.dtype() != dtype {
+                return Err(Error::invalid("batch_p2p: every tensor must have one dtype"));
+            }
+        }
+        // Messages to ourselves pair up in order and become copies.
+        let own_sends: Vec<Tensor> = ops
+            .iter()
+            .filter(|o| matches!(o, P2p::Send(_, p) if *p == me))
+            .map(op_tensor)
+            .collect();
+        let own_recvs: Vec<Tensor> = ops
+            .iter()
+            .filter(|o| matches!(o, P2p::Recv(_, p) if *p == me))
+            .map(op_tensor)
+            .collect();
+        if own_sends.len() != own_recvs.len() || own_sends.iter().zip(&own_recvs).any(|(a, b)| a.count() != b.count()) {
+            return Err(Error::invalid(
+                "batch_p2p: sends to this rank itself must be matched by receives of the same length in the same batch",
+            ));
+        }
+        // Rounds: the k-th message with a peer goes in round k, so one
+        // launch carries at most one send and one receive per peer.
+        let mut rounds: Vec<Lists> = Vec::new();
+        let mut seen_send = [0usize; MAX_RANKS];
+        let mut seen_recv = [0usize; MAX_RANKS];
+        for op in ops {
+            let (list_send, peer, t) = match op {
+                P2p::Send(t, p) => (true, *p, t),
+                P2p::Recv(t, p) => (false, *p, t),
+            };
+            if peer == me {
+                continue;
+            }
+            let k = if list_send {
+                &mut seen_send[peer]
+            } else {
+                &mut seen_recv[peer]
+            };
+            if rounds.len() <= *k {
+                rounds.push(Lists::new());
+            }
+            let slot = (t.count(), t.ptr());
+            if list_send {
+                rounds[*k].sends[peer] = Some(slot);
+            } else {
+                rounds[*k].recvs[peer] = Some(slot);
+            }
+            *k += 1;
+        }
+        let on_host = self.on_host();
+        self.submit(call, "send/recv", |s| {
+            for (a, b) in own_sends.iter().zip(&own_recvs) {
+                copy_if_apart(s, b.ptr(), a.ptr(), a.count() * dtype.size())?;
+            }
+            for l in &rounds {
+                if on_host {
+                    let mut c = CollectiveCall::new(
+                        KernelKind::SendRecv,
+                        dtype,
+                        ReduceOp::Sum,
+                        0,
+                        DevicePtr::NULL,
+                        DevicePtr::NULL,
+                    );
+                    c.per_peer = l.table(u64::MAX);
+                    enqueue(s, &c)?;
+                } else {
+                    s.res.vendor.run(
+                        &s.inner.device,
+                        s.stream,
+                        dtype,
+                        VendorOp::Exchange {
+                            sends: &l.sends,
+                            recvs: &l.recvs,
+                        },
+                    )?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    // ---------------------------------------------------------------- barrier
+
+    /// Wait until every rank reaches the barrier (a one-element all-reduce
+    /// on the communicator's scratch memory).
+    pub fn barrier(&self, call: &Call<'_, D>) -> Result<Work<D>> {
+        self.submit(call, "barrier", |s| {
+            if s.inner.world == 1 {
+                return Ok(());
+            }
+            let ptr = s.res.scratch.ptr();
+            let c = CollectiveCall::new(KernelKind::OneShot, DType::I32, ReduceOp::Sum, 1, ptr, ptr);
+            enqueue(s, &c)
+        })
+    }
+}
+
+fn op_tensor(o: &P2p) -> Tensor {
+    match o {
+        P2p::Send(t, _) | P2p::Recv(t, _) => *t,
+    }
+}
+
+fn context(e: Error, what: &str) -> Error {
+    match e {
+        Error::InvalidArgument(m) => Error::InvalidArgument(format!("{what}: {m}")),
+        other => other,
+    }
+}
+
+/// A device copy, skipped when source and destination are the same bytes.
+fn copy_if_apart<D: Device>(s: &Submit<'_, D>, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+    if dst == src || bytes == 0 {
+        return Ok(());
+    }
+    s.inner.device.copy_device(dst, src, bytes, s.stream)
+}
+
+/// Enqueue one of ferrocomm's kernels (quick-reduce's module loaded on first use).
+fn enqueue<D: Device>(s: &mut Submit<'_, D>, c: &CollectiveCall) -> Result<()> {
+    let inner = s.inner;
+    if c.codec.is_some() && s.res.qr_module.is_none() {
+        s.res.qr_module = Some(inner.device.load_module(&QUICK_REDUCE)?);
+    }
+    let module = match (&s.res.qr_module, c.codec) {
+        (Some(m), Some(_)) => m,
+        _ => &s.res.module,
+    };
+    c.enqueue(
+        &inner.device,
+        module,
+        &inner.names,
+        &inner.grids,
+        &s.res.ws,
+        &inner.flags,
+        inner.rank,
+        s.timeout,
+        s.stream,
+    )
+}
+
+/// The host exchange protocol (all-gather, gather, scatter, all-to-all).
+fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists) -> Result<()> {
+    let mut c = CollectiveCall::new(
+        KernelKind::Exchange,
+        dtype,
+        ReduceOp::Sum,
+        0,
+        DevicePtr::NULL,
+        DevicePtr::NULL,
+    );
+    c.per_peer = l.table(0);
+    enqueue(s, &c)
+}
+
+/// The host reduce-to protocol (reduce-scatter, reduce).
+#[allow(clippy::too_many_arguments)]
+fn reduce_to<D: Device>(
+    s: &mut Submit<'_, D>,
+    dtype: DType,
+    op: ReduceOp,
+    scalar: u64,
+    flags: u32,
+    n: usize,
+    output: DevicePtr,
+    l: &Lists,
+) -> Result<()> {
+    let mut c = CollectiveCall::new(KernelKind::ReduceTo, dtype, op, n, DevicePtr::NULL, output);
+    c.per_peer = l.table(0);
+    c.scalar = scalar;
+    c.flags = flags;
+    enqueue(s, &c)
+}
+
+/// An exchange through NCCL/RCCL: our own block as a device copy, the rest
+/// as one group of sends and receives.
+fn vendor_exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, mut l: Lists, me: usize) -> Result<()> {
+    if let (Some((n, from)), Some((_, to))) = (l.sends[me].take(), l.recvs[me].take()) {
+        copy_if_apart(s, to, from, n * dtype.size())?;
+    }
+    let world = s.inner.world;
+    if (0..world).all(|q| l.sends[q].is_none() && l.recvs[q].is_none()) {
+        return Ok(());
+    }
+    let (sends, recvs) = (&l.sends[..world], &l.recvs[..world]);
+    s.res
+        .vendor
+        .run(&s.inner.device, s.stream, dtype, VendorOp::Exchange { sends, recvs })
+}
+
+/// Whether a GPU kernel would see one of `tensors` misaligned for its
+/// element (the host kernels copy bytes and take any alignment).
+fn gpu_misaligned<D: Device>(s: &Submit<'_, D>, tensors: &[Tensor]) -> bool {
+    s.inner.device.facts().backend != BackendKind::Host
+        && tensors.iter().any(|t| t.ptr().0 % t.dtype().size() as u64 != 0)
+}
+
+/// Copy the blocks `srcs` (each `bytes`) back to back into the
+/// communicator's staging buffer (grown on demand; not while capturing).
+fn stage<D: Device>(s: &mut Submit<'_, D>, srcs: &[DevicePtr], bytes: usize) -> Result<DevicePtr> {
+    stage_padded(s, srcs, bytes, bytes * srcs.len())
+}
+
+/// [`stage`], with a staging buffer of at least `capacity` bytes.
+fn stage_padded<D: Device>(
+    s: &mut Submit<'_, D>,
+    srcs: &[DevicePtr],
+    bytes: usize,
+    capacity: usize,
+) -> Result<DevicePtr> {
+    let need = capacity.max(bytes * srcs.len());
+    let fits = s.res.staging.as_ref().is_some_and(|b| b.len() >= need);
+    if !fits {
+        if s.capturing {
+            return Err(Error::Unsupported(
+                "this call goes through the staging buffer on a GPU (a list reduce-scatter, or memory not \
+                 aligned to its element), and the staging buffer cannot grow inside a graph capture: make one \
+                 eager call of this size first, or pass aligned, contiguous tensors"
+                    .into(),
+            ));
+        }
+        s.res.staging = Some(s.inner.device.alloc(need, crate::device::MemKind::Plain)?);
+    }
+    let base = s.res.staging.as_ref().map_or(DevicePtr::NULL, |b| b.ptr());
+    for (k, src) in srcs.iter().enumerate() {
+        s.inner
+            .device
+            .copy_device(base.offset(k * bytes), *src, bytes, s.stream)?;
+    }
+    Ok(base)
+}
