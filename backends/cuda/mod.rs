@@ -354,6 +354,12 @@ impl Device for CudaDevice {
         CudaStream::new(self.ctx.clone())
     }
 
+    unsafe fn borrow_stream(&self, raw: u64) -> Result<CudaStream> {
+        // SAFETY: forwarded from the caller (a live stream of this device
+        // that outlives the wrapper and its work).
+        Ok(unsafe { CudaStream::borrowed(self.ctx.clone(), raw) })
+    }
+
     fn synchronize(&self, stream: &CudaStream) -> Result<()> {
         self.enter(stream)?;
         // Synchronising a capturing stream would invalidate the capture.

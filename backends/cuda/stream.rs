@@ -12,6 +12,8 @@ use crate::error::{Error, Result};
 pub struct CudaStream {
     pub(super) ctx: Arc<Context>,
     pub(super) raw: sys::CUstream,
+    /// False for a caller's stream ([`CudaStream::borrowed`]): never destroyed here.
+    owned: bool,
 }
 
 // SAFETY: a CUstream is a driver handle usable from any thread; the driver
@@ -27,7 +29,21 @@ impl CudaStream {
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
         // SAFETY: valid out-pointer; the context is current.
         check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut raw, flags) })?;
-        Ok(CudaStream { ctx, raw })
+        Ok(CudaStream { ctx, raw, owned: true })
+    }
+
+    /// Wrap a stream the caller created (or `0`, the legacy default stream);
+    /// dropping the wrapper leaves it alone.
+    ///
+    /// # Safety
+    /// `raw` is a live stream of `ctx`'s device, and it outlives the wrapper
+    /// and the work queued through it.
+    pub(super) unsafe fn borrowed(ctx: Arc<Context>, raw: u64) -> CudaStream {
+        CudaStream {
+            ctx,
+            raw: raw as usize as sys::CUstream,
+            owned: false,
+        }
     }
 
     /// Whether the stream is in graph capture (active or invalidated).
@@ -58,6 +74,9 @@ impl CudaStream {
 
 impl Drop for CudaStream {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         self.ctx.bind_for_drop();
         // SAFETY: destroys the stream created in `new`, once. Work still queued
         // completes first (the driver defers the release).

@@ -432,6 +432,12 @@ impl Device for HipDevice {
         HipStream::new(self.ctx.clone())
     }
 
+    unsafe fn borrow_stream(&self, raw: u64) -> Result<HipStream> {
+        // SAFETY: forwarded from the caller (a live stream of this device
+        // that outlives the wrapper and its work).
+        Ok(unsafe { HipStream::borrowed(self.ctx.clone(), raw) })
+    }
+
     fn synchronize(&self, stream: &HipStream) -> Result<()> {
         self.enter(stream)?;
         // Synchronising a capturing stream would invalidate the capture.

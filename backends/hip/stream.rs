@@ -16,6 +16,8 @@ use crate::error::{Error, Result};
 pub struct HipStream {
     pub(super) ctx: Arc<DeviceCtx>,
     pub(super) raw: RawStream,
+    /// False for a caller's stream ([`HipStream::borrowed`]): never destroyed here.
+    owned: bool,
 }
 
 // SAFETY: a hipStream_t is a runtime handle usable from any thread; the runtime
@@ -32,7 +34,21 @@ impl HipStream {
         check("hipStreamCreateWithFlags", unsafe {
             (ctx.hip().stream_create_with_flags)(&mut raw, HIP_STREAM_NON_BLOCKING)
         })?;
-        Ok(HipStream { ctx, raw })
+        Ok(HipStream { ctx, raw, owned: true })
+    }
+
+    /// Wrap a stream the caller created (or `0`, the null stream); dropping
+    /// the wrapper leaves it alone.
+    ///
+    /// # Safety
+    /// `raw` is a live stream of `ctx`'s device, and it outlives the wrapper
+    /// and the work queued through it.
+    pub(super) unsafe fn borrowed(ctx: Arc<DeviceCtx>, raw: u64) -> HipStream {
+        HipStream {
+            ctx,
+            raw: raw as usize as RawStream,
+            owned: false,
+        }
     }
 
     /// Whether the stream is in graph capture (active or invalidated).
@@ -65,6 +81,9 @@ impl HipStream {
 
 impl Drop for HipStream {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         self.ctx.bind_for_drop();
         // SAFETY: destroys the stream created in `new`, once. Work still queued
         // completes first (the runtime waits for it).
