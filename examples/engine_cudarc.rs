@@ -89,7 +89,10 @@ fn run() -> Result<String, Box<dyn std::error::Error>> {
     let graph = comm.device().end_capture(&s)?;
     captured?;
 
-    let replays: usize = std::env::var("REPLAYS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let replays: usize = std::env::var("REPLAYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
     // Small integers: every sum is exact, so the checks are bitwise.
     let value = |r: usize, i: usize, k: usize| ((r * 7 + i * 3 + k * 5) % 13) as f32 - 6.0;
     let mut ar_host = vec![0f32; n];
