@@ -19,7 +19,7 @@ use ferrocomm::bootstrap::{rendezvous_from_env, EnvRendezvous, Store};
 use ferrocomm::device::Device;
 use ferrocomm::{Call, CommOptions, Error, P2p, ReduceOp, Reduction, Registration, Tensor};
 use pyo3::prelude::*;
-use pyo3::types::{PyFloat, PyInt};
+use pyo3::types::{PyBool, PyFloat, PyInt};
 
 use crate::backend::{self, with_any, AnyComm, AnyWork, Backend};
 use crate::dlpack::{self, Imported, Owner, KDL_CUDA, KDL_CUDA_MANAGED, KDL_ROCM};
@@ -36,6 +36,20 @@ pub fn duration(secs: f64) -> PyResult<Duration> {
             "timeout {secs} s: expected a positive number of seconds"
         ))))
     }
+}
+
+/// A timeout from Python: seconds (int or float) or a `datetime.timedelta`.
+pub fn duration_of(obj: &Bound<'_, PyAny>) -> PyResult<Duration> {
+    let secs = if obj.hasattr("total_seconds")? {
+        obj.call_method0("total_seconds")?.extract::<f64>()?
+    } else if obj.is_instance_of::<PyFloat>() || (obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>()) {
+        obj.extract::<f64>()?
+    } else {
+        return Err(to_pyerr(Error::invalid(format!(
+            "timeout {obj}: expected seconds or a datetime.timedelta"
+        ))));
+    };
+    duration(secs)
 }
 
 fn options(name: Option<String>, timeout: Option<f64>) -> PyResult<CommOptions> {

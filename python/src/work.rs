@@ -94,13 +94,13 @@ impl Drop for PyWork {
 #[pymethods]
 impl PyWork {
     /// Block until the collective has completed (its result is then in the
-    /// output tensors). `timeout` (seconds): give up with `CommTimeout`
+    /// output tensors). `timeout` (seconds or a `timedelta`): give up with `CommTimeout`
     /// after it and leave the communicator usable; `None` waits as long as
     /// the call's timeout (plus a grace period) and aborts the communicator
     /// if that passes. Interruptible with Ctrl-C.
     #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        let limit = timeout.map(crate::comm::duration).transpose()?;
+    fn wait(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        let limit = timeout.map(crate::comm::duration_of).transpose()?;
         if let Some(p) = &self.pending {
             if let Some(w) = &p.work {
                 wait(py, w, &self.comm, limit, self.call_timeout, self.what)?;
