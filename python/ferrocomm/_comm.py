@@ -193,6 +193,26 @@ class Communicator:
             tensor, op.name, _factor(op), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s
         )
 
+    def all_reduce_into(
+        self,
+        output: Any,
+        input: Any,
+        op: Any = ReduceOp.SUM,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Out of place: ``output`` (as long as ``input``) receives the
+        reduction of every rank's ``input``; ``input`` is only read."""
+        output, input = prepare(output), prepare(input)
+        c, s = self._route(input, stream)
+        op = as_op(op)
+        return c.all_reduce_into(
+            output, input, op.name, _factor(op), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints),
+            stream=s,
+        )
+
     def broadcast(
         self,
         tensor: Any,

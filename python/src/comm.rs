@@ -255,15 +255,18 @@ impl PyComm {
             .unwrap_or_else(|| with_any!(&*self.comm, AnyComm, |c| c.options().timeout))
     }
 
-    /// Let go of the memory of outstanding work that has completed.
-    fn prune(&self) {
+    /// Let go of the memory of outstanding work that has completed, and
+    /// return the first failure among it: stream-ordered work nobody waits
+    /// on reports a dead peer or a mismatch at the next call, as NCCL's
+    /// asynchronous errors do.
+    fn prune(&self) -> Option<Error> {
         let done: Vec<Pending> = {
             let mut list = lock(&self.outstanding);
             let (done, left): (Vec<_>, Vec<_>) = list.drain(..).partition(Pending::is_completed);
             *list = left;
             done
         };
-        drop(done);
+        done.iter().find_map(Pending::failure)
     }
 
     /// After the collective was queued (or failed to be): a `Work` for
@@ -295,15 +298,20 @@ impl PyComm {
                 return Err(f.into());
             }
         };
-        // An event query while a stream captures a graph would invalidate
-        // the capture (CUDA's global capture mode): tidy up only outside one.
-        if !capturing {
-            self.prune();
-        }
         let pending = Pending {
             work: Some(work),
             owners: batch.owners,
         };
+        // An event query while a stream captures a graph would invalidate
+        // the capture (CUDA's global capture mode): tidy up only outside one.
+        if !capturing {
+            if let Some(e) = self.prune() {
+                // An earlier call failed; this one was queued on an aborted
+                // communicator (its kernels exit at once). Keep its memory.
+                lock(&self.outstanding).push(pending);
+                return Err(to_pyerr(e));
+            }
+        }
         let call_timeout = self.call_timeout(opts);
         if opts.async_op {
             return Ok(Some(PyWork::new(
@@ -475,6 +483,31 @@ impl PyComm {
         let red = batch.reduction(op, factor)?;
         launch!(self, py, batch, opts, "all_reduce", |c, call| c
             .all_reduce(t, red, &call))
+    }
+
+    /// Out of place: `output` (as long as `input`) receives the reduction
+    /// of every rank's `input` (vLLM's custom all-reduce is out of place).
+    #[pyo3(signature = (output, input, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_into(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        op: &str,
+        factor: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let out = batch.import(output, true, "all_reduce output")?;
+        let inp = batch.import(input, false, "all_reduce input")?;
+        let red = batch.reduction(op, factor)?;
+        launch!(self, py, batch, opts, "all_reduce", |c, call| c
+            .all_reduce_into(inp, out, red, &call))
     }
 
     #[pyo3(signature = (tensor, root, *, async_op=false, timeout=None, hints=None, stream=None))]
@@ -833,7 +866,9 @@ impl PyComm {
     fn finalize(&self, py: Python<'_>) -> PyResult<()> {
         let comm = &*self.comm;
         let r = run(py, || with_any!(comm, AnyComm, |c| c.finalize()));
-        self.prune();
+        // Finalize drained the stream: every outstanding work is complete
+        // (its failures were the caller's to collect earlier).
+        let _ = self.prune();
         r
     }
 

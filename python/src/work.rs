@@ -34,6 +34,15 @@ impl Pending {
     }
 }
 
+impl Pending {
+    /// The error of completed work, if it failed (a peer that never came,
+    /// a mismatch); ferrocomm aborts the communicator as it reports it.
+    pub fn failure(&self) -> Option<Error> {
+        let w = self.work.as_ref()?;
+        with_any!(w, AnyWork, |w| w.wait(Some(Duration::ZERO))).err()
+    }
+}
+
 impl Drop for Pending {
     fn drop(&mut self) {
         // The memory must outlive the collective that uses it. The wait is

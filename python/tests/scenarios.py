@@ -126,6 +126,13 @@ def all_reduce() -> None:
     work = comm.all_reduce(t, async_op=True, timeout=datetime.timedelta(seconds=30))
     assert work.wait() is True and work.is_completed(), "async all_reduce"
     same(t, reference(ins, "sum"), "all_reduce 2-D async")
+    # Out of place: the input is only read (it may be read-only).
+    src = ins[r].copy()
+    src.setflags(write=False)
+    out = np.zeros_like(src)
+    comm.all_reduce_into(out, src)
+    same(out, reference(ins, "sum"), "all_reduce_into")
+    same(src, ins[r], "all_reduce_into leaves its input alone")
     s = np.array(float(r + 1), dtype=np.float32)
     comm.all_reduce(s)
     assert float(s) == W * (W + 1) / 2, f"0-d all_reduce: {s}"
