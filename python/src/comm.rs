@@ -23,7 +23,7 @@ use pyo3::types::{PyBool, PyFloat, PyInt};
 
 use crate::backend::{self, with_any, AnyComm, AnyWork, Backend};
 use crate::dlpack::{self, Imported, Owner, KDL_CUDA, KDL_CUDA_MANAGED, KDL_ROCM};
-use crate::errors::{detached, run, to_pyerr, Failure};
+use crate::errors::{detached, run, run_interruptible, to_pyerr, Failure};
 use crate::store::PyStore;
 use crate::work::{lock, Outstanding, Pending, PyWork};
 
@@ -361,10 +361,11 @@ impl PyComm {
         timeout: Option<f64>,
     ) -> PyResult<PyComm> {
         let opts = options(name, timeout)?;
-        let (comm, rdv) = run(py, || {
+        let backend = backend.to_string();
+        let (comm, rdv) = run_interruptible(py, move || {
             let rdv = rendezvous_from_env()?;
             let ordinal = device.unwrap_or(rdv.local_rank);
-            let comm = backend::create(backend, ordinal, rdv.store.clone(), rdv.rank, rdv.world, opts)?;
+            let comm = backend::create(&backend, ordinal, rdv.store.clone(), rdv.rank, rdv.world, opts)?;
             Ok((comm, rdv))
         })?;
         Ok(PyComm::new(comm, rdv.store.clone(), Some(Arc::new(rdv))))
@@ -388,8 +389,8 @@ impl PyComm {
     ) -> PyResult<PyComm> {
         let opts = options(name, timeout)?;
         let store: Arc<dyn Store> = Arc::new(PyStore::new(store));
-        let s = store.clone();
-        let comm = run(py, || backend::create(backend, device, s, rank, world_size, opts))?;
+        let (s, backend) = (store.clone(), backend.to_string());
+        let comm = run_interruptible(py, move || backend::create(&backend, device, s, rank, world_size, opts))?;
         Ok(PyComm::new(comm, store, None))
     }
 
@@ -405,8 +406,8 @@ impl PyComm {
             c.options().clone()
         ));
         opts.name = name;
-        let store = self.store.clone();
-        let comm = run(py, || backend::create(backend, ordinal, store, rank, world, opts))?;
+        let (store, backend) = (self.store.clone(), backend.to_string());
+        let comm = run_interruptible(py, move || backend::create(&backend, ordinal, store, rank, world, opts))?;
         Ok(self.derived(comm))
     }
 
@@ -846,9 +847,9 @@ impl PyComm {
     /// None on a rank not in the list. Collective over this communicator.
     #[pyo3(signature = (ranks, name=None))]
     fn split(&self, py: Python<'_>, ranks: Vec<usize>, name: Option<String>) -> PyResult<Option<PyComm>> {
-        let comm = &*self.comm;
-        let made = run(py, || {
-            with_any!(comm, AnyComm, |c| c
+        let comm = self.comm.clone();
+        let made = run_interruptible(py, move || {
+            with_any!(&*comm, AnyComm, |c| c
                 .split(&ranks, name.as_deref())
                 .map(|o| o.map(Backend::wrap_comm)))
         })?;

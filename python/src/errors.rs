@@ -76,6 +76,45 @@ pub fn run<T: Send>(py: Python<'_>, f: impl FnOnce() -> ferrocomm::Result<T> + S
     detached(py, f).map_err(PyErr::from)
 }
 
+/// Run `f` on a thread of its own and wait for it with the GIL released,
+/// checking for signals every 100 ms: communicator creation waits for every
+/// rank (up to the rendezvous timeout), and Ctrl-C must end that wait. On a
+/// signal the Python exception is raised at once; the creation goes on in
+/// the background until its own timeout, and what it made is dropped.
+pub fn run_interruptible<T: Send + 'static>(
+    py: Python<'_>,
+    f: impl FnOnce() -> ferrocomm::Result<T> + Send + 'static,
+) -> PyResult<T> {
+    use std::sync::mpsc::{channel, RecvTimeoutError};
+    take_pending();
+    let (tx, rx) = channel();
+    std::thread::Builder::new()
+        .name("ferrocomm-create".into())
+        .spawn(move || {
+            let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
+        })
+        .map_err(|e| to_pyerr(Error::io("starting the communicator creation thread", e)))?;
+    let mut rx = Some(rx);
+    loop {
+        // The receiver travels into the detached closure and back (it is
+        // Send, not Sync).
+        let (got, back) = match rx.take() {
+            Some(r) => py.detach(move || (r.recv_timeout(std::time::Duration::from_millis(100)), r)),
+            None => return Err(Failure::Panic("creation receiver lost".into()).into()),
+        };
+        rx = Some(back);
+        match got {
+            Ok(Ok(Ok(v))) => return Ok(v),
+            Ok(Ok(Err(e))) => return Err(to_pyerr(e)),
+            Ok(Err(panic)) => return Err(Failure::Panic(panic_text(panic.as_ref())).into()),
+            Err(RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(Failure::Panic("the creation thread ended without an answer".into()).into())
+            }
+        }
+    }
+}
+
 fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>()
         .map(|s| s.to_string())

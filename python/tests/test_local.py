@@ -202,3 +202,32 @@ def test_gpu_backend_without_gpu_is_a_clear_error():
             assert str(e)
         else:  # a machine with a GPU
             c.finalize()
+
+
+def test_ctrl_c_ends_a_rendezvous_waiting_for_a_missing_rank():
+    """Rank 1 never comes: SIGINT must end rank 0's wait at once (the wait
+    would otherwise last the rendezvous timeout)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="2",
+               FERROCOMM_TOKEN="t" * 16, PYTHONUNBUFFERED="1")
+    env.pop("FERROCOMM_TOKEN_FILE", None)
+    code = (
+        "import ferrocomm, time\n"
+        "print('waiting', flush=True)\n"
+        "try:\n"
+        "    ferrocomm.init(backend='host')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "waiting"
+    time.sleep(1.0)
+    start = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=30)
+    assert "interrupted" in out, out
+    assert time.monotonic() - start < 5
