@@ -231,3 +231,20 @@ def test_ctrl_c_ends_a_rendezvous_waiting_for_a_missing_rank():
     out, _ = p.communicate(timeout=30)
     assert "interrupted" in out, out
     assert time.monotonic() - start < 5
+
+
+def test_jax_cpu_array_as_input(comm):
+    """JAX arrays through DLPack (as inputs: JAX arrays are immutable)."""
+    import os
+
+    if "jax" not in sys.modules:
+        # CPU only: this test must not make JAX take GPU memory.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    jnp = pytest.importorskip("jax.numpy")
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        src = jnp.arange(6, dtype=jnp.float32)
+    out = np.zeros(6, np.float32)
+    comm.all_gather_single(out, src)
+    assert out.tolist() == list(range(6))
