@@ -1,0 +1,517 @@
+"""The communicator, with torchcomms' names and keyword arguments.
+
+Every collective takes tensors through DLPack (torch, CuPy, JAX, NumPy)
+and uses them in place. CPU arrays run on the host backend; CUDA and ROCm
+tensors on the GPU backend, on the caller's current stream (``stream=``,
+else torch's or CuPy's current stream). A communicator created for a GPU
+creates its host twin the first time it is given CPU arrays; that creation
+is collective like the call that triggers it.
+
+``async_op=False`` (the default) queues the collective stream-ordered and
+returns None: later work on the same stream sees its result. Where there
+is no stream the caller orders work on (CPU arrays, a GPU tensor of a
+framework whose stream ferrocomm does not know), the call returns once the
+collective has completed. ``async_op=True`` returns a :class:`Work`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from numbers import Real
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from . import _ferrocomm as _native
+from ._errors import InvalidArgument
+from ._ops import ReduceOp, as_op
+from ._tensors import HOST_MEMORY, current_stream, device_type, prepare, stream_handle
+
+__all__ = ["Communicator", "Work", "P2POp", "seconds"]
+
+Work = _native.Work
+
+Timeout = Optional[Any]  # seconds (int/float) or datetime.timedelta
+
+
+def seconds(timeout: Timeout) -> Optional[float]:
+    """A timeout in seconds from a number or a ``datetime.timedelta``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    if isinstance(timeout, Real) and not isinstance(timeout, bool):
+        return float(timeout)
+    raise InvalidArgument(f"timeout {timeout!r}: expected seconds or a datetime.timedelta")
+
+
+def _hints(hints: Optional[Mapping[str, Any]]) -> Optional[dict]:
+    if not hints:
+        return None
+    return {str(k): str(v) for k, v in hints.items()}
+
+
+def _factor(op: ReduceOp) -> Any:
+    f = op.factor
+    return prepare(f) if f is not None and not isinstance(f, float) else f
+
+
+class P2POp:
+    """One send or receive of :meth:`Communicator.batch_isend_irecv`.
+
+    ``op`` is ``"send"``/``"isend"``, ``"recv"``/``"irecv"``, or a function
+    with one of those names (``torch.distributed.isend``, ``comm.send``).
+    ``peer`` is a rank of the communicator the batch runs on.
+    """
+
+    __slots__ = ("op", "tensor", "peer")
+
+    def __init__(self, op: Any, tensor: Any, peer: int) -> None:
+        name = op if isinstance(op, str) else getattr(op, "__name__", "")
+        if name in ("send", "isend"):
+            self.op = "send"
+        elif name in ("recv", "irecv"):
+            self.op = "recv"
+        else:
+            raise InvalidArgument(f"P2POp op {op!r}: expected send/isend or recv/irecv")
+        self.tensor = tensor
+        self.peer = int(peer)
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op!r}, peer={self.peer})"
+
+
+class Communicator:
+    """A group of ranks running collectives together.
+
+    Create one with :func:`ferrocomm.init`, :func:`ferrocomm.from_torch` or
+    :func:`ferrocomm.from_store`. Every rank must call the same collectives
+    in the same order; ranks that disagree get :class:`Mismatch` or
+    :class:`CommTimeout`, never wrong data or a hang.
+    """
+
+    def __init__(self, native: Any, host: Any = None) -> None:
+        self._native = native
+        self._host = native if native.backend == "host" else host
+        self._host_lock = threading.Lock()
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def rank(self) -> int:
+        return self._native.rank
+
+    @property
+    def size(self) -> int:
+        return self._native.size
+
+    def get_rank(self) -> int:
+        return self._native.rank
+
+    def get_size(self) -> int:
+        return self._native.size
+
+    @property
+    def name(self) -> str:
+        return self._native.name
+
+    def get_name(self) -> str:
+        return self._native.name
+
+    @property
+    def backend(self) -> str:
+        """``host``, ``cuda`` or ``rocm``."""
+        return self._native.backend
+
+    @property
+    def device(self) -> int:
+        """The GPU index (a label on the host backend)."""
+        return self._native.device
+
+    @property
+    def has_vendor_library(self) -> bool:
+        """Whether NCCL/RCCL runs underneath (GPU backends)."""
+        return self._native.has_vendor_library
+
+    def __repr__(self) -> str:
+        return f"<ferrocomm.Communicator {self.name!r} rank {self.rank} of {self.size} on {self.backend}:{self.device}>"
+
+    # ------------------------------------------------------------ routing
+
+    def _host_comm(self) -> Any:
+        with self._host_lock:
+            if self._host is None:
+                self._host = self._native.sibling("host", f"{self.name}.host")
+            return self._host
+
+    def _route(self, key: Any, stream: Any) -> tuple:
+        """The native communicator for a call whose tensors live where
+        ``key`` does, and the stream to run on."""
+        if key is None:
+            return self._native, stream_handle(stream)
+        if device_type(key) in HOST_MEMORY:
+            if stream is not None:
+                raise InvalidArgument("stream= is for GPU tensors; CPU arrays run on the host backend, which has none")
+            return self._host_comm(), None
+        if self._native.backend == "host":
+            raise InvalidArgument(
+                "a GPU tensor was given to a communicator on the host backend: create it with backend='cuda', "
+                "'rocm' or 'auto'"
+            )
+        s = stream_handle(stream) if stream is not None else current_stream(key)
+        return self._native, s
+
+    @staticmethod
+    def _first(*candidates: Any) -> Any:
+        for c in candidates:
+            if isinstance(c, (list, tuple)):
+                if c:
+                    return c[0]
+            elif c is not None:
+                return c
+        return None
+
+    @staticmethod
+    def _list(ts: Optional[Iterable[Any]]) -> list:
+        return [prepare(t) for t in ts] if ts is not None else []
+
+    # ------------------------------------------------------------ collectives
+
+    def all_reduce(
+        self,
+        tensor: Any,
+        op: Any = ReduceOp.SUM,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Reduce ``tensor`` across ranks, in place."""
+        tensor = prepare(tensor)
+        c, s = self._route(tensor, stream)
+        op = as_op(op)
+        return c.all_reduce(
+            tensor, op.name, _factor(op), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s
+        )
+
+    def all_reduce_into(
+        self,
+        output: Any,
+        input: Any,
+        op: Any = ReduceOp.SUM,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Out of place: ``output`` (as long as ``input``) receives the
+        reduction of every rank's ``input``; ``input`` is only read."""
+        output, input = prepare(output), prepare(input)
+        c, s = self._route(input, stream)
+        op = as_op(op)
+        return c.all_reduce_into(
+            output, input, op.name, _factor(op), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints),
+            stream=s,
+        )
+
+    def broadcast(
+        self,
+        tensor: Any,
+        root: int,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """``root``'s ``tensor`` into ``tensor`` on every rank."""
+        tensor = prepare(tensor)
+        c, s = self._route(tensor, stream)
+        return c.broadcast(tensor, root, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+
+    def reduce(
+        self,
+        tensor: Any,
+        root: int,
+        op: Any = ReduceOp.SUM,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Reduce every rank's ``tensor`` into ``tensor`` on ``root``."""
+        tensor = prepare(tensor)
+        c, s = self._route(tensor, stream)
+        op = as_op(op)
+        return c.reduce(
+            tensor, root, op.name, _factor(op), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints),
+            stream=s,
+        )
+
+    def all_gather(
+        self,
+        tensor_list: Sequence[Any],
+        tensor: Any,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Every rank's ``tensor`` into ``tensor_list[rank]``."""
+        tensor, tensor_list = prepare(tensor), self._list(tensor_list)
+        c, s = self._route(tensor, stream)
+        return c.all_gather(
+            tensor_list, tensor, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s
+        )
+
+    def all_gather_single(
+        self,
+        output: Any,
+        input: Any,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Every rank's ``input`` into ``output`` (``world`` times as long), in rank order."""
+        output, input = prepare(output), prepare(input)
+        c, s = self._route(input, stream)
+        return c.all_gather_single(
+            output, input, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s
+        )
+
+    def reduce_scatter(
+        self,
+        output: Any,
+        input_list: Sequence[Any],
+        op: Any = ReduceOp.SUM,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Reduce ``input_list[r]`` of every rank into ``output`` on rank ``r``."""
+        output, input_list = prepare(output), self._list(input_list)
+        c, s = self._route(output, stream)
+        op = as_op(op)
+        return c.reduce_scatter(
+            output, input_list, op.name, _factor(op), async_op=async_op, timeout=seconds(timeout),
+            hints=_hints(hints), stream=s,
+        )
+
+    def reduce_scatter_single(
+        self,
+        output: Any,
+        input: Any,
+        op: Any = ReduceOp.SUM,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Reduce every rank's ``input`` (``world`` blocks) and leave block ``rank`` in ``output``."""
+        output, input = prepare(output), prepare(input)
+        c, s = self._route(input, stream)
+        op = as_op(op)
+        return c.reduce_scatter_single(
+            output, input, op.name, _factor(op), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints),
+            stream=s,
+        )
+
+    def all_to_all(
+        self,
+        output_tensor_list: Sequence[Any],
+        input_tensor_list: Sequence[Any],
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """``input_tensor_list[q]`` to rank ``q``; ``output_tensor_list[s]`` from rank ``s``."""
+        outs, ins = self._list(output_tensor_list), self._list(input_tensor_list)
+        c, s = self._route(self._first(ins, outs), stream)
+        return c.all_to_all(outs, ins, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+
+    def all_to_all_single(
+        self,
+        output: Any,
+        input: Any,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Equal blocks: block ``q`` of ``input`` to rank ``q``, block ``s`` of ``output`` from rank ``s``."""
+        output, input = prepare(output), prepare(input)
+        c, s = self._route(input, stream)
+        return c.all_to_all_single(
+            output, input, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s
+        )
+
+    def all_to_all_v_single(
+        self,
+        output: Any,
+        input: Any,
+        output_split_sizes: Optional[Sequence[int]],
+        input_split_sizes: Optional[Sequence[int]],
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """All-to-all with per-peer split sizes, counted in rows (slices
+        along the first dimension) as torch counts them; None: equal splits."""
+        output, input = prepare(output), prepare(input)
+        c, s = self._route(input, stream)
+        outs = [int(x) for x in output_split_sizes] if output_split_sizes is not None else None
+        ins = [int(x) for x in input_split_sizes] if input_split_sizes is not None else None
+        return c.all_to_all_v_single(
+            output, input, outs, ins, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s
+        )
+
+    def gather(
+        self,
+        output_tensor_list: Sequence[Any],
+        input_tensor: Any,
+        root: int,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Every rank's ``input_tensor`` into ``output_tensor_list[rank]`` on
+        ``root`` (the list may be empty elsewhere)."""
+        outs, inp = self._list(output_tensor_list), prepare(input_tensor)
+        c, s = self._route(inp, stream)
+        return c.gather(outs, inp, root, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+
+    def scatter(
+        self,
+        output_tensor: Any,
+        input_tensor_list: Sequence[Any],
+        root: int,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """``input_tensor_list[rank]`` of ``root`` into ``output_tensor``
+        (the list may be empty elsewhere)."""
+        out, ins = prepare(output_tensor), self._list(input_tensor_list)
+        c, s = self._route(out, stream)
+        return c.scatter(out, ins, root, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+
+    def send(
+        self,
+        tensor: Any,
+        dst: int,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Send ``tensor`` to ``dst`` (matched, in order, by its :meth:`recv`)."""
+        tensor = prepare(tensor)
+        c, s = self._route(tensor, stream)
+        return c.send(tensor, dst, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+
+    def recv(
+        self,
+        tensor: Any,
+        src: int,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Receive into ``tensor`` from ``src``."""
+        tensor = prepare(tensor)
+        c, s = self._route(tensor, stream)
+        return c.recv(tensor, src, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+
+    def batch_p2p(
+        self,
+        ops: Sequence[Any],
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Sends and receives as one group, which cannot deadlock on its
+        own order (a ring, a pairwise swap). ``ops``: :class:`P2POp`s,
+        ``torch.distributed.P2POp``s, or ``(op, tensor, peer)`` tuples."""
+        norm = []
+        for o in ops:
+            if isinstance(o, (tuple, list)):
+                o = P2POp(*o)
+            elif not isinstance(o, P2POp):
+                o = P2POp(o.op, o.tensor, o.peer)
+            norm.append((o.op == "send", prepare(o.tensor), o.peer))
+        c, s = self._route(norm[0][1] if norm else None, stream)
+        return c.batch_p2p(norm, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+
+    def batch_isend_irecv(self, p2p_op_list: Sequence[Any], **kwargs: Any) -> list:
+        """torch.distributed's spelling: a list with one :class:`Work` (empty
+        when nothing was sent), to wait on like torch's."""
+        work = self.batch_p2p(p2p_op_list, async_op=True, **kwargs)
+        return [work] if work is not None else []
+
+    def barrier(
+        self,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Every rank waits for every other. Without ``async_op`` it blocks
+        the calling thread (on GPUs too), as a barrier is expected to."""
+        return self._native.barrier(
+            async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=stream_handle(stream)
+        )
+
+    # ------------------------------------------------------------ life cycle
+
+    def split(self, ranks: Sequence[int], name: Optional[str] = None) -> Optional["Communicator"]:
+        """A communicator of ``ranks`` (ranks of this one, in the new
+        order); None on a rank not in the list. Collective: every rank
+        calls it, each with the list of the group it joins."""
+        ranks = [int(r) for r in ranks]
+        sub = self._native.split(ranks, name)
+        host = None
+        if self._host is not None and self._host is not self._native:
+            host = self._host.split(ranks, None if name is None else f"{name}.host")
+        return Communicator(sub, host) if sub is not None else None
+
+    def abort(self) -> None:
+        """Make the communicator unusable now: queued work exits without
+        waiting for peers; later calls raise :class:`Aborted`."""
+        self._native.abort()
+        if self._host is not None and self._host is not self._native:
+            self._host.abort()
+
+    def finalize(self) -> None:
+        """Drain queued work and release the workspace; later calls raise
+        :class:`Finalized`."""
+        if self._host is not None and self._host is not self._native:
+            self._host.finalize()
+        self._native.finalize()
+
+    def register(self, tensor: Any) -> Any:
+        """Register ``tensor`` with every peer (collective); returns a
+        registration with ``peer_tensor(rank)`` and ``deregister()``."""
+        tensor = prepare(tensor)
+        c, _ = self._route(tensor, None)
+        return c.register(tensor)
+
+    def prepare(self) -> None:
+        """Compile and load every kernel later calls may need: call it before
+        capturing a CUDA graph, so the capture never waits for a compiler."""
+        self._native.prepare()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.finalize()
+        except Exception:
+            if exc[0] is None:
+                raise

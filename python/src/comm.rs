@@ -1,0 +1,940 @@
+//! `Comm`: the native communicator behind `ferrocomm.Communicator`. Every
+//! collective of the Rust API, taking DLPack tensors; `ferrocomm/_comm.py`
+//! adds the torchcomms spelling (defaults, `ReduceOp`, streams of torch
+//! and CuPy) on top.
+//!
+//! A call: import the tensors (DLPack, with the stream the collective will
+//! run on, so the producer orders its pending work before it), check they
+//! are this communicator's device, queue the collective with the GIL
+//! released, then either hand back a `Work` (async_op) or, for a call that
+//! has no caller stream to be ordered on (the host backend; GPU calls
+//! without a stream), wait for it. The tensors' owners stay with the work
+//! until it has completed.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferrocomm::bootstrap::{rendezvous_from_env, EnvRendezvous, Store};
+use ferrocomm::device::Device;
+use ferrocomm::{Call, CommOptions, Error, P2p, ReduceOp, Reduction, Registration, Tensor};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyFloat, PyInt};
+
+use crate::backend::{self, with_any, AnyComm, AnyWork, Backend};
+use crate::dlpack::{self, Imported, Owner, KDL_CUDA, KDL_CUDA_MANAGED, KDL_ROCM};
+use crate::errors::{detached, run, run_interruptible, to_pyerr, Failure};
+use crate::store::PyStore;
+use crate::work::{lock, Outstanding, Pending, PyWork};
+
+/// Seconds from Python as a `Duration`: positive and finite.
+pub fn duration(secs: f64) -> PyResult<Duration> {
+    if secs.is_finite() && secs > 0.0 {
+        Ok(Duration::from_secs_f64(secs))
+    } else {
+        Err(to_pyerr(Error::invalid(format!(
+            "timeout {secs} s: expected a positive number of seconds"
+        ))))
+    }
+}
+
+/// A timeout from Python: seconds (int or float) or a `datetime.timedelta`.
+pub fn duration_of(obj: &Bound<'_, PyAny>) -> PyResult<Duration> {
+    let secs = if obj.hasattr("total_seconds")? {
+        obj.call_method0("total_seconds")?.extract::<f64>()?
+    } else if obj.is_instance_of::<PyFloat>() || (obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>()) {
+        obj.extract::<f64>()?
+    } else {
+        return Err(to_pyerr(Error::invalid(format!(
+            "timeout {obj}: expected seconds or a datetime.timedelta"
+        ))));
+    };
+    duration(secs)
+}
+
+fn options(name: Option<String>, timeout: Option<f64>) -> PyResult<CommOptions> {
+    let mut o = CommOptions::from_env().map_err(to_pyerr)?;
+    if let Some(t) = timeout {
+        o.timeout = duration(t)?;
+    }
+    o.name = name;
+    Ok(o)
+}
+
+/// Per-call options, as torchcomms has them.
+struct Opts {
+    async_op: bool,
+    timeout: Option<Duration>,
+    hints: BTreeMap<String, String>,
+    /// The caller's raw stream (`CUstream` / `hipStream_t`).
+    stream: Option<u64>,
+}
+
+impl Opts {
+    fn new(
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Self> {
+        Ok(Opts {
+            async_op,
+            timeout: timeout.map(duration).transpose()?,
+            hints: hints.unwrap_or_default(),
+            stream,
+        })
+    }
+
+    fn call<'s, D: Device>(&self, stream: Option<&'s D::Stream>) -> Call<'s, D> {
+        let mut call = match stream {
+            Some(s) => Call::on(s),
+            None => Call::new(),
+        };
+        if let Some(t) = self.timeout {
+            call = call.timeout(t);
+        }
+        for (k, v) in &self.hints {
+            call = call.hint(k.as_str(), v.as_str());
+        }
+        call
+    }
+}
+
+/// The tensors of one call, imported, and their owners.
+struct Batch {
+    accepts: fn(i32) -> bool,
+    backend: &'static str,
+    ordinal: usize,
+    gpu: bool,
+    /// The `stream` argument `__dlpack__` gets for GPU memory.
+    dl_stream: Option<i64>,
+    owners: Vec<Owner>,
+}
+
+impl Batch {
+    fn import_full(&mut self, obj: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<(Tensor, usize)> {
+        let dl = self.dl_stream;
+        let gpu_memory = |t: i32| matches!(t, KDL_CUDA | KDL_ROCM | KDL_CUDA_MANAGED);
+        let imp: Imported = dlpack::import(obj, |t| if gpu_memory(t) { dl } else { None })?;
+        let invalid = |m: String| Err(to_pyerr(Error::InvalidArgument(format!("{what}: {m}"))));
+        if !(self.accepts)(imp.device_type) {
+            return invalid(format!(
+                "its memory is on DLPack device type {} but this communicator runs on the {} backend (CPU arrays \
+                 go to a host communicator, GPU tensors to a GPU one)",
+                imp.device_type, self.backend
+            ));
+        }
+        if self.gpu && imp.device_type != KDL_CUDA_MANAGED && imp.device_id as usize != self.ordinal {
+            return invalid(format!(
+                "it is on {} device {} but this communicator uses device {}",
+                self.backend, imp.device_id, self.ordinal
+            ));
+        }
+        if writes && imp.readonly {
+            return invalid("it is read-only, and the collective writes into it".into());
+        }
+        let t = imp.tensor();
+        let rows = imp.rows;
+        self.owners.push(imp.owner);
+        Ok((t, rows))
+    }
+
+    fn import(&mut self, obj: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<Tensor> {
+        self.import_full(obj, writes, what).map(|(t, _)| t)
+    }
+
+    fn import_list(&mut self, list: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<Vec<Tensor>> {
+        let mut out = Vec::new();
+        for (i, item) in list.try_iter()?.enumerate() {
+            out.push(self.import(&item?, writes, &format!("{what}[{i}]"))?);
+        }
+        Ok(out)
+    }
+
+    /// The reduction of `op` (a name: "sum", "premul_sum", ...), with
+    /// premul_sum's factor: a number, or a one-element tensor read when the
+    /// collective runs (so a CUDA graph replay sees its current value).
+    fn reduction(&mut self, op: &str, factor: Option<&Bound<'_, PyAny>>) -> PyResult<Reduction> {
+        let op: ReduceOp = op.parse().map_err(to_pyerr)?;
+        match (op, factor) {
+            (ReduceOp::PreMulSum, Some(f)) if f.is_instance_of::<PyFloat>() || f.is_instance_of::<PyInt>() => {
+                Ok(Reduction::premul_sum(f.extract::<f64>()?))
+            }
+            (ReduceOp::PreMulSum, Some(f)) => Ok(Reduction::premul_sum_device(self.import(
+                f,
+                false,
+                "premul_sum factor",
+            )?)),
+            (op, None) => Ok(Reduction::Op(op)),
+            (op, Some(_)) => Err(to_pyerr(Error::invalid(format!(
+                "a factor goes with premul_sum, not with {op}"
+            )))),
+        }
+    }
+}
+
+/// Queue `$body` (a call of the Rust communicator `$c` with the per-call
+/// options `$call`) on whichever backend this communicator has, with the
+/// GIL released, then finish the call (see [`PyComm::finish`]).
+macro_rules! launch {
+    ($self:ident, $py:ident, $batch:ident, $opts:ident, $what:literal, |$c:ident, $call:ident| $body:expr) => {{
+        let opts = &$opts;
+        let res: Result<(AnyWork, bool), Failure> = with_any!(&*$self.comm, AnyComm, |$c| {
+            detached($py, || {
+                let borrowed = match opts.stream {
+                    // SAFETY: `raw` is the caller's stream of this device (an
+                    // int they passed, or torch's/CuPy's current stream); the
+                    // wrapper lives for this call only and never destroys it,
+                    // and the caller keeps the stream alive while it has work.
+                    Some(raw) => Some(unsafe { $c.device().borrow_stream(raw)? }),
+                    None => None,
+                };
+                let capturing = match &borrowed {
+                    Some(s) => $c.device().is_capturing(s)?,
+                    None => false,
+                };
+                let $call = opts.call(borrowed.as_ref());
+                let work = $body?;
+                Ok((Backend::wrap_work(work), capturing))
+            })
+        });
+        $self.finish($py, res, $batch, opts, $what, false)
+    }};
+}
+
+/// A communicator (native part of `ferrocomm.Communicator`).
+#[pyclass(frozen, name = "Comm", module = "ferrocomm._ferrocomm")]
+pub struct PyComm {
+    comm: Arc<AnyComm>,
+    store: Arc<dyn Store>,
+    /// Rank 0 of an environment rendezvous hosts the store server here; it
+    /// serves every communicator made from this one (splits, the host
+    /// sibling) and stops with the last of them.
+    rendezvous: Option<Arc<EnvRendezvous>>,
+    outstanding: Outstanding,
+}
+
+impl PyComm {
+    fn new(comm: AnyComm, store: Arc<dyn Store>, rendezvous: Option<Arc<EnvRendezvous>>) -> Self {
+        PyComm {
+            comm: Arc::new(comm),
+            store,
+            rendezvous,
+            outstanding: Arc::new(Mutex::new(Vec::new())),
+        }
+    }
+
+    fn derived(&self, comm: AnyComm) -> PyComm {
+        PyComm::new(comm, self.store.clone(), self.rendezvous.clone())
+    }
+
+    fn batch(&self, stream: Option<u64>) -> Batch {
+        let (accepts, backend, ordinal, own): (fn(i32) -> bool, _, _, _) = with_any!(&*self.comm, AnyComm, |c| (
+            accepts_of(c),
+            backend_of(c),
+            c.device().facts().ordinal,
+            c.device().raw_stream(c.stream())
+        ));
+        let gpu = backend != "host";
+        // CUDA's legacy default stream is handle 0 to the driver but 1 in
+        // DLPack (which reserves 0 as ambiguous there); HIP keeps 0.
+        let raw = stream.or(own);
+        let dl_stream = raw.map(|r| if r == 0 && backend == "cuda" { 1 } else { r as i64 });
+        Batch {
+            accepts,
+            backend,
+            ordinal,
+            gpu,
+            dl_stream: if gpu { dl_stream } else { None },
+            owners: Vec::new(),
+        }
+    }
+
+    fn call_timeout(&self, opts: &Opts) -> Duration {
+        opts.timeout
+            .unwrap_or_else(|| with_any!(&*self.comm, AnyComm, |c| c.options().timeout))
+    }
+
+    /// Let go of the memory of outstanding work that has completed, and
+    /// return the first failure among it: stream-ordered work nobody waits
+    /// on reports a dead peer or a mismatch at the next call, as NCCL's
+    /// asynchronous errors do.
+    fn prune(&self) -> Option<Error> {
+        let done: Vec<Pending> = {
+            let mut list = lock(&self.outstanding);
+            let (done, left): (Vec<_>, Vec<_>) = list.drain(..).partition(Pending::is_completed);
+            *list = left;
+            done
+        };
+        done.iter().find_map(Pending::failure)
+    }
+
+    /// After the collective was queued (or failed to be): a `Work` for
+    /// `async_op`; else wait where the caller has no stream ordered after
+    /// the collective (host backend, GPU calls without a stream, barriers),
+    /// and keep the memory until the work completes either way.
+    fn finish(
+        &self,
+        py: Python<'_>,
+        res: Result<(AnyWork, bool), Failure>,
+        batch: Batch,
+        opts: &Opts,
+        what: &'static str,
+        block: bool,
+    ) -> PyResult<Option<PyWork>> {
+        let (work, capturing) = match res {
+            Ok(v) => v,
+            Err(f) => {
+                // Validation errors come before anything is queued; anything
+                // else may have queued part of the call, whose memory must
+                // then stay until the communicator goes.
+                let validation = matches!(f, Failure::Rust(Error::InvalidArgument(_)));
+                if !validation && !batch.owners.is_empty() {
+                    lock(&self.outstanding).push(Pending {
+                        work: None,
+                        owners: batch.owners,
+                    });
+                }
+                return Err(f.into());
+            }
+        };
+        let pending = Pending {
+            work: Some(work),
+            owners: batch.owners,
+        };
+        // An event query while a stream captures a graph would invalidate
+        // the capture (CUDA's global capture mode): tidy up only outside one.
+        if !capturing {
+            if let Some(e) = self.prune() {
+                // An earlier call failed; this one was queued on an aborted
+                // communicator (its kernels exit at once). Keep its memory.
+                lock(&self.outstanding).push(pending);
+                return Err(to_pyerr(e));
+            }
+        }
+        let call_timeout = self.call_timeout(opts);
+        if opts.async_op {
+            return Ok(Some(PyWork::new(
+                pending,
+                self.comm.clone(),
+                self.outstanding.clone(),
+                call_timeout,
+                what,
+            )));
+        }
+        if block || !batch.gpu || opts.stream.is_none() {
+            if let Some(w) = &pending.work {
+                if let Err(e) = crate::work::wait(py, w, &self.comm, None, call_timeout, what) {
+                    if !pending.is_completed() {
+                        lock(&self.outstanding).push(pending);
+                    }
+                    return Err(e);
+                }
+            }
+            return Ok(None);
+        }
+        lock(&self.outstanding).push(pending);
+        Ok(None)
+    }
+}
+
+fn accepts_of<D: Backend>(_: &ferrocomm::Communicator<D>) -> fn(i32) -> bool {
+    D::accepts
+}
+
+fn backend_of<D: Backend>(_: &ferrocomm::Communicator<D>) -> &'static str {
+    D::NAME
+}
+
+#[pymethods]
+impl PyComm {
+    /// Rendezvous through the launcher's environment (torchrun, or
+    /// MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE and FERROCOMM_TOKEN), then
+    /// create the communicator on `device` (default: LOCAL_RANK).
+    #[staticmethod]
+    #[pyo3(signature = (backend, device=None, name=None, timeout=None))]
+    fn from_env(
+        py: Python<'_>,
+        backend: &str,
+        device: Option<usize>,
+        name: Option<String>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyComm> {
+        let opts = options(name, timeout)?;
+        let backend = backend.to_string();
+        let (comm, rdv) = run_interruptible(py, move || {
+            let rdv = rendezvous_from_env()?;
+            let ordinal = device.unwrap_or(rdv.local_rank);
+            let comm = backend::create(&backend, ordinal, rdv.store.clone(), rdv.rank, rdv.world, opts)?;
+            Ok((comm, rdv))
+        })?;
+        Ok(PyComm::new(comm, rdv.store.clone(), Some(Arc::new(rdv))))
+    }
+
+    /// Create the communicator over a Python store object (a
+    /// torch.distributed `Store`, or anything with its methods), as rank
+    /// `rank` of `world_size`.
+    #[staticmethod]
+    #[pyo3(signature = (store, rank, world_size, backend, device, name=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_store(
+        py: Python<'_>,
+        store: Py<PyAny>,
+        rank: usize,
+        world_size: usize,
+        backend: &str,
+        device: usize,
+        name: Option<String>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyComm> {
+        let opts = options(name, timeout)?;
+        let store: Arc<dyn Store> = Arc::new(PyStore::new(store));
+        let (s, backend) = (store.clone(), backend.to_string());
+        let comm = run_interruptible(py, move || backend::create(&backend, device, s, rank, world_size, opts))?;
+        Ok(PyComm::new(comm, store, None))
+    }
+
+    /// Another communicator of the same ranks over the same store, on
+    /// `backend` (the host communicator a GPU one sends CPU arrays to).
+    /// Collective.
+    #[pyo3(signature = (backend, name=None))]
+    fn sibling(&self, py: Python<'_>, backend: &str, name: Option<String>) -> PyResult<PyComm> {
+        let (rank, world, ordinal, mut opts) = with_any!(&*self.comm, AnyComm, |c| (
+            c.rank(),
+            c.size(),
+            c.device().facts().ordinal,
+            c.options().clone()
+        ));
+        opts.name = name;
+        let (store, backend) = (self.store.clone(), backend.to_string());
+        let comm = run_interruptible(py, move || backend::create(&backend, ordinal, store, rank, world, opts))?;
+        Ok(self.derived(comm))
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        with_any!(&*self.comm, AnyComm, |c| c.rank())
+    }
+
+    #[getter]
+    fn size(&self) -> usize {
+        with_any!(&*self.comm, AnyComm, |c| c.size())
+    }
+
+    #[getter]
+    fn name(&self) -> String {
+        with_any!(&*self.comm, AnyComm, |c| c.name().to_string())
+    }
+
+    /// `host`, `cuda` or `rocm`.
+    #[getter]
+    fn backend(&self) -> &'static str {
+        with_any!(&*self.comm, AnyComm, |c| backend_of(c))
+    }
+
+    /// The device ordinal (the GPU index; a label on the host backend).
+    #[getter]
+    fn device(&self) -> usize {
+        with_any!(&*self.comm, AnyComm, |c| c.device().facts().ordinal)
+    }
+
+    /// The communicator's default timeout, in seconds.
+    #[getter]
+    fn timeout(&self) -> f64 {
+        with_any!(&*self.comm, AnyComm, |c| c.options().timeout.as_secs_f64())
+    }
+
+    /// Whether NCCL/RCCL runs underneath.
+    #[getter]
+    fn has_vendor_library(&self) -> bool {
+        with_any!(&*self.comm, AnyComm, |c| c.has_vendor_library())
+    }
+
+    /// The raw handle of the communicator's own stream (0 on the host).
+    #[getter]
+    fn stream_handle(&self) -> u64 {
+        with_any!(&*self.comm, AnyComm, |c| c.device().raw_stream(c.stream()).unwrap_or(0))
+    }
+
+    /// Compile and load every kernel later calls may need (do it before a
+    /// CUDA graph capture, so the capture never waits for a compiler).
+    fn prepare(&self, py: Python<'_>) -> PyResult<()> {
+        let comm = &*self.comm;
+        run(py, || with_any!(comm, AnyComm, |c| c.prepare()))
+    }
+
+    // ------------------------------------------------------------ collectives
+
+    #[pyo3(signature = (tensor, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        op: &str,
+        factor: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let t = batch.import(tensor, true, "all_reduce tensor")?;
+        let red = batch.reduction(op, factor)?;
+        launch!(self, py, batch, opts, "all_reduce", |c, call| c
+            .all_reduce(t, red, &call))
+    }
+
+    /// Out of place: `output` (as long as `input`) receives the reduction
+    /// of every rank's `input` (vLLM's custom all-reduce is out of place).
+    #[pyo3(signature = (output, input, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_into(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        op: &str,
+        factor: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let out = batch.import(output, true, "all_reduce output")?;
+        let inp = batch.import(input, false, "all_reduce input")?;
+        let red = batch.reduction(op, factor)?;
+        launch!(self, py, batch, opts, "all_reduce", |c, call| c
+            .all_reduce_into(inp, out, red, &call))
+    }
+
+    #[pyo3(signature = (tensor, root, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        root: usize,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let t = batch.import(tensor, true, "broadcast tensor")?;
+        launch!(self, py, batch, opts, "broadcast", |c, call| c
+            .broadcast(t, root, &call))
+    }
+
+    #[pyo3(signature = (tensor, root, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        root: usize,
+        op: &str,
+        factor: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let t = batch.import(tensor, true, "reduce tensor")?;
+        let red = batch.reduction(op, factor)?;
+        launch!(self, py, batch, opts, "reduce", |c, call| c.reduce(t, red, root, &call))
+    }
+
+    #[pyo3(signature = (tensor_list, tensor, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        tensor_list: &Bound<'_, PyAny>,
+        tensor: &Bound<'_, PyAny>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let outs = batch.import_list(tensor_list, true, "all_gather tensor_list")?;
+        let input = batch.import(tensor, false, "all_gather tensor")?;
+        launch!(self, py, batch, opts, "all_gather", |c, call| c
+            .all_gather(&outs, input, &call))
+    }
+
+    #[pyo3(signature = (output, input, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_gather_single(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let out = batch.import(output, true, "all_gather_single output")?;
+        let inp = batch.import(input, false, "all_gather_single input")?;
+        launch!(self, py, batch, opts, "all_gather", |c, call| c
+            .all_gather_single(out, inp, &call))
+    }
+
+    #[pyo3(signature = (output, input_list, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input_list: &Bound<'_, PyAny>,
+        op: &str,
+        factor: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let out = batch.import(output, true, "reduce_scatter output")?;
+        let ins = batch.import_list(input_list, false, "reduce_scatter input_list")?;
+        let red = batch.reduction(op, factor)?;
+        launch!(self, py, batch, opts, "reduce_scatter", |c, call| c
+            .reduce_scatter(out, &ins, red, &call))
+    }
+
+    #[pyo3(signature = (output, input, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_single(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        op: &str,
+        factor: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let out = batch.import(output, true, "reduce_scatter_single output")?;
+        let inp = batch.import(input, false, "reduce_scatter_single input")?;
+        let red = batch.reduction(op, factor)?;
+        launch!(self, py, batch, opts, "reduce_scatter", |c, call| c
+            .reduce_scatter_single(out, inp, red, &call))
+    }
+
+    #[pyo3(signature = (output_list, input_list, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_to_all(
+        &self,
+        py: Python<'_>,
+        output_list: &Bound<'_, PyAny>,
+        input_list: &Bound<'_, PyAny>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let outs = batch.import_list(output_list, true, "all_to_all output_list")?;
+        let ins = batch.import_list(input_list, false, "all_to_all input_list")?;
+        launch!(self, py, batch, opts, "all_to_all", |c, call| c
+            .all_to_all(&outs, &ins, &call))
+    }
+
+    /// `output_split_sizes` / `input_split_sizes` count rows (slices along
+    /// the first dimension), as torch's do; empty or None: equal splits.
+    #[pyo3(signature = (output, input, output_split_sizes=None, input_split_sizes=None, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_to_all_v_single(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        output_split_sizes: Option<Vec<usize>>,
+        input_split_sizes: Option<Vec<usize>>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let (out, out_rows) = batch.import_full(output, true, "all_to_all output")?;
+        let (inp, in_rows) = batch.import_full(input, false, "all_to_all input")?;
+        let outs = rows_to_elements(output_split_sizes.unwrap_or_default(), &out, out_rows, "output")?;
+        let ins = rows_to_elements(input_split_sizes.unwrap_or_default(), &inp, in_rows, "input")?;
+        launch!(self, py, batch, opts, "all_to_all", |c, call| c
+            .all_to_all_v_single(out, inp, &outs, &ins, &call))
+    }
+
+    #[pyo3(signature = (output, input, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_to_all_single(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let out = batch.import(output, true, "all_to_all_single output")?;
+        let inp = batch.import(input, false, "all_to_all_single input")?;
+        launch!(self, py, batch, opts, "all_to_all", |c, call| c
+            .all_to_all_single(out, inp, &call))
+    }
+
+    /// `output_list` matters on the root only (elsewhere it may be empty).
+    #[pyo3(signature = (output_list, input, root, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn gather(
+        &self,
+        py: Python<'_>,
+        output_list: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        root: usize,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let outs = batch.import_list(output_list, true, "gather output_list")?;
+        let inp = batch.import(input, false, "gather input")?;
+        launch!(self, py, batch, opts, "gather", |c, call| c
+            .gather(&outs, inp, root, &call))
+    }
+
+    /// `input_list` matters on the root only (elsewhere it may be empty).
+    #[pyo3(signature = (output, input_list, root, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input_list: &Bound<'_, PyAny>,
+        root: usize,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let out = batch.import(output, true, "scatter output")?;
+        let ins = batch.import_list(input_list, false, "scatter input_list")?;
+        launch!(self, py, batch, opts, "scatter", |c, call| c
+            .scatter(out, &ins, root, &call))
+    }
+
+    #[pyo3(signature = (tensor, dst, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn send(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        dst: usize,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let t = batch.import(tensor, false, "send tensor")?;
+        launch!(self, py, batch, opts, "send", |c, call| c.send(t, dst, &call))
+    }
+
+    #[pyo3(signature = (tensor, src, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        src: usize,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let t = batch.import(tensor, true, "recv tensor")?;
+        launch!(self, py, batch, opts, "recv", |c, call| c.recv(t, src, &call))
+    }
+
+    /// Sends and receives as one group: `ops` is a list of
+    /// `(is_send, tensor, peer)`.
+    #[pyo3(signature = (ops, *, async_op=false, timeout=None, hints=None, stream=None))]
+    fn batch_p2p(
+        &self,
+        py: Python<'_>,
+        ops: Vec<(bool, Bound<'_, PyAny>, usize)>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let mut batch = self.batch(stream);
+        let mut list = Vec::with_capacity(ops.len());
+        for (i, (is_send, t, peer)) in ops.iter().enumerate() {
+            let what = format!("batch_p2p op {i}");
+            list.push(match is_send {
+                true => P2p::Send(batch.import(t, false, &what)?, *peer),
+                false => P2p::Recv(batch.import(t, true, &what)?, *peer),
+            });
+        }
+        launch!(self, py, batch, opts, "batch_p2p", |c, call| c.batch_p2p(&list, &call))
+    }
+
+    /// Every rank waits for every other. Without `async_op` it blocks the
+    /// calling thread (on GPUs too), as a barrier is expected to.
+    #[pyo3(signature = (*, async_op=false, timeout=None, hints=None, stream=None))]
+    fn barrier(
+        &self,
+        py: Python<'_>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let batch = self.batch(stream);
+        let res: Result<(AnyWork, bool), Failure> = with_any!(&*self.comm, AnyComm, |c| {
+            let o = &opts;
+            detached(py, || {
+                let borrowed = match o.stream {
+                    // SAFETY: as in `launch!`: the caller's live stream, borrowed for this call.
+                    Some(raw) => Some(unsafe { c.device().borrow_stream(raw)? }),
+                    None => None,
+                };
+                let capturing = match &borrowed {
+                    Some(s) => c.device().is_capturing(s)?,
+                    None => false,
+                };
+                let work = c.barrier(&o.call(borrowed.as_ref()))?;
+                Ok((Backend::wrap_work(work), capturing))
+            })
+        });
+        let block = !async_op && !res.as_ref().is_ok_and(|(_, capturing)| *capturing);
+        self.finish(py, res, batch, &opts, "barrier", block)
+    }
+
+    // ------------------------------------------------------------ life cycle
+
+    /// A communicator of `ranks` (ranks of this one, in the new order), or
+    /// None on a rank not in the list. Collective over this communicator.
+    #[pyo3(signature = (ranks, name=None))]
+    fn split(&self, py: Python<'_>, ranks: Vec<usize>, name: Option<String>) -> PyResult<Option<PyComm>> {
+        let comm = self.comm.clone();
+        let made = run_interruptible(py, move || {
+            with_any!(&*comm, AnyComm, |c| c
+                .split(&ranks, name.as_deref())
+                .map(|o| o.map(Backend::wrap_comm)))
+        })?;
+        Ok(made.map(|c| self.derived(c)))
+    }
+
+    /// Make the communicator unusable now: queued work exits without
+    /// waiting for peers; later calls raise `Aborted`.
+    fn abort(&self, py: Python<'_>) -> PyResult<()> {
+        let comm = &*self.comm;
+        run(py, || with_any!(comm, AnyComm, |c| c.abort()))
+    }
+
+    /// Drain queued work and release the workspace; later calls raise `Finalized`.
+    fn finalize(&self, py: Python<'_>) -> PyResult<()> {
+        let comm = &*self.comm;
+        let r = run(py, || with_any!(comm, AnyComm, |c| c.finalize()));
+        // Finalize drained the stream: every outstanding work is complete
+        // (its failures were the caller's to collect earlier).
+        let _ = self.prune();
+        r
+    }
+
+    /// Register `tensor` with every peer (collective): each rank maps the
+    /// others' registered memory. Kept alive until `deregister`.
+    fn register(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<PyRegistration> {
+        let mut batch = self.batch(None);
+        let t = batch.import(tensor, false, "register tensor")?;
+        let comm = &*self.comm;
+        let reg = run(py, || with_any!(comm, AnyComm, |c| c.register(t)))?;
+        Ok(PyRegistration {
+            reg,
+            comm: self.comm.clone(),
+            owners: Mutex::new(batch.owners),
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<ferrocomm.Comm {} rank {} of {} on {}:{}>",
+            self.name(),
+            self.rank(),
+            self.size(),
+            self.backend(),
+            self.device()
+        )
+    }
+}
+
+/// Split sizes in rows of a tensor's first dimension, as element counts.
+fn rows_to_elements(rows: Vec<usize>, t: &Tensor, nrows: usize, what: &str) -> PyResult<Vec<usize>> {
+    if rows.is_empty() {
+        return Ok(rows);
+    }
+    let per_row = t.count().checked_div(nrows).unwrap_or(0);
+    rows.iter()
+        .map(|r| r.checked_mul(per_row))
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| to_pyerr(Error::invalid(format!("all_to_all: {what} split sizes overflow"))))
+}
+
+/// A registered tensor (`Comm.register`).
+#[pyclass(frozen, name = "Registration", module = "ferrocomm._ferrocomm")]
+pub struct PyRegistration {
+    reg: Registration,
+    comm: Arc<AnyComm>,
+    owners: Mutex<Vec<Owner>>,
+}
+
+#[pymethods]
+impl PyRegistration {
+    /// Rank `rank`'s registered tensor as mapped in this process:
+    /// `(address, element count, dtype name)`, for kernels of your own that
+    /// load and store through it.
+    fn peer_tensor(&self, py: Python<'_>, rank: usize) -> PyResult<(u64, usize, &'static str)> {
+        let (comm, reg) = (&*self.comm, self.reg);
+        let t = run(py, || with_any!(comm, AnyComm, |c| c.peer_tensor(&reg, rank)))?;
+        Ok((t.ptr().0, t.count(), t.dtype().name()))
+    }
+
+    /// Unmap the peers' memory here and let the tensor go (local).
+    fn deregister(&self, py: Python<'_>) -> PyResult<()> {
+        let (comm, reg) = (&*self.comm, self.reg);
+        run(py, || with_any!(comm, AnyComm, |c| c.deregister(reg)))?;
+        lock(&self.owners).clear();
+        Ok(())
+    }
+}

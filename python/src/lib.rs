@@ -1,0 +1,31 @@
+//! `ferrocomm._ferrocomm`: the native part of the `ferrocomm` Python package.
+//!
+//! - [`comm`]: the communicator (every collective of the Rust API);
+//! - [`work`]: queued collectives and the memory they hold on to;
+//! - [`dlpack`]: tensors from torch, CuPy, JAX and NumPy, used in place;
+//! - [`store`]: a ferrocomm store over a Python (torch.distributed) store;
+//! - [`backend`]: host, CUDA and ROCm communicators behind one class;
+//! - [`errors`]: Rust errors as Python exceptions, panics caught.
+//!
+//! The public API is the Python package (`python/ferrocomm`); this module is
+//! its engine and is not meant to be imported by itself.
+
+mod backend;
+mod comm;
+mod dlpack;
+mod errors;
+mod store;
+mod work;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _ferrocomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<comm::PyComm>()?;
+    m.add_class::<comm::PyRegistration>()?;
+    m.add_class::<work::PyWork>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("BACKENDS", backend::compiled())?;
+    m.add("LIBRARIES", backend::libraries())?;
+    Ok(())
+}

@@ -1,0 +1,350 @@
+"""What each rank of a multi-process host test runs (see _ranks.py).
+
+Every rank draws every rank's input from (salt, rank, size), so each can
+compute the exact result in NumPy and compare it bit for bit. Float
+reductions follow ferrocomm's rule: widen to f32, combine in rank order
+0..n-1, (divide for avg), round once to the dtype.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+
+import numpy as np
+
+import ferrocomm
+from ferrocomm import ReduceOp
+
+REDUCIBLE_FLOATS = [np.float32, np.float16]
+MOVED = [np.float32, np.float16, np.int32, np.int8, np.uint8, np.int64, np.float64, np.bool_]
+SIZES = [1, 7, 1000, 65537]
+
+
+def gen(rank: int, n: int, dtype, salt: int = 0, kind: str = "small") -> np.ndarray:
+    """Rank `rank`'s input: small integers (exact in every reducible dtype),
+    or Gaussian floats (`kind="normal"`), or factors for prod."""
+    rng = np.random.default_rng([salt, rank, n])
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, n).astype(np.bool_)
+    if dtype == np.uint8:
+        return rng.integers(0, 256, n).astype(np.uint8)
+    if kind == "normal":
+        return rng.standard_normal(n).astype(dtype)
+    if kind == "prod":
+        return rng.choice(np.array([-2.0, -1.0, 0.5, 1.0, 2.0]), n).astype(dtype)
+    return rng.integers(-8, 9, n).astype(dtype)
+
+
+def reference(inputs: list[np.ndarray], op: str, factors: list[float] | None = None) -> np.ndarray:
+    """ferrocomm's reduction of `inputs` (one per rank, in rank order)."""
+    dtype = inputs[0].dtype
+    if dtype == np.int32:
+        acc = inputs[0].copy()
+        for x in inputs[1:]:
+            acc = {
+                "sum": lambda a, b: a + b,
+                "min": np.minimum,
+                "max": np.maximum,
+                "band": np.bitwise_and,
+                "bor": np.bitwise_or,
+                "bxor": np.bitwise_xor,
+            }[op](acc, x)
+        return acc.astype(np.int32)
+    wide = [x.astype(np.float32) for x in inputs]
+    if op == "premul_sum":
+        wide = [w * np.float32(f) for w, f in zip(wide, factors)]
+    acc = wide[0].copy()
+    for w in wide[1:]:
+        if op in ("sum", "avg", "premul_sum"):
+            acc = acc + w
+        elif op == "prod":
+            acc = acc * w
+        elif op == "min":
+            acc = np.minimum(acc, w)
+        elif op == "max":
+            acc = np.maximum(acc, w)
+    if op == "avg":
+        acc = acc / np.float32(len(inputs))
+    return acc.astype(dtype)
+
+
+def same(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    if got.dtype != want.dtype or got.shape != want.shape or got.tobytes() != want.tobytes():
+        bad = np.flatnonzero(got.reshape(-1).view(np.uint8) != want.reshape(-1).view(np.uint8))
+        raise AssertionError(f"{what}: {bad.size} bytes differ (first at byte {bad[:5]}): got {got[:8]} want {want[:8]}")
+
+
+def comm_from_env(**kw) -> ferrocomm.Communicator:
+    return ferrocomm.init(backend="host", **kw)
+
+
+# ---------------------------------------------------------------- scenarios
+
+
+def all_reduce() -> None:
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    salt = 1
+    for dtype in REDUCIBLE_FLOATS:
+        for op in ["sum", "prod", "min", "max", "avg"]:
+            for n in SIZES:
+                salt += 1
+                kind = "prod" if op == "prod" else "small"
+                ins = [gen(q, n, dtype, salt, kind) for q in range(W)]
+                t = ins[r].copy()
+                comm.all_reduce(t, getattr(ReduceOp, op.upper()))
+                same(t, reference(ins, op), f"all_reduce {op} {np.dtype(dtype)} n={n}")
+        # premul_sum: each rank scales its own input by its own factor.
+        factors = [0.25 * (q + 1) for q in range(W)]
+        ins = [gen(q, 1000, dtype, 99) for q in range(W)]
+        t = ins[r].copy()
+        comm.all_reduce(t, ReduceOp.premul_sum(factors[r]))
+        same(t, reference(ins, "premul_sum", factors), f"premul_sum {np.dtype(dtype)}")
+        # ... and the factor as a one-element array of the dtype.
+        t = ins[r].copy()
+        comm.all_reduce(t, ReduceOp.premul_sum(np.array([factors[r]], dtype=dtype)))
+        same(t, reference(ins, "premul_sum", factors), f"premul_sum (tensor factor) {np.dtype(dtype)}")
+    for op in ["sum", "min", "max", "band", "bor", "bxor"]:
+        for n in SIZES:
+            salt += 1
+            ins = [gen(q, n, np.int32, salt) for q in range(W)]
+            t = ins[r].copy()
+            comm.all_reduce(t, op)  # ops by name work too
+            same(t, reference(ins, op), f"all_reduce {op} int32 n={n}")
+    # Gaussian f32: rank-order f32 accumulation is still bitwise reproducible.
+    ins = [gen(q, 4099, np.float32, 7, "normal") for q in range(W)]
+    t = ins[r].copy()
+    comm.all_reduce(t)
+    same(t, reference(ins, "sum"), "all_reduce sum of Gaussian f32")
+    # 2-D and 0-d arrays, async work, timeouts as timedelta.
+    ins = [gen(q, 24, np.float32, 8).reshape(4, 6) for q in range(W)]
+    t = ins[r].copy()
+    work = comm.all_reduce(t, async_op=True, timeout=datetime.timedelta(seconds=30))
+    assert work.wait() is True and work.is_completed(), "async all_reduce"
+    same(t, reference(ins, "sum"), "all_reduce 2-D async")
+    # Out of place: the input is only read (it may be read-only).
+    src = ins[r].copy()
+    src.setflags(write=False)
+    out = np.zeros_like(src)
+    comm.all_reduce_into(out, src)
+    same(out, reference(ins, "sum"), "all_reduce_into")
+    same(src, ins[r], "all_reduce_into leaves its input alone")
+    s = np.array(float(r + 1), dtype=np.float32)
+    comm.all_reduce(s)
+    assert float(s) == W * (W + 1) / 2, f"0-d all_reduce: {s}"
+    empty = np.zeros(0, dtype=np.float32)
+    comm.all_reduce(empty)
+    comm.finalize()
+
+
+def data_movement() -> None:
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    salt = 1000
+    for dtype in MOVED:
+        for n in [1, 7, 4097]:
+            salt += 1
+            ins = [gen(q, n, dtype, salt) for q in range(W)]
+            name = f"{np.dtype(dtype)} n={n}"
+            # broadcast (from the last rank)
+            t = ins[r].copy()
+            comm.broadcast(t, root=W - 1)
+            same(t, ins[W - 1], f"broadcast {name}")
+            # all_gather (list) and all_gather_single
+            outs = [np.zeros(n, dtype) for _ in range(W)]
+            comm.all_gather(outs, ins[r])
+            for q in range(W):
+                same(outs[q], ins[q], f"all_gather[{q}] {name}")
+            whole = np.zeros(n * W, dtype)
+            comm.all_gather_single(whole, ins[r])
+            same(whole, np.concatenate(ins), f"all_gather_single {name}")
+            # gather / scatter to and from rank 0
+            outs = [np.zeros(n, dtype) for _ in range(W)] if r == 0 else []
+            comm.gather(outs, ins[r], root=0)
+            if r == 0:
+                for q in range(W):
+                    same(outs[q], ins[q], f"gather[{q}] {name}")
+            blocks = [gen(q, n, dtype, salt + 7) for q in range(W)]
+            out = np.zeros(n, dtype)
+            comm.scatter(out, blocks if r == 0 else [], root=0)
+            same(out, blocks[r], f"scatter {name}")
+            # all_to_all_single: block q of rank s's input lands in block s on rank q
+            a2a = [gen(q, n * W, dtype, salt + 11) for q in range(W)]
+            out = np.zeros(n * W, dtype)
+            comm.all_to_all_single(out, a2a[r])
+            want = np.concatenate([a2a[s][r * n : (r + 1) * n] for s in range(W)])
+            same(out, want, f"all_to_all_single {name}")
+    # all_to_all with lists of different lengths per peer: rank s sends s+q+1 to q.
+    length = lambda s, q: s + q + 1  # noqa: E731
+    sends = [[gen(s * 10 + q, length(s, q), np.float32, 5) for q in range(W)] for s in range(W)]
+    outs = [np.zeros(length(s, r), np.float32) for s in range(W)]
+    comm.all_to_all(outs, sends[r])
+    for s in range(W):
+        same(outs[s], sends[s][r], f"all_to_all from {s}")
+    # all_to_all_v_single on 2-D tensors: splits count rows, as torch's do.
+    cols = 3
+    rows = lambda s, q: (s + 2 * q) % 3 + 1  # noqa: E731
+    inputs = [
+        np.concatenate([gen(s * 10 + q, rows(s, q) * cols, np.int64, 6).reshape(-1, cols) for q in range(W)])
+        for s in range(W)
+    ]
+    out = np.zeros((sum(rows(s, r) for s in range(W)), cols), np.int64)
+    comm.all_to_all_v_single(out, inputs[r], [rows(s, r) for s in range(W)], [rows(r, q) for q in range(W)])
+    want = []
+    for s in range(W):
+        start = sum(rows(s, q) for q in range(r))
+        want.append(inputs[s][start : start + rows(s, r)])
+    same(out, np.concatenate(want), "all_to_all_v_single 2-D")
+    comm.finalize()
+
+
+def reductions_to() -> None:
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    for dtype, op in [(np.float32, "sum"), (np.float16, "max"), (np.int32, "bxor"), (np.float32, "avg")]:
+        for n in [1, 5, 3001]:
+            name = f"{op} {np.dtype(dtype)} n={n}"
+            # reduce to the last rank (in place there)
+            ins = [gen(q, n, dtype, 21) for q in range(W)]
+            t = ins[r].copy()
+            comm.reduce(t, root=W - 1, op=op)
+            if r == W - 1:
+                same(t, reference(ins, op), f"reduce {name}")
+            # reduce_scatter_single: block q of every rank's input, reduced, on rank q
+            ins = [gen(q, n * W, dtype, 22) for q in range(W)]
+            out = np.zeros(n, dtype)
+            comm.reduce_scatter_single(out, ins[r], op=op)
+            same(out, reference([x[r * n : (r + 1) * n] for x in ins], op), f"reduce_scatter_single {name}")
+            # reduce_scatter with a list
+            lists = [[gen(q * 10 + k, n, dtype, 23) for k in range(W)] for q in range(W)]
+            out = np.zeros(n, dtype)
+            comm.reduce_scatter(out, lists[r], op=op)
+            same(out, reference([lists[q][r] for q in range(W)], op), f"reduce_scatter {name}")
+    comm.finalize()
+
+
+def point_to_point() -> None:
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    # A ring as one batch (it cannot deadlock on its own order).
+    nxt, prv = (r + 1) % W, (r - 1) % W
+    mine = gen(r, 513, np.float32, 31)
+    got = np.zeros(513, np.float32)
+    works = comm.batch_isend_irecv([ferrocomm.P2POp("isend", mine, nxt), ferrocomm.P2POp("irecv", got, prv)])
+    for w in works:
+        w.wait()
+    same(got, gen(prv, 513, np.float32, 31), "ring batch")
+    # Plain send/recv: rank 0 to rank 1, then back, with async work.
+    if r == 0:
+        comm.send(gen(0, 100, np.int32, 32), dst=1)
+        back = np.zeros(100, np.int32)
+        w = comm.recv(back, src=1, async_op=True)
+        w.wait(timeout=30)
+        same(back, gen(1, 100, np.int32, 32), "recv from 1")
+    elif r == 1:
+        t = np.zeros(100, np.int32)
+        comm.recv(t, src=0)
+        same(t, gen(0, 100, np.int32, 32), "recv from 0")
+        comm.send(gen(1, 100, np.int32, 32), dst=0)
+    comm.barrier()
+    comm.barrier(async_op=True).wait()
+    comm.finalize()
+
+
+def split_and_lifecycle() -> None:
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    assert comm.backend == "host" and comm.get_size() == W and comm.get_rank() == r
+    # The group of every rank but 0, in reverse order.
+    members = list(range(W - 1, 0, -1))
+    sub = comm.split(members, name="tail")
+    if r == 0:
+        assert sub is None, "rank 0 is not in the split"
+    else:
+        assert sub.size == W - 1 and sub.rank == members.index(r) and sub.name == "tail", repr(sub)
+        t = np.full(10, float(r), np.float32)
+        sub.all_reduce(t)
+        assert float(t[0]) == sum(members), t
+        sub.finalize()
+    # The parent still works after the split.
+    t = np.ones(4, np.float32)
+    comm.all_reduce(t)
+    assert float(t[0]) == W
+    comm.finalize()
+    try:
+        comm.all_reduce(t)
+    except ferrocomm.Finalized:
+        pass
+    else:
+        raise AssertionError("a call after finalize must raise Finalized")
+    try:
+        comm.finalize()
+    except ferrocomm.Finalized:
+        pass
+    else:
+        raise AssertionError("a second finalize must raise Finalized")
+
+
+def mismatch() -> None:
+    """Ranks disagree on the count: an error on every rank, never a hang."""
+    comm = comm_from_env(timeout=5)
+    t = np.ones(8 if comm.rank == 0 else 16, np.float32)
+    try:
+        comm.all_reduce(t)
+    except ferrocomm.FerrocommError as e:
+        assert isinstance(e, (ferrocomm.Mismatch, ferrocomm.CommTimeout, ferrocomm.Aborted)), repr(e)
+        print(f"raised {type(e).__name__}: {e}")
+        return
+    raise AssertionError("mismatched all_reduce did not raise")
+
+
+def killed_peer() -> None:
+    """The last rank dies before the collective: the others get CommTimeout
+    (naming the missing rank where the kernels know it) within about twice
+    the timeout, and the communicator is aborted afterwards."""
+    comm = comm_from_env(timeout=3)
+    t = np.ones(1024, np.float32)
+    comm.all_reduce(t)
+    if comm.rank == comm.size - 1:
+        os._exit(17)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(t)
+    except ferrocomm.CommTimeout as e:
+        took = time.monotonic() - start
+        print(f"raised CommTimeout after {took:.1f} s: {e} (missing={e.missing})")
+        assert took < 2 * 3 + 2, took
+        assert isinstance(e, TimeoutError)
+    else:
+        raise AssertionError("all_reduce with a dead peer did not raise")
+    try:
+        comm.all_reduce(t)
+    except (ferrocomm.Aborted, ferrocomm.CommTimeout):
+        pass
+    else:
+        raise AssertionError("the communicator must be unusable after the timeout")
+
+
+def python_store(address: str, authkey: str) -> None:
+    """The communicator over a Python store object (what from_torch does
+    with torch's store), here a dict served by a multiprocessing manager."""
+    from store_helpers import ManagerStore
+
+    store = ManagerStore.connect(address, authkey)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    comm = ferrocomm.from_store(store, rank, world, backend="host", timeout=60)
+    t = np.full(33, float(rank + 1), np.float32)
+    comm.all_reduce(t)
+    assert float(t[0]) == world * (world + 1) / 2, t
+    outs = [np.zeros(3, np.int64) for _ in range(world)]
+    comm.all_gather(outs, np.full(3, rank, np.int64))
+    assert [int(o[0]) for o in outs] == list(range(world)), outs
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    print("run through _worker.py", file=sys.stderr)

@@ -1,0 +1,114 @@
+"""GPU tests: torch tensors on CUDA at world 2 (torchrun), against torch's
+NCCL; CUDA graph capture and replay; the vLLM drop-in; a killed rank.
+
+They skip, saying why, where torch, CUDA or two GPUs are missing; with
+FERROCOMM_REQUIRE_GPU=1 they fail instead. Run on a GPU machine:
+
+    FERROCOMM_REQUIRE_GPU=1 python -m pytest python/tests/test_gpu_torch.py -v
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _ranks import free_port
+
+HERE = Path(__file__).resolve().parent
+WORLD = int(os.environ.get("FERROCOMM_GPU_WORLD", "2"))
+
+
+def _why_not() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "CUDA is not available to torch"
+    if torch.cuda.device_count() < WORLD:
+        return f"{torch.cuda.device_count()} GPU(s), the tests need {WORLD}"
+    import ferrocomm
+
+    if "cuda" not in ferrocomm.BACKENDS:
+        return "ferrocomm was built without the cuda backend"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def need_gpus():
+    why = _why_not()
+    if why is not None:
+        if os.environ.get("FERROCOMM_REQUIRE_GPU") == "1":
+            pytest.fail(f"FERROCOMM_REQUIRE_GPU=1 but {why}")
+        pytest.skip(why)
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # Never NVLink multicast on shared hosts; ferrocomm does not use it.
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    return env
+
+
+def _torchrun(scenario: str, *args: str, timeout: float = 600) -> str:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
+        f"--master_port={free_port()}", str(HERE / "_gpu_worker.py"), scenario, *args,
+    ]
+    p = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    print(p.stdout)
+    assert p.returncode == 0, f"{scenario} failed (exit {p.returncode}):\n{p.stdout[-6000:]}"
+    assert p.stdout.count(f"rank ok: {scenario}") == WORLD, p.stdout[-3000:]
+    return p.stdout
+
+
+def _spawn(scenario: str, timeout: float = 180) -> list:
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "_gpu_worker.py"), scenario],
+            env=dict(_env(), RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), MASTER_PORT=port),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(WORLD)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out += "\n[test] killed: the scenario hung"
+        outs.append((p.returncode, out))
+    for rc, out in outs:
+        print(f"--- exit {rc}\n{out}")
+    return outs
+
+
+def test_collectives_match_nccl():
+    _torchrun("collectives_vs_nccl")
+
+
+def test_graph_capture_and_replay():
+    out = _torchrun("graph_replay", "300")
+    assert "300 replays, 0 wrong" in out
+
+
+def test_vllm_custom_allreduce_dropin():
+    _torchrun("vllm_dropin")
+
+
+@pytest.mark.parametrize("scenario", ["killed_rank", "killed_rank_stream_ordered"])
+def test_killed_rank_raises(scenario):
+    outs = _spawn(scenario)
+    assert outs[-1][0] == 17, outs[-1][1]
+    for rc, out in outs[:-1]:
+        assert rc == 0, out
+        assert "CommTimeout" in out, out
