@@ -57,14 +57,20 @@ if [[ " $STEPS " == *" tests "* ]]; then
     step process_cuda "$BIN/process_cuda" --include-ignored --test-threads=1
 fi
 
-if [[ " $STEPS " == *" coldstart "* ]] && [ "$NGPU" -ge 2 ]; then
-    # Two processes, an empty kernel cache each time: the first is the cold
-    # start; then the same with the cache they filled.
-    cold=/tmp/ferrocomm-cold-cache
-    rm -rf "$cold" && mkdir -p "$cold" && chmod 700 "$cold"
-    step coldstart_empty_cache env FERROCOMM_CACHE_DIR="$cold" "$BIN/process_cuda" --include-ignored --test-threads=1 coldstart
-    step coldstart_warm_cache env FERROCOMM_CACHE_DIR="$cold" "$BIN/process_cuda" --include-ignored --test-threads=1 coldstart
-    grep -h "COLD START" "$LOG"/coldstart_*.log | tee -a "$LOG/summary.txt"
+if [[ " $STEPS " == *" coldstart "* ]]; then
+    # One fresh process with an empty kernel cache, then again with the cache
+    # it filled (the test prints both); then two ranks under torchrun, each
+    # with an empty cache of its own, to a first all-reduce.
+    step coldstart_device "$BIN/conformance_cuda" --include-ignored --test-threads=1 --exact cold_start
+    if command -v torchrun >/dev/null && [ "$NGPU" -ge 2 ]; then
+        cold=/tmp/ferrocomm-cold-cache
+        rm -rf "$cold" && mkdir -p "$cold" && chmod 700 "$cold"
+        step coldstart_torchrun_empty env FERROCOMM_CACHE_DIR="$cold" torchrun --nproc_per_node=2 --no-python \
+            "$BIN/ferrocomm-worker" coldstart --backend cuda
+        step coldstart_torchrun_warm env FERROCOMM_CACHE_DIR="$cold" torchrun --nproc_per_node=2 --no-python \
+            "$BIN/ferrocomm-worker" coldstart --backend cuda
+    fi
+    grep -h "COLD START\|WARM START" "$LOG"/coldstart_*.log | tee -a "$LOG/summary.txt"
 fi
 
 if [[ " $STEPS " == *" torchrun "* ]] && command -v torchrun >/dev/null && [ "$NGPU" -ge 2 ]; then
@@ -125,15 +131,15 @@ if [[ " $STEPS " == *" qrbench "* ]]; then
     done
 fi
 
-if [[ " $STEPS " == *" python "* ]] && ls .carry/wheels/ferrocomm-*.whl >/dev/null 2>&1 && [ "$NGPU" -ge 2 ]; then
+if [[ " $STEPS " == *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/null 2>&1; then
+    # The wheel ci/pack-python.sh built, beside the python that has torch.
     site=/tmp/ferrocomm-site
-    python3 -m pip install -q --no-index --no-deps --target "$site" .carry/wheels/ferrocomm-*.whl >"$LOG/python_install.log" 2>&1
+    rm -rf "$site"
+    python3 -m pip install -q --no-index --no-deps --target "$site" .carry/python/ferrocomm-*.whl >"$LOG/python_install.log" 2>&1
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-    if [ -d .carry/python-tests ]; then
-        step python_gpu_tests torchrun --nproc_per_node=2 -m pytest -x -q .carry/python-tests
-    fi
-    if [ -f .carry/bench_torch.py ]; then
-        step python_bench torchrun --nproc_per_node=2 .carry/bench_torch.py
+    step python_gpu_tests python3 -m pytest -q -rs python/tests/test_gpu_torch.py
+    if [ "$NGPU" -ge 2 ]; then
+        step python_bench torchrun --nproc_per_node=2 python/bench/bench_torch.py
     fi
 fi
 

@@ -4,16 +4,22 @@
 # and worker, every GPU test binary (conformance_* holds the device tests of
 # tests/common/gpu_device.rs, including the borrow_stream, check_memory,
 # export_range, lazy-compile and cold-start tests; process_* the multi-process
-# scenarios), and the sm_90 kernels precompiled one file per kernel.
+# scenarios; torchrun_store the tests against torch's real TCPStore), the
+# engine example (examples/engine_cudarc.rs), the shared baseline scripts,
+# the Python wheel (ci/pack-python.sh; PACK_PYTHON=0 skips it), and the sm_90
+# kernels precompiled one file per kernel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FEATURES="${FEATURES:-cuda,nccl}"
 cargo build --release --features "$FEATURES" --bins
+if [[ "$FEATURES" == *cuda* ]]; then
+    cargo build --release --features "$FEATURES" --example engine_cudarc
+fi
 mkdir -p .carry/bin
 cargo test --release --features "$FEATURES" --no-run --message-format=json 2>/dev/null |
     python3 -c '
 import json, shutil, sys
-want = {"conformance_cuda", "process_cuda", "conformance_hip", "process_hip"}
+want = {"conformance_cuda", "process_cuda", "conformance_hip", "process_hip", "torchrun_store"}
 packed = set()
 for line in sys.stdin:
     try:
@@ -31,9 +37,18 @@ if missing:
     sys.exit("pack-gpu: test binaries not built: " + ", ".join(sorted(missing)))
 ' "$FEATURES"
 cp target/release/ferrocomm-bench target/release/ferrocomm-worker .carry/bin/
+if [[ "$FEATURES" == *cuda* ]]; then
+    cp target/release/examples/engine_cudarc .carry/bin/
+fi
 strip .carry/bin/* 2>/dev/null || true
-if [ -f ../shared/baselines/torch_allreduce_bench.py ]; then
-    cp ../shared/baselines/torch_allreduce_bench.py .carry/
+# The GPU machine sees only this checkout, not ../shared.
+for b in torch_allreduce_bench torch_collectives_bench; do
+    if [ -f "../shared/baselines/$b.py" ]; then
+        cp "../shared/baselines/$b.py" .carry/
+    fi
+done
+if [ "${PACK_PYTHON:-1}" != 0 ]; then
+    bash ci/pack-python.sh
 fi
 # Precompile the CUDA kernels for sm_90 (H100/H200) with the NVRTC wheel that
 # ci/check-kernels-cuda.sh installs, so the GPU machine skips NVRTC.
