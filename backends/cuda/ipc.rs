@@ -225,7 +225,15 @@ impl Drop for Vmm {
                 DROP_ERRORS.record(teardown("cuMemAddressFree", sys::cuMemAddressFree(self.va, self.size)));
             }
             if let Some(h) = self.handle.take() {
-                DROP_ERRORS.record(teardown("cuMemRelease", sys::cuMemRelease(h)));
+                let r = teardown("cuMemRelease", sys::cuMemRelease(h));
+                crate::fc_log!(
+                    tracing::Level::TRACE,
+                    "VMM drop: handle {h:#x} at {:#x}+{:#x} (mapped {}): release {r:?}",
+                    self.va,
+                    self.size,
+                    self.mapped
+                );
+                DROP_ERRORS.record(r);
             }
         }
     }
@@ -298,7 +306,13 @@ impl Ipc for Cuda {
                 ptr.0
             )));
         }
-        if let Some(h) = Retained::of(ptr) {
+        if info.vmm {
+            let h = Retained::of(ptr).ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "{:#x} is VMM memory whose allocation handle CUDA does not give",
+                    ptr.0
+                ))
+            })?;
             let posix = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0;
             if h.handle_types()? & posix == 0 {
                 return Err(Error::Unsupported(format!(

@@ -101,6 +101,11 @@ impl Retained {
         // SAFETY: valid out-pointer; the driver fails for addresses that are
         // not VMM-mapped (cuMemAlloc memory, host memory).
         let r = unsafe { sys::cuMemRetainAllocationHandle(&mut h, ptr.0 as usize as *mut c_void) };
+        crate::fc_log!(
+            tracing::Level::TRACE,
+            "cuMemRetainAllocationHandle({:#x}) = {r:?}, handle {h:#x}",
+            ptr.0
+        );
         (r == sys::CUresult::CUDA_SUCCESS).then_some(Retained(h))
     }
 
@@ -123,7 +128,9 @@ impl Retained {
 impl Drop for Retained {
     fn drop(&mut self) {
         // SAFETY: balances the retain in `Retained::of`, once.
-        DROP_ERRORS.record(teardown("cuMemRelease", unsafe { sys::cuMemRelease(self.0) }));
+        let r = teardown("cuMemRelease", unsafe { sys::cuMemRelease(self.0) });
+        crate::fc_log!(tracing::Level::TRACE, "cuMemRelease(retained {:#x}): {r:?}", self.0);
+        DROP_ERRORS.record(r);
     }
 }
 
@@ -356,7 +363,18 @@ impl Driver for Cuda {
         };
         let pooled = memory == MemoryType::Device
             && pointer_attribute::<usize>(ptr, P::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE).is_ok_and(|h| h != 0);
-        let vmm = memory == MemoryType::Device && Retained::of(ptr).is_some();
+        // VMM without touching the allocation's reference count: cuMemAlloc
+        // memory is legacy-IPC capable, a VMM mapping is not. (Retaining a
+        // handle here, as this did first, unbalanced releases on driver 580.)
+        let vmm = memory == MemoryType::Device
+            && !pooled
+            && pointer_attribute::<u32>(ptr, P::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE) == Ok(0)
+            && pointer_attribute::<usize>(ptr, P::CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR).is_ok_and(|b| b != 0);
+        crate::fc_log!(
+            tracing::Level::TRACE,
+            "cuda pointer {:#x}: {memory:?} device {device:?} pooled {pooled} vmm {vmm}",
+            ptr.0
+        );
         Ok(Some(PointerInfo {
             memory,
             device,
@@ -366,6 +384,17 @@ impl Driver for Cuda {
     }
 
     fn address_range(_ctx: &Context, ptr: DevicePtr) -> Result<Option<(DevicePtr, usize)>> {
+        // The range attributes answer whichever context is current (the
+        // importing device's, for a handle coming back to this process).
+        use sys::CUpointer_attribute as P;
+        if let (Ok(b), Ok(n)) = (
+            pointer_attribute::<u64>(ptr, P::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR),
+            pointer_attribute::<usize>(ptr, P::CU_POINTER_ATTRIBUTE_RANGE_SIZE),
+        ) {
+            if b != 0 && n > 0 {
+                return Ok(Some((DevicePtr(b), n)));
+            }
+        }
         let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
         // SAFETY: valid out-pointers; the driver validates `ptr`.
         if unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr.0) } == sys::CUresult::CUDA_SUCCESS
@@ -373,8 +402,7 @@ impl Driver for Cuda {
         {
             return Ok(Some((DevicePtr(base), size)));
         }
-        // A VMM mapping the call does not cover: the driver's view of the mapping.
-        use sys::CUpointer_attribute as P;
+        // A VMM mapping the calls above do not cover: the driver's view of the mapping.
         let base = pointer_attribute::<usize>(ptr, P::CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR);
         let size = pointer_attribute::<usize>(ptr, P::CU_POINTER_ATTRIBUTE_MAPPING_SIZE);
         Ok(match (base, size) {
