@@ -4,10 +4,15 @@
 //!
 //! Workers: `FERROCOMM_COMPILE_THREADS`, else `min(available_parallelism - 1,
 //! 8)`, at least 1; started on the first task.
+//!
+//! At process exit the pool stops taking tasks and waits (a bounded time)
+//! for the ones running: a worker inside NVRTC or a module load while the
+//! vendor libraries' destructors run crashes the process (seen on CUDA 13).
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 use super::queue::{Lane, Priority, TaskQueue};
 
@@ -23,6 +28,17 @@ pub struct Pool {
     ready: Condvar,
     workers: usize,
     started: AtomicUsize,
+    /// Set at process exit: queued tasks are dropped, not run.
+    closing: AtomicBool,
+    /// Tasks running now (changed under the queue's lock).
+    running: AtomicUsize,
+}
+
+/// The longest process exit waits for running compiles.
+const EXIT_WAIT: Duration = Duration::from_secs(20);
+
+extern "C" fn quiesce_global_pool() {
+    Pool::global().quiesce(EXIT_WAIT);
 }
 
 /// How many workers the process-wide pool runs.
@@ -46,6 +62,9 @@ impl Pool {
         let pool = POOL.get_or_init(|| Pool::unstarted(worker_count()));
         STARTED.get_or_init(|| {
             pool.start("ferrocomm-compile");
+            // SAFETY: registers a plain `extern "C"` function with no
+            // arguments; it only touches the 'static pool.
+            unsafe { libc::atexit(quiesce_global_pool) };
         });
         pool
     }
@@ -56,6 +75,26 @@ impl Pool {
             ready: Condvar::new(),
             workers,
             started: AtomicUsize::new(0),
+            closing: AtomicBool::new(false),
+            running: AtomicUsize::new(0),
+        }
+    }
+
+    /// Stop running queued tasks and wait up to `limit` for the running ones;
+    /// returns how many still run after that.
+    pub fn quiesce(&self, limit: Duration) -> usize {
+        {
+            let _q = lock(&self.queue);
+            self.closing.store(true, Ordering::Release);
+        }
+        self.ready.notify_all();
+        let deadline = Instant::now() + limit;
+        loop {
+            let n = self.running.load(Ordering::Acquire);
+            if n == 0 || Instant::now() >= deadline {
+                return n;
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
 
@@ -76,6 +115,9 @@ impl Pool {
 
     /// Queue `task` under `key` (a key already queued is not queued twice).
     pub fn submit(&'static self, key: String, lane: Lane, priority: Priority, task: Task) {
+        if self.closing.load(Ordering::Acquire) {
+            return;
+        }
         if self.started.load(Ordering::Acquire) == 0 {
             task();
             return;
@@ -98,19 +140,33 @@ impl Pool {
 
     fn work(&self) {
         loop {
-            let (lane, task) = {
+            let (lane, task, run) = {
                 let mut q = lock(&self.queue);
                 loop {
                     if let Some((_, lane, task)) = q.pop() {
-                        break (lane, task);
+                        let run = !self.closing.load(Ordering::Acquire);
+                        if run {
+                            self.running.fetch_add(1, Ordering::AcqRel);
+                        }
+                        break (lane, task, run);
                     }
                     q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            // A panicking task must not take the worker with it; the task's
-            // waiters time out with an error naming what never finished.
-            let _ = std::panic::catch_unwind(AssertUnwindSafe(task));
-            lock(&self.queue).done(lane);
+            if run {
+                // A panicking task must not take the worker with it; the
+                // task's waiters time out with an error naming what never
+                // finished.
+                let _ = std::panic::catch_unwind(AssertUnwindSafe(task));
+            } else {
+                drop(task);
+            }
+            let mut q = lock(&self.queue);
+            q.done(lane);
+            if run {
+                self.running.fetch_sub(1, Ordering::AcqRel);
+            }
+            drop(q);
             // A task of a full lane may now run.
             self.ready.notify_all();
         }
@@ -178,6 +234,43 @@ mod tests {
             }),
         );
         assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(1));
+    }
+
+    #[test]
+    fn quiesce_waits_for_running_tasks_and_drops_queued_ones() {
+        let pool: &'static Pool = Box::leak(Box::new(Pool::unstarted(1)));
+        pool.start("ferrocomm-test-pool");
+        let (tx, rx) = mpsc::channel();
+        let t = tx.clone();
+        pool.submit(
+            "slow".into(),
+            LANE,
+            0,
+            Box::new(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                let _ = t.send("slow");
+            }),
+        );
+        pool.submit(
+            "queued".into(),
+            LANE,
+            1,
+            Box::new(move || {
+                let _ = tx.send("queued");
+            }),
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(pool.quiesce(Duration::from_secs(10)), 0);
+        assert_eq!(
+            rx.try_recv(),
+            Ok("slow"),
+            "the running task finished before quiesce returned"
+        );
+        // The queued task is dropped, never run: its sender goes with it.
+        assert_eq!(
+            rx.recv_timeout(Duration::from_secs(2)),
+            Err(mpsc::RecvTimeoutError::Disconnected)
+        );
     }
 
     #[test]
