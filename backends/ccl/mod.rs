@@ -340,9 +340,19 @@ pub struct CclComm {
     world: usize,
     nonblocking: bool,
     timeout: Duration,
+    /// Set once work of this communicator was captured into a CUDA/HIP
+    /// graph: the library's destroy then waits for every such graph to be
+    /// destroyed first, forever if the caller keeps one (seen on NCCL 2.28),
+    /// so the communicator is aborted instead.
+    captured: std::sync::atomic::AtomicBool,
 }
 
 impl CclComm {
+    /// Note that work of this communicator went into a graph capture.
+    pub fn note_capture(&self) {
+        self.captured.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Create this rank's communicator. Collective: every rank calls it with
     /// the same `key_prefix` (unique per communicator) and `world`. Rank 0
     /// makes the unique id and publishes it at `{key_prefix}/ncclUniqueId`;
@@ -407,6 +417,7 @@ impl CclComm {
                 world,
                 nonblocking,
                 timeout,
+                captured: Default::default(),
             };
             if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
                 let err = comm.lib.error("ncclCommInitRank", r, raw);
@@ -437,6 +448,7 @@ impl CclComm {
             world,
             nonblocking,
             timeout,
+            captured: Default::default(),
         })
     }
 
@@ -714,8 +726,11 @@ impl CclComm {
         dtype: DType,
         stream: u64,
     ) -> Result<()> {
-        if sends.len() > self.world || recvs.len() > self.world {
-            return Err(Error::invalid(format!("more peers than a world of {}", self.world)));
+        // Lists may be longer than the world (fixed-size tables), never name
+        // a rank past it.
+        let beyond = |l: &[Option<(usize, DevicePtr)>]| l.iter().skip(self.world).any(Option::is_some);
+        if beyond(sends) || beyond(recvs) {
+            return Err(Error::invalid(format!("a peer past the world of {}", self.world)));
         }
         let api = &self.lib.api;
         self.call_with("ncclGroupEnd", |comm| {
@@ -997,7 +1012,9 @@ impl Drop for CclComm {
         // SAFETY: live communicator, valid out-pointer.
         let q = unsafe { (api.comm_get_async_error)(comm, &mut state) };
         let healthy = q == NCCL_SUCCESS && (state == NCCL_SUCCESS || state == NCCL_IN_PROGRESS);
+        let captured = self.captured.load(std::sync::atomic::Ordering::Relaxed);
         let finished = healthy
+            && !captured
             && match (self.nonblocking, api.comm_finalize) {
                 // Bounded: finalize flushes outstanding work asynchronously.
                 (true, Some(finalize)) => {

@@ -141,7 +141,12 @@ impl<D: Device> Communicator<D> {
             .codec(self.backend())
             .filter(|_| QR_DTYPES.contains(&dtype) && op == ReduceOp::Sum);
         let bytes = count.saturating_mul(dtype.size());
-        let chosen = inner.table.choose(algo, bytes, inner.world, ccl_allowed, quantize);
+        let mut chosen = inner.table.choose(algo, bytes, inner.world, ccl_allowed, quantize);
+        // The LL protocol has no room for per-rank factors: dispatch takes
+        // the push one-shot instead (a fixed choice still gets the error).
+        if chosen == Algorithm::OneShotLl && op == ReduceOp::PreMulSum && algo == AlgoChoice::Auto {
+            chosen = Algorithm::OneShotPush;
+        }
         crate::fc_log!(
             tracing::Level::DEBUG,
             "dispatch: all_reduce {count} x {dtype} {op} ({bytes} bytes, world {}, asked {algo:?}) -> {chosen}",
@@ -208,7 +213,7 @@ impl<D: Device> Communicator<D> {
                     count,
                     red,
                 };
-                return s.res.vendor.run(&s.inner.device, s.stream, dtype, op);
+                return run_vendor(s, dtype, op);
             }
             let Some(kind) = algorithm.kernel_kind() else {
                 return Err(Error::Unsupported(format!("{algorithm} has no kernel")));
@@ -310,7 +315,7 @@ impl<D: Device> Communicator<D> {
                         count,
                         root,
                     };
-                    s.res.vendor.run(&s.inner.device, s.stream, dtype, op)
+                    run_vendor(s, dtype, op)
                 }
             }
         })
@@ -338,7 +343,7 @@ impl<D: Device> Communicator<D> {
                     red,
                     root,
                 };
-                return s.res.vendor.run(&s.inner.device, s.stream, dtype, op);
+                return run_vendor(s, dtype, op);
             }
             let mut l = Lists::new();
             l.sends[root] = Some((count, t.ptr()));
@@ -427,7 +432,7 @@ impl<D: Device> Communicator<D> {
                         recv: out.ptr(),
                         count: n,
                     };
-                    s.res.vendor.run(&s.inner.device, s.stream, dtype, op)
+                    run_vendor(s, dtype, op)
                 }
                 None => vendor_exchange(s, dtype, l, me),
             }
@@ -517,7 +522,11 @@ impl<D: Device> Communicator<D> {
             let send = match whole {
                 Some(t) => t.ptr(),
                 // NCCL reduces one contiguous input: stage the list there.
-                None => stage(s, &ins, n * dtype.size())?,
+                // Room for the output after it, should run_vendor stage that.
+                None => {
+                    let block = n * dtype.size();
+                    stage_padded(s, &ins, block, (ins.len() * block).next_multiple_of(256) + block)?
+                }
             };
             let op = VendorOp::ReduceScatter {
                 send,
@@ -525,7 +534,7 @@ impl<D: Device> Communicator<D> {
                 count: n,
                 red,
             };
-            s.res.vendor.run(&s.inner.device, s.stream, dtype, op)
+            run_vendor(s, dtype, op)
         })
     }
 
@@ -795,6 +804,7 @@ impl<D: Device> Communicator<D> {
             *k += 1;
         }
         let on_host = self.on_host();
+        let world = self.size();
         self.submit(call, "send/recv", |s| {
             for (a, b) in own_sends.iter().zip(&own_recvs) {
                 copy_if_apart(s, b.ptr(), a.ptr(), a.count() * dtype.size())?;
@@ -812,13 +822,12 @@ impl<D: Device> Communicator<D> {
                     c.per_peer = l.table(u64::MAX);
                     enqueue(s, &c)?;
                 } else {
-                    s.res.vendor.run(
-                        &s.inner.device,
-                        s.stream,
+                    run_vendor(
+                        s,
                         dtype,
                         VendorOp::Exchange {
-                            sends: &l.sends,
-                            recvs: &l.recvs,
+                            sends: &l.sends[..world],
+                            recvs: &l.recvs[..world],
                         },
                     )?;
                 }
@@ -931,9 +940,180 @@ fn vendor_exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, mut l: Lists,
         return Ok(());
     }
     let (sends, recvs) = (&l.sends[..world], &l.recvs[..world]);
-    s.res
-        .vendor
-        .run(&s.inner.device, s.stream, dtype, VendorOp::Exchange { sends, recvs })
+    // A receive that lands where a send still reads (all-to-all in place)
+    // races inside the library's group: stage the sends first.
+    let es = dtype.size() as u64;
+    let span = |(n, p): (usize, DevicePtr)| (p.0, p.0 + n as u64 * es);
+    let overlap = sends.iter().flatten().any(|&a| {
+        let (a0, a1) = span(a);
+        recvs.iter().flatten().any(|&b| {
+            let (b0, b1) = span(b);
+            a0 < b1 && b0 < a1
+        })
+    });
+    run_vendor_staged(s, dtype, VendorOp::Exchange { sends, recvs }, overlap)
+}
+
+/// NCCL/RCCL for `op`, through the staging buffer when one of its GPU
+/// addresses is not aligned to its element: NCCL's kernels load whole
+/// elements and fault on such addresses (CUDA_ERROR_MISALIGNED_ADDRESS), so
+/// the inputs are copied to aligned places, the library runs there, and the
+/// outputs are copied back, all on the call's stream.
+fn run_vendor<D: Device>(s: &mut Submit<'_, D>, dtype: DType, op: VendorOp<'_>) -> Result<()> {
+    run_vendor_staged(s, dtype, op, false)
+}
+
+/// [`run_vendor`], through the staging buffer also when `force` is set.
+fn run_vendor_staged<D: Device>(s: &mut Submit<'_, D>, dtype: DType, op: VendorOp<'_>, force: bool) -> Result<()> {
+    if s.capturing {
+        s.res.vendor.note_capture();
+    }
+    let es = dtype.size();
+    let odd = |p: DevicePtr| p.0 % es as u64 != 0;
+    let (world, rank) = (s.inner.world, s.inner.rank);
+    let host = s.inner.device.facts().backend == BackendKind::Host;
+    let aligned = match &op {
+        VendorOp::AllReduce { send, recv, .. }
+        | VendorOp::Broadcast { send, recv, .. }
+        | VendorOp::Reduce { send, recv, .. }
+        | VendorOp::AllGather { send, recv, .. }
+        | VendorOp::ReduceScatter { send, recv, .. } => !odd(*send) && !odd(*recv),
+        VendorOp::Exchange { sends, recvs } => sends.iter().chain(recvs.iter()).flatten().all(|(_, p)| !odd(*p)),
+    };
+    if host || (aligned && !force) {
+        return s.res.vendor.run(&s.inner.device, s.stream, dtype, op);
+    }
+    // Each block at its own 256-byte aligned place in the staging buffer.
+    let place = |sizes: &[usize]| -> (Vec<usize>, usize) {
+        let mut at = Vec::with_capacity(sizes.len());
+        let mut end = 0usize;
+        for &b in sizes {
+            at.push(end);
+            end = (end + b).next_multiple_of(256);
+        }
+        (at, end)
+    };
+    match op {
+        VendorOp::Exchange { sends, recvs } => {
+            let blocks: Vec<usize> = sends
+                .iter()
+                .chain(recvs.iter())
+                .map(|e| e.map_or(0, |(n, _)| n * es))
+                .collect();
+            let (at, need) = place(&blocks);
+            let base = staging_at(s, need)?;
+            let moved = |list: &[Option<(usize, DevicePtr)>], first: usize| -> Vec<Option<(usize, DevicePtr)>> {
+                list.iter()
+                    .enumerate()
+                    .map(|(q, e)| e.map(|(n, _)| (n, base.offset(at[first + q]))))
+                    .collect()
+            };
+            let (staged_sends, staged_recvs) = (moved(sends, 0), moved(recvs, sends.len()));
+            for (e, st) in sends.iter().zip(&staged_sends) {
+                if let (Some((n, from)), Some((_, to))) = (e, st) {
+                    s.inner.device.copy_device(*to, *from, n * es, s.stream)?;
+                }
+            }
+            s.res.vendor.run(
+                &s.inner.device,
+                s.stream,
+                dtype,
+                VendorOp::Exchange {
+                    sends: &staged_sends,
+                    recvs: &staged_recvs,
+                },
+            )?;
+            for (e, st) in recvs.iter().zip(&staged_recvs) {
+                if let (Some((n, to)), Some((_, from))) = (e, st) {
+                    s.inner.device.copy_device(*to, *from, n * es, s.stream)?;
+                }
+            }
+            Ok(())
+        }
+        single => {
+            // (send, bytes read, recv, bytes written) of the op.
+            let (send, read, recv, written) = match &single {
+                VendorOp::AllReduce { send, recv, count, .. } => (*send, count * es, *recv, count * es),
+                VendorOp::Broadcast {
+                    send,
+                    recv,
+                    count,
+                    root,
+                } => (*send, if *root == rank { count * es } else { 0 }, *recv, count * es),
+                VendorOp::Reduce {
+                    send,
+                    recv,
+                    count,
+                    root,
+                    ..
+                } => (*send, count * es, *recv, if *root == rank { count * es } else { 0 }),
+                VendorOp::AllGather { send, recv, count } => (*send, count * es, *recv, count * world * es),
+                VendorOp::ReduceScatter { send, recv, count, .. } => (*send, count * world * es, *recv, count * es),
+                VendorOp::Exchange { .. } => unreachable!("handled above"),
+            };
+            // An input the caller already staged (a list reduce-scatter)
+            // stays where it is; the output goes after it.
+            let current = s.res.staging.as_ref().map(|b| (b.ptr(), b.len()));
+            let in_staging = current
+                .filter(|&(b, len)| send.0 >= b.0 && send.0 + read as u64 <= b.0 + len as u64)
+                .map(|(b, _)| (send.0 - b.0) as usize);
+            let (at, need) = place(&[in_staging.map_or(read, |o| o + read), written]);
+            if in_staging.is_some() && current.is_some_and(|(_, len)| len < need) {
+                // Growing would drop the staged input: its stager reserves room.
+                return Err(Error::Unsupported(format!(
+                    "{}: the staging buffer holds the input and has no room for the output",
+                    single.name()
+                )));
+            }
+            let base = staging_at(s, need)?;
+            let staged_send = match in_staging {
+                Some(o) => base.offset(o),
+                None => base.offset(at[0]),
+            };
+            let staged_recv = base.offset(at[1]);
+            if read > 0 && in_staging.is_none() {
+                s.inner.device.copy_device(staged_send, send, read, s.stream)?;
+            }
+            let relocated = match single {
+                VendorOp::AllReduce { count, red, .. } => VendorOp::AllReduce {
+                    send: staged_send,
+                    recv: staged_recv,
+                    count,
+                    red,
+                },
+                VendorOp::Broadcast { count, root, .. } => VendorOp::Broadcast {
+                    send: staged_send,
+                    recv: staged_recv,
+                    count,
+                    root,
+                },
+                VendorOp::Reduce { count, red, root, .. } => VendorOp::Reduce {
+                    send: staged_send,
+                    recv: staged_recv,
+                    count,
+                    red,
+                    root,
+                },
+                VendorOp::AllGather { count, .. } => VendorOp::AllGather {
+                    send: staged_send,
+                    recv: staged_recv,
+                    count,
+                },
+                VendorOp::ReduceScatter { count, red, .. } => VendorOp::ReduceScatter {
+                    send: staged_send,
+                    recv: staged_recv,
+                    count,
+                    red,
+                },
+                VendorOp::Exchange { .. } => unreachable!("handled above"),
+            };
+            s.res.vendor.run(&s.inner.device, s.stream, dtype, relocated)?;
+            if written > 0 {
+                s.inner.device.copy_device(recv, staged_recv, written, s.stream)?;
+            }
+            Ok(())
+        }
+    }
 }
 
 /// Whether a GPU kernel would see one of `tensors` misaligned for its
@@ -956,7 +1136,18 @@ fn stage_padded<D: Device>(
     bytes: usize,
     capacity: usize,
 ) -> Result<DevicePtr> {
-    let need = capacity.max(bytes * srcs.len());
+    let base = staging_at(s, capacity.max(bytes * srcs.len()))?;
+    for (k, src) in srcs.iter().enumerate() {
+        s.inner
+            .device
+            .copy_device(base.offset(k * bytes), *src, bytes, s.stream)?;
+    }
+    Ok(base)
+}
+
+/// The communicator's staging buffer, at least `need` bytes (grown on
+/// demand; not while capturing).
+fn staging_at<D: Device>(s: &mut Submit<'_, D>, need: usize) -> Result<DevicePtr> {
     let fits = s.res.staging.as_ref().is_some_and(|b| b.len() >= need);
     if !fits {
         if s.capturing {
@@ -969,11 +1160,5 @@ fn stage_padded<D: Device>(
         }
         s.res.staging = Some(s.inner.device.alloc(need, crate::device::MemKind::Plain)?);
     }
-    let base = s.res.staging.as_ref().map_or(DevicePtr::NULL, |b| b.ptr());
-    for (k, src) in srcs.iter().enumerate() {
-        s.inner
-            .device
-            .copy_device(base.offset(k * bytes), *src, bytes, s.stream)?;
-    }
-    Ok(base)
+    Ok(s.res.staging.as_ref().map_or(DevicePtr::NULL, |b| b.ptr()))
 }

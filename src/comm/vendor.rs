@@ -145,6 +145,15 @@ impl Vendor {
         "none".into()
     }
 
+    /// Note that the library's work went into a graph capture (see
+    /// `CclComm::note_capture`: such a communicator is aborted, not destroyed).
+    pub(crate) fn note_capture(&self) {
+        #[cfg(any(feature = "nccl", feature = "rccl"))]
+        if let Some(comm) = &self.comm {
+            comm.note_capture();
+        }
+    }
+
     pub(crate) fn available(&self) -> bool {
         #[cfg(any(feature = "nccl", feature = "rccl"))]
         return self.comm.is_some();

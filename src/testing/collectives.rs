@@ -198,11 +198,16 @@ impl<D: Device> Suite<'_, D> {
             Reduction::premul_sum(factor_of(rank) as f64)
         };
         let input = data::to_bytes(&(0..count).map(|i| x(rank, i)).collect::<Vec<T>>());
+        // Dispatch's choice (which must steer clear of LL), then on the host
+        // every custom algorithm that carries factors.
         let algos: Vec<Option<crate::algo::Algorithm>> = if self.host() {
-            crate::algo::Algorithm::CUSTOM
-                .into_iter()
-                .filter(|a| *a != crate::algo::Algorithm::OneShotLl)
-                .map(Some)
+            std::iter::once(None)
+                .chain(
+                    crate::algo::Algorithm::CUSTOM
+                        .into_iter()
+                        .filter(|a| *a != crate::algo::Algorithm::OneShotLl)
+                        .map(Some),
+                )
                 .collect()
         } else {
             vec![None]
