@@ -49,6 +49,9 @@ for b in torch_allreduce_bench torch_collectives_bench; do
 done
 if [ "${PACK_PYTHON:-1}" != 0 ]; then
     bash ci/pack-python.sh
+    # pytest for the GPU machine, which cannot reach PyPI.
+    rm -rf .carry/pywheels
+    python3 -m pip download -q --only-binary=:all: --python-version 3.12 -d .carry/pywheels pytest
 fi
 # Precompile the CUDA kernels for sm_90 (H100/H200) with the NVRTC wheel that
 # ci/check-kernels-cuda.sh installs, so the GPU machine skips NVRTC.

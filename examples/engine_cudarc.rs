@@ -80,6 +80,7 @@ fn run() -> Result<String, Box<dyn std::error::Error>> {
     comm.reduce_scatter_single(t_rso, t_rsi, ReduceOp::Sum, &call)?;
     comm.prepare()?;
     stream.synchronize()?;
+    eprintln!("rank {rank}: eager round done");
 
     comm.device().begin_capture(&s)?;
     let captured = comm
@@ -88,6 +89,7 @@ fn run() -> Result<String, Box<dyn std::error::Error>> {
         .and_then(|_| comm.reduce_scatter_single(t_rso, t_rsi, ReduceOp::Sum, &call));
     let graph = comm.device().end_capture(&s)?;
     captured?;
+    eprintln!("rank {rank}: captured");
 
     let replays: usize = std::env::var("REPLAYS")
         .ok()
@@ -135,7 +137,18 @@ fn run() -> Result<String, Box<dyn std::error::Error>> {
         }
     }
     let secs = start.elapsed().as_secs_f64();
+    eprintln!("rank {rank}: {replays} replays checked in {secs:.1} s");
+    // Tear down in the order an engine would: the graph, the communicator's
+    // work, the engine's memory and stream, then the communicator.
+    drop(graph);
     comm.finalize()?;
+    drop(s);
+    drop((ar_buf, ag_buf, rs_buf, ag_out, rs_out));
+    drop(stream);
+    drop(ctx);
+    drop(comm);
+    eprintln!("rank {rank}: communicator dropped");
+    drop(rdv);
     Ok(format!(
         "rank={rank} world={world} replays={replays} (all_reduce + all_gather + reduce_scatter of {n} f32, new input \
          each time, every 100th replay checked whole, the others sampled) in {secs:.1} s"

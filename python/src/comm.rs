@@ -115,8 +115,20 @@ impl Batch {
     fn import_full(&mut self, obj: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<(Tensor, usize)> {
         let dl = self.dl_stream;
         let gpu_memory = |t: i32| matches!(t, KDL_CUDA | KDL_ROCM | KDL_CUDA_MANAGED);
-        let imp: Imported = dlpack::import(obj, |t| if gpu_memory(t) { dl } else { None })?;
         let invalid = |m: String| Err(to_pyerr(Error::InvalidArgument(format!("{what}: {m}"))));
+        let wrong_device =
+            |t: i32, id: i32| self.gpu && gpu_memory(t) && t != KDL_CUDA_MANAGED && id as usize != self.ordinal;
+        // Before the export: a producer asked for our stream on another
+        // device refuses with its own error (torch: BufferError).
+        if let Ok((t, id)) = dlpack::device_of(obj) {
+            if wrong_device(t, id) {
+                return invalid(format!(
+                    "it is on {} device {id} but this communicator uses device {}",
+                    self.backend, self.ordinal
+                ));
+            }
+        }
+        let imp: Imported = dlpack::import(obj, |t| if gpu_memory(t) { dl } else { None })?;
         if !(self.accepts)(imp.device_type) {
             return invalid(format!(
                 "its memory is on DLPack device type {} but this communicator runs on the {} backend (CPU arrays \

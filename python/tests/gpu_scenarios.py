@@ -42,7 +42,8 @@ def normal(rank: int, n: int, dtype, salt: int = 0) -> torch.Tensor:
 
 def equal_across_ranks(t: torch.Tensor, what: str) -> None:
     """Bitwise the same on every rank (ferrocomm's determinism promise)."""
-    bits = t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+    # As bytes: torch's NCCL group gathers uint8 but not int16.
+    bits = t.contiguous().view(torch.uint8)
     got = [torch.empty_like(bits) for _ in range(dist.get_world_size())]
     dist.all_gather(got, bits.contiguous())
     for q, g in enumerate(got):
@@ -94,12 +95,18 @@ def collectives_vs_nccl() -> None:
         comm.all_reduce(x, ReduceOp.premul_sum(0.5))
         ref = sum(t.double() for t in ins) * 0.5
         assert bool(((x.double() - ref).abs() <= 2 * eps(dtype) * ref.abs() + 1e-6).all()), f"premul_sum {dtype}"
-    for op, top in [("band", dist.ReduceOp.BAND), ("bor", dist.ReduceOp.BOR), ("bxor", dist.ReduceOp.BXOR)]:
+    # torch's NCCL group has no bitwise ops: the reference folds every
+    # rank's input, gathered through torch.
+    fold = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+    for op, f in fold.items():
         x = ints(r, 1000, torch.int32, 5, 0, 1 << 20)
-        y = x.clone()
+        every = [torch.empty_like(x) for _ in range(W)]
+        dist.all_gather(every, x)
+        want = every[0]
+        for t in every[1:]:
+            want = f(want, t)
         comm.all_reduce(x, op)
-        dist.all_reduce(y, top)
-        assert torch.equal(x, y), f"int32 {op}"
+        assert torch.equal(x, want), f"int32 {op}"
 
     # Data movement: the same bits as torch's NCCL collectives.
     for dtype in [torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.float8_e4m3fn]:

@@ -55,7 +55,11 @@ def _env() -> dict:
     return env
 
 
-def _torchrun(scenario: str, *args: str, timeout: float = 600) -> str:
+# FERROCOMM_PY_TEST_TIMEOUT bounds each launch (seconds), for CI jobs with a budget.
+LAUNCH_TIMEOUT = float(os.environ.get("FERROCOMM_PY_TEST_TIMEOUT", "600"))
+
+
+def _torchrun(scenario: str, *args: str, timeout: float = LAUNCH_TIMEOUT) -> str:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
         f"--master_port={free_port()}", str(HERE / "_gpu_worker.py"), scenario, *args,
@@ -67,7 +71,7 @@ def _torchrun(scenario: str, *args: str, timeout: float = 600) -> str:
     return p.stdout
 
 
-def _spawn(scenario: str, timeout: float = 180) -> list:
+def _spawn(scenario: str, timeout: float = min(180.0, LAUNCH_TIMEOUT)) -> list:
     port = str(free_port())
     procs = [
         subprocess.Popen(
