@@ -6,8 +6,9 @@
 //! 8)`, at least 1; started on the first task.
 //!
 //! At process exit the pool stops taking tasks and waits (a bounded time)
-//! for the ones running: a worker inside NVRTC or a module load while the
-//! vendor libraries' destructors run crashes the process (seen on CUDA 13).
+//! for the ones running: a worker inside NVRTC, a module load or a module's
+//! release while the vendor libraries' destructors run crashes the process
+//! (a child process that exited with compiles queued segfaulted on CUDA 13).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -28,7 +29,7 @@ pub struct Pool {
     ready: Condvar,
     workers: usize,
     started: AtomicUsize,
-    /// Set at process exit: queued tasks are dropped, not run.
+    /// Set at process exit: queued tasks are neither run nor dropped.
     closing: AtomicBool,
     /// Tasks running now (changed under the queue's lock).
     running: AtomicUsize,
@@ -80,8 +81,9 @@ impl Pool {
         }
     }
 
-    /// Stop running queued tasks and wait up to `limit` for the running ones;
-    /// returns how many still run after that.
+    /// Stop running queued tasks (leaked: the process is exiting) and wait
+    /// up to `limit` for the running ones; returns how many still run after
+    /// that.
     pub fn quiesce(&self, limit: Duration) -> usize {
         {
             let _q = lock(&self.queue);
@@ -159,7 +161,10 @@ impl Pool {
                 // finished.
                 let _ = std::panic::catch_unwind(AssertUnwindSafe(task));
             } else {
-                drop(task);
+                // Not even dropped: a task's captures may hold the last
+                // reference to a module or context, and releasing those
+                // while the vendor libraries tear down at exit crashes.
+                std::mem::forget(task);
             }
             let mut q = lock(&self.queue);
             q.done(lane);
@@ -237,7 +242,7 @@ mod tests {
     }
 
     #[test]
-    fn quiesce_waits_for_running_tasks_and_drops_queued_ones() {
+    fn quiesce_waits_for_running_tasks_and_never_runs_queued_ones() {
         let pool: &'static Pool = Box::leak(Box::new(Pool::unstarted(1)));
         pool.start("ferrocomm-test-pool");
         let (tx, rx) = mpsc::channel();
@@ -266,10 +271,10 @@ mod tests {
             Ok("slow"),
             "the running task finished before quiesce returned"
         );
-        // The queued task is dropped, never run: its sender goes with it.
+        // The queued task never runs (and, leaked, keeps its sender).
         assert_eq!(
-            rx.recv_timeout(Duration::from_secs(2)),
-            Err(mpsc::RecvTimeoutError::Disconnected)
+            rx.recv_timeout(Duration::from_millis(500)),
+            Err(mpsc::RecvTimeoutError::Timeout)
         );
     }
 
