@@ -5,6 +5,7 @@
 mod call;
 mod collectives;
 mod communicator;
+mod mapping;
 mod options;
 mod registry;
 mod tensor;
@@ -14,6 +15,7 @@ mod work;
 pub use call::{Call, Factor, Reduction};
 pub use collectives::P2p;
 pub use communicator::Communicator;
+pub use mapping::{Axis, Coords, Mapping};
 pub use options::CommOptions;
 pub use registry::Registration;
 pub use tensor::Tensor;
