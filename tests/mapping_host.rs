@@ -51,3 +51,44 @@ fn split_by_mapping_forms_every_group() {
         r.unwrap();
     }
 }
+
+/// `FERROCOMM_LOCAL_SIZE` (here `with_local_size`) splits one host into
+/// pseudo-nodes of consecutive ranks; a split keeps each rank on the node of
+/// its rank in the parent.
+#[test]
+fn pseudo_nodes_give_every_rank_its_node_and_local_rank() {
+    use ferrocomm::{Axis, Mapping};
+    let world = 6;
+    let opts = CommOptions::default()
+        .with_timeout(Duration::from_secs(30))
+        .with_slot_bytes(64 << 10)
+        .with_local_size(2);
+    let results = run_thread_ranks(world, |rank, world, store| {
+        let comm = Communicator::new(HostDevice::new(rank)?, store, rank, world, opts.clone())?;
+        let t = comm.topology().clone();
+        assert_eq!(
+            (t.node, t.nodes, t.local_rank, t.local_size),
+            (rank / 2, 3, rank % 2, 2)
+        );
+        assert!(t.pseudo);
+        assert_eq!(t.describe(), "3 pseudo-nodes (2+2+2 ranks)");
+        assert_eq!(t.ranks_on(1), [2, 3]);
+        // Data parallel across the pseudo-nodes: one rank of each node.
+        let dp = comm.split_by(&Mapping::new(world, 2, 1, 1)?, Axis::Dp)?;
+        let d = dp.topology();
+        assert_eq!(
+            (d.node, d.nodes, d.local_size),
+            (rank / 2, 3, 1),
+            "rank {rank} in its dp group"
+        );
+        // Tensor parallel inside a pseudo-node.
+        let tp = comm.split_by(&Mapping::new(world, 2, 1, 1)?, Axis::Tp)?;
+        assert_eq!(tp.topology().nodes, 1);
+        dp.finalize()?;
+        tp.finalize()?;
+        comm.finalize()
+    });
+    for r in results {
+        r.unwrap();
+    }
+}

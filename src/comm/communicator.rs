@@ -23,6 +23,7 @@ use std::time::Duration;
 use super::call::Call;
 use super::options::CommOptions;
 use super::registry::Registry;
+use super::topology::Topology;
 use super::vendor::Vendor;
 use super::work::Work;
 use crate::algo::kernels::{COLLECTIVES, QUICK_REDUCE};
@@ -87,6 +88,9 @@ pub(crate) struct Inner<D: Device> {
     /// Splits, registrations and other collective setup steps of this
     /// communicator (every rank counts them alike): their store keys.
     serial: AtomicU64,
+    /// This rank in the first communicator of its lineage (see `create`).
+    root_rank: usize,
+    topology: Topology,
 }
 
 impl<D: Device> Drop for Inner<D> {
@@ -185,11 +189,13 @@ impl<D: Device> Communicator<D> {
         // Each rank numbers its communicators; creating them in the same order
         // on every rank gives the group a shared key prefix.
         let serial = store.add(&format!("fc/ncomm/{rank}"), 1)?;
-        Self::create(device, store, format!("fc/comm{serial}"), rank, world, opts)
+        Self::create(device, store, format!("fc/comm{serial}"), rank, world, opts, rank)
     }
 
     /// Create a communicator whose store keys live under `prefix` (unique to
-    /// the group, the same on every member).
+    /// the group, the same on every member); `root_rank` is this rank in the
+    /// communicator the group was split from, first of all (pseudo-nodes
+    /// are counted there).
     fn create(
         device: D,
         store: Arc<dyn Store>,
@@ -197,6 +203,7 @@ impl<D: Device> Communicator<D> {
         rank: usize,
         world: usize,
         opts: CommOptions,
+        root_rank: usize,
     ) -> Result<Self> {
         if world == 0 || rank >= world {
             return Err(Error::invalid(format!("rank {rank} is not in a world of {world}")));
@@ -207,6 +214,16 @@ impl<D: Device> Communicator<D> {
             )));
         }
         let started = std::time::Instant::now();
+        let topology = Topology::gather(store.as_ref(), &prefix, rank, world, root_rank, &opts, opts.timeout)?;
+        if topology.nodes > 1 && !topology.pseudo {
+            // Workspaces are mapped through this host's IPC; nothing may try
+            // to reach another host's memory that way.
+            return Err(Error::Unsupported(format!(
+                "this communicator spans {}: ferrocomm's kernels and host protocols reach one host; split it by \
+                 node (Topology::ranks_on) and use NCCL/RCCL between nodes",
+                topology.describe()
+            )));
+        }
         let stream = device.create_stream()?;
         let flags = device.alloc_host_flags(ERR_WORDS)?;
         let module = device.load_module(&COLLECTIVES)?;
@@ -236,9 +253,12 @@ impl<D: Device> Communicator<D> {
             let f = device.facts();
             crate::fc_log!(
                 tracing::Level::INFO,
-                "communicator {name} ready in {:.2} s: rank {rank} of {world}, backend {} device {} ({}, {}, \
-                 {} SMs/CUs), workspace {} MiB ({} MiB slots), library underneath {}, runtime: {}",
+                "communicator {name} ready in {:.2} s: rank {rank} of {world} on {} (local rank {} of {}), backend {} \
+                 device {} ({}, {}, {} SMs/CUs), workspace {} MiB ({} MiB slots), library underneath {}, runtime: {}",
                 started.elapsed().as_secs_f64(),
+                topology.describe(),
+                topology.local_rank,
+                topology.local_size,
                 f.backend.name(),
                 f.ordinal,
                 f.name,
@@ -279,6 +299,8 @@ impl<D: Device> Communicator<D> {
                 prefix,
                 store,
                 serial: AtomicU64::new(0),
+                root_rank,
+                topology,
             }),
         })
     }
@@ -304,6 +326,11 @@ impl<D: Device> Communicator<D> {
     /// The communicator's own stream, where calls without a stream run.
     pub fn stream(&self) -> &D::Stream {
         &self.inner.stream
+    }
+
+    /// The nodes this communicator spans and this rank's place among them.
+    pub fn topology(&self) -> &Topology {
+        &self.inner.topology
     }
 
     pub fn options(&self) -> &CommOptions {
@@ -409,6 +436,7 @@ impl<D: Device> Communicator<D> {
             new_rank,
             ranks.len(),
             opts,
+            inner.root_rank,
         )
         .map(Some)
     }

@@ -9,6 +9,7 @@ mod mapping;
 mod options;
 mod registry;
 mod tensor;
+mod topology;
 mod vendor;
 mod work;
 
@@ -19,4 +20,5 @@ pub use mapping::{Axis, Coords, Mapping};
 pub use options::CommOptions;
 pub use registry::Registration;
 pub use tensor::Tensor;
+pub use topology::Topology;
 pub use work::Work;

@@ -28,6 +28,10 @@ pub struct CommOptions {
     /// The communicator's name (logs, errors); derived from its creation
     /// order when unset.
     pub name: Option<String>,
+    /// Split one host into pseudo-nodes of this many consecutive ranks, to
+    /// run multi-node paths on one machine (`FERROCOMM_LOCAL_SIZE`; every
+    /// rank must set the same value). `None`: nodes are real hosts.
+    pub local_size: Option<usize>,
 }
 
 impl Default for CommOptions {
@@ -39,6 +43,7 @@ impl Default for CommOptions {
             slot_bytes: None,
             quantization: Quantization::None,
             name: None,
+            local_size: None,
         }
     }
 }
@@ -88,6 +93,13 @@ impl CommOptions {
         if let Some(v) = env_var("FERROCOMM_QUICK_REDUCE") {
             o.quantization = v.parse()?;
         }
+        if let Some(v) = env_var("FERROCOMM_LOCAL_SIZE") {
+            let k = v.trim().parse::<usize>().ok().filter(|&k| k > 0);
+            o.local_size =
+                Some(k.ok_or_else(|| {
+                    Error::invalid(format!("FERROCOMM_LOCAL_SIZE={v:?} is not a positive rank count"))
+                })?);
+        }
         Ok(o)
     }
 
@@ -113,6 +125,12 @@ impl CommOptions {
 
     pub fn with_slot_bytes(mut self, bytes: usize) -> Self {
         self.slot_bytes = Some(bytes);
+        self
+    }
+
+    /// Pseudo-nodes of `ranks` consecutive ranks (see [`CommOptions::local_size`]).
+    pub fn with_local_size(mut self, ranks: usize) -> Self {
+        self.local_size = Some(ranks);
         self
     }
 }
