@@ -964,7 +964,7 @@ fn run_vendor<D: Device>(s: &mut Submit<'_, D>, dtype: DType, op: VendorOp<'_>) 
 }
 
 /// [`run_vendor`], through the staging buffer also when `force` is set.
-fn run_vendor_staged<D: Device>(s: &mut Submit<'_, D>, dtype: DType, op: VendorOp<'_>, force: bool) -> Result<()> {
+fn run_vendor_staged<D: Device>(s: &mut Submit<'_, D>, dtype: DType, mut op: VendorOp<'_>, force: bool) -> Result<()> {
     if s.capturing {
         s.res.vendor.note_capture();
     }
@@ -972,13 +972,11 @@ fn run_vendor_staged<D: Device>(s: &mut Submit<'_, D>, dtype: DType, op: VendorO
     let odd = |p: DevicePtr| p.0 % es as u64 != 0;
     let (world, rank) = (s.inner.world, s.inner.rank);
     let host = s.inner.device.facts().backend == BackendKind::Host;
-    let aligned = match &op {
-        VendorOp::AllReduce { send, recv, .. }
-        | VendorOp::Broadcast { send, recv, .. }
-        | VendorOp::Reduce { send, recv, .. }
-        | VendorOp::AllGather { send, recv, .. }
-        | VendorOp::ReduceScatter { send, recv, .. } => !odd(*send) && !odd(*recv),
+    let aligned = match &mut op {
         VendorOp::Exchange { sends, recvs } => sends.iter().chain(recvs.iter()).flatten().all(|(_, p)| !odd(*p)),
+        single => single
+            .buffers_mut()
+            .is_some_and(|(send, recv)| !odd(*send) && !odd(*recv)),
     };
     if host || (aligned && !force) {
         return s.res.vendor.run(&s.inner.device, s.stream, dtype, op);
@@ -993,127 +991,75 @@ fn run_vendor_staged<D: Device>(s: &mut Submit<'_, D>, dtype: DType, op: VendorO
         }
         (at, end)
     };
-    match op {
-        VendorOp::Exchange { sends, recvs } => {
-            let blocks: Vec<usize> = sends
-                .iter()
-                .chain(recvs.iter())
-                .map(|e| e.map_or(0, |(n, _)| n * es))
-                .collect();
-            let (at, need) = place(&blocks);
-            let base = staging_at(s, need)?;
-            let moved = |list: &[Option<(usize, DevicePtr)>], first: usize| -> Vec<Option<(usize, DevicePtr)>> {
-                list.iter()
-                    .enumerate()
-                    .map(|(q, e)| e.map(|(n, _)| (n, base.offset(at[first + q]))))
-                    .collect()
-            };
-            let (staged_sends, staged_recvs) = (moved(sends, 0), moved(recvs, sends.len()));
-            for (e, st) in sends.iter().zip(&staged_sends) {
-                if let (Some((n, from)), Some((_, to))) = (e, st) {
-                    s.inner.device.copy_device(*to, *from, n * es, s.stream)?;
-                }
+    if let VendorOp::Exchange { sends, recvs } = op {
+        let blocks: Vec<usize> = sends
+            .iter()
+            .chain(recvs.iter())
+            .map(|e| e.map_or(0, |(n, _)| n * es))
+            .collect();
+        let (at, need) = place(&blocks);
+        let base = staging_at(s, need)?;
+        let moved = |list: &[Option<(usize, DevicePtr)>], first: usize| -> Vec<Option<(usize, DevicePtr)>> {
+            list.iter()
+                .enumerate()
+                .map(|(q, e)| e.map(|(n, _)| (n, base.offset(at[first + q]))))
+                .collect()
+        };
+        let (staged_sends, staged_recvs) = (moved(sends, 0), moved(recvs, sends.len()));
+        for (e, st) in sends.iter().zip(&staged_sends) {
+            if let (Some((n, from)), Some((_, to))) = (e, st) {
+                s.inner.device.copy_device(*to, *from, n * es, s.stream)?;
             }
-            s.res.vendor.run(
-                &s.inner.device,
-                s.stream,
-                dtype,
-                VendorOp::Exchange {
-                    sends: &staged_sends,
-                    recvs: &staged_recvs,
-                },
-            )?;
-            for (e, st) in recvs.iter().zip(&staged_recvs) {
-                if let (Some((n, to)), Some((_, from))) = (e, st) {
-                    s.inner.device.copy_device(*to, *from, n * es, s.stream)?;
-                }
-            }
-            Ok(())
         }
-        single => {
-            // (send, bytes read, recv, bytes written) of the op.
-            let (send, read, recv, written) = match &single {
-                VendorOp::AllReduce { send, recv, count, .. } => (*send, count * es, *recv, count * es),
-                VendorOp::Broadcast {
-                    send,
-                    recv,
-                    count,
-                    root,
-                } => (*send, if *root == rank { count * es } else { 0 }, *recv, count * es),
-                VendorOp::Reduce {
-                    send,
-                    recv,
-                    count,
-                    root,
-                    ..
-                } => (*send, count * es, *recv, if *root == rank { count * es } else { 0 }),
-                VendorOp::AllGather { send, recv, count } => (*send, count * es, *recv, count * world * es),
-                VendorOp::ReduceScatter { send, recv, count, .. } => (*send, count * world * es, *recv, count * es),
-                VendorOp::Exchange { .. } => unreachable!("handled above"),
-            };
-            // An input the caller already staged (a list reduce-scatter)
-            // stays where it is; the output goes after it.
-            let current = s.res.staging.as_ref().map(|b| (b.ptr(), b.len()));
-            let in_staging = current
-                .filter(|&(b, len)| send.0 >= b.0 && send.0 + read as u64 <= b.0 + len as u64)
-                .map(|(b, _)| (send.0 - b.0) as usize);
-            let (at, need) = place(&[in_staging.map_or(read, |o| o + read), written]);
-            if in_staging.is_some() && current.is_some_and(|(_, len)| len < need) {
-                // Growing would drop the staged input: its stager reserves room.
-                return Err(Error::Unsupported(format!(
-                    "{}: the staging buffer holds the input and has no room for the output",
-                    single.name()
-                )));
+        s.res.vendor.run(
+            &s.inner.device,
+            s.stream,
+            dtype,
+            VendorOp::Exchange {
+                sends: &staged_sends,
+                recvs: &staged_recvs,
+            },
+        )?;
+        for (e, st) in recvs.iter().zip(&staged_recvs) {
+            if let (Some((n, to)), Some((_, from))) = (e, st) {
+                s.inner.device.copy_device(*to, *from, n * es, s.stream)?;
             }
-            let base = staging_at(s, need)?;
-            let staged_send = match in_staging {
-                Some(o) => base.offset(o),
-                None => base.offset(at[0]),
-            };
-            let staged_recv = base.offset(at[1]);
-            if read > 0 && in_staging.is_none() {
-                s.inner.device.copy_device(staged_send, send, read, s.stream)?;
-            }
-            let relocated = match single {
-                VendorOp::AllReduce { count, red, .. } => VendorOp::AllReduce {
-                    send: staged_send,
-                    recv: staged_recv,
-                    count,
-                    red,
-                },
-                VendorOp::Broadcast { count, root, .. } => VendorOp::Broadcast {
-                    send: staged_send,
-                    recv: staged_recv,
-                    count,
-                    root,
-                },
-                VendorOp::Reduce { count, red, root, .. } => VendorOp::Reduce {
-                    send: staged_send,
-                    recv: staged_recv,
-                    count,
-                    red,
-                    root,
-                },
-                VendorOp::AllGather { count, .. } => VendorOp::AllGather {
-                    send: staged_send,
-                    recv: staged_recv,
-                    count,
-                },
-                VendorOp::ReduceScatter { count, red, .. } => VendorOp::ReduceScatter {
-                    send: staged_send,
-                    recv: staged_recv,
-                    count,
-                    red,
-                },
-                VendorOp::Exchange { .. } => unreachable!("handled above"),
-            };
-            s.res.vendor.run(&s.inner.device, s.stream, dtype, relocated)?;
-            if written > 0 {
-                s.inner.device.copy_device(recv, staged_recv, written, s.stream)?;
-            }
-            Ok(())
         }
+        return Ok(());
     }
+    let (read, written) = op.extents(es, rank, world);
+    let name = op.name();
+    let Some((send, recv)) = op.buffers_mut() else {
+        return Err(Error::Unsupported(format!(
+            "{name}: no single input and output to stage"
+        )));
+    };
+    let (orig_send, orig_recv) = (*send, *recv);
+    // An input the caller already staged (a list reduce-scatter) stays where
+    // it is; the output goes after it.
+    let current = s.res.staging.as_ref().map(|b| (b.ptr(), b.len()));
+    let in_staging = current
+        .filter(|&(b, len)| orig_send.0 >= b.0 && orig_send.0 + read as u64 <= b.0 + len as u64)
+        .map(|(b, _)| (orig_send.0 - b.0) as usize);
+    let (at, need) = place(&[in_staging.map_or(read, |o| o + read), written]);
+    if in_staging.is_some() && current.is_some_and(|(_, len)| len < need) {
+        // Growing would drop the staged input: its stager reserves room.
+        return Err(Error::Unsupported(format!(
+            "{name}: the staging buffer holds the input and has no room for the output"
+        )));
+    }
+    let base = staging_at(s, need)?;
+    *send = base.offset(in_staging.unwrap_or(at[0]));
+    *recv = base.offset(at[1]);
+    if read > 0 && in_staging.is_none() {
+        s.inner.device.copy_device(*send, orig_send, read, s.stream)?;
+    }
+    let staged_recv = *recv;
+    s.res.vendor.run(&s.inner.device, s.stream, dtype, op)?;
+    if written > 0 {
+        s.inner.device.copy_device(orig_recv, staged_recv, written, s.stream)?;
+    }
+    Ok(())
 }
 
 /// Whether a GPU kernel would see one of `tensors` misaligned for its

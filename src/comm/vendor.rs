@@ -63,6 +63,32 @@ impl VendorOp<'_> {
             VendorOp::Exchange { .. } => "send/recv group",
         }
     }
+
+    /// The input and output address of a one-buffer op (not an exchange),
+    /// to read or to move them (staging).
+    pub(crate) fn buffers_mut(&mut self) -> Option<(&mut DevicePtr, &mut DevicePtr)> {
+        match self {
+            VendorOp::AllReduce { send, recv, .. }
+            | VendorOp::Broadcast { send, recv, .. }
+            | VendorOp::Reduce { send, recv, .. }
+            | VendorOp::AllGather { send, recv, .. }
+            | VendorOp::ReduceScatter { send, recv, .. } => Some((send, recv)),
+            VendorOp::Exchange { .. } => None,
+        }
+    }
+
+    /// Bytes a one-buffer op reads from its input and writes to its output
+    /// on `rank` of `world`, for elements of `es` bytes (an exchange: 0, 0).
+    pub(crate) fn extents(&self, es: usize, rank: usize, world: usize) -> (usize, usize) {
+        match *self {
+            VendorOp::AllReduce { count, .. } => (count * es, count * es),
+            VendorOp::Broadcast { count, root, .. } => (if root == rank { count * es } else { 0 }, count * es),
+            VendorOp::Reduce { count, root, .. } => (count * es, if root == rank { count * es } else { 0 }),
+            VendorOp::AllGather { count, .. } => (count * es, count * world * es),
+            VendorOp::ReduceScatter { count, .. } => (count * world * es, count * es),
+            VendorOp::Exchange { .. } => (0, 0),
+        }
+    }
 }
 
 /// The vendor communicator, if this communicator has one.
