@@ -2,6 +2,8 @@
 (or with RANK/WORLD_SIZE/MASTER_PORT set by the test for scenarios that
 make their own store). Exits 0 only if the scenario returned."""
 
+import faulthandler
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -13,6 +15,9 @@ import gpu_scenarios  # noqa: E402
 
 def main() -> int:
     name = sys.argv[1]
+    # A rank still running after this long prints every thread's Python
+    # stack (the test's own timeout then stops it), so a hang names its call.
+    faulthandler.dump_traceback_later(float(os.environ.get("FERROCOMM_PY_HANG_DUMP_S", "45")), exit=False)
     try:
         getattr(gpu_scenarios, name)(*sys.argv[2:])
     except BaseException:

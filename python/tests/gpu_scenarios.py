@@ -275,8 +275,16 @@ def graph_replay(replays: str = "300") -> None:
         wrong += 0 if ok else 1
     print(f"{replays} replays, {wrong} wrong", flush=True)
     assert wrong == 0
+    # The documented teardown order: graphs, then the communicator (NCCL's
+    # destroy waits for graphs that hold its work). Each step says it is
+    # done, so a hang names its step in the log.
+    del g
+    torch.cuda.synchronize()
+    print("graph released", flush=True)
     comm.finalize()
+    print("communicator finalized", flush=True)
     dist.destroy_process_group()
+    print("process group destroyed", flush=True)
 
 
 def vllm_dropin() -> None:

@@ -38,8 +38,32 @@ pub struct Pool {
 /// The longest process exit waits for running compiles.
 const EXIT_WAIT: Duration = Duration::from_secs(20);
 
+/// The process's pool, once a task was submitted.
+static POOL: OnceLock<Pool> = OnceLock::new();
+
 extern "C" fn quiesce_global_pool() {
-    Pool::global().quiesce(EXIT_WAIT);
+    // Never starts the pool at exit (a pool of its own runs the tests' tasks).
+    if let Some(pool) = POOL.get() {
+        pool.quiesce(EXIT_WAIT);
+    }
+}
+
+/// Register the exit hook once more after the first task has run.
+///
+/// Exit handlers run last-registered first. The first compile loads the
+/// compiler (NVRTC and its builtins library, or hipRTC) after the pool
+/// registered its hook, and the C++ destructors those libraries register
+/// then would run before the hook, under a worker still compiling: the
+/// child of the cold-start test segfaulted at exit that way (CUDA 13). A
+/// second registration after the first task puts the hook ahead of them;
+/// quiescing twice is harmless.
+fn rearm_exit_hook() {
+    static REARMED: std::sync::Once = std::sync::Once::new();
+    REARMED.call_once(|| {
+        // SAFETY: as in `Pool::global`: a plain `extern "C"` function with
+        // no arguments that only touches the 'static pool.
+        unsafe { libc::atexit(quiesce_global_pool) };
+    });
 }
 
 /// How many workers the process-wide pool runs.
@@ -58,7 +82,6 @@ pub fn worker_count() -> usize {
 impl Pool {
     /// The process's pool.
     pub fn global() -> &'static Pool {
-        static POOL: OnceLock<Pool> = OnceLock::new();
         static STARTED: OnceLock<()> = OnceLock::new();
         let pool = POOL.get_or_init(|| Pool::unstarted(worker_count()));
         STARTED.get_or_init(|| {
@@ -160,6 +183,7 @@ impl Pool {
                 // task's waiters time out with an error naming what never
                 // finished.
                 let _ = std::panic::catch_unwind(AssertUnwindSafe(task));
+                rearm_exit_hook();
             } else {
                 // Not even dropped: a task's captures may hold the last
                 // reference to a module or context, and releasing those
