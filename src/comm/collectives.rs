@@ -141,6 +141,11 @@ impl<D: Device> Communicator<D> {
             .codec(self.backend())
             .filter(|_| QR_DTYPES.contains(&dtype) && op == ReduceOp::Sum);
         let bytes = count.saturating_mul(dtype.size());
+        if !inner.kernels {
+            // No workspace (a communicator between nodes, or more ranks than
+            // one node's kernels serve): NCCL/RCCL carries the call.
+            return Algorithm::Ccl;
+        }
         let mut chosen = inner.table.choose(algo, bytes, inner.world, ccl_allowed, quantize);
         // The LL protocol has no room for per-rank factors: dispatch takes
         // the push one-shot instead (a fixed choice still gets the error).
@@ -197,6 +202,9 @@ impl<D: Device> Communicator<D> {
             return Err(Error::Unsupported(
                 "oneshot-ll carries no premul_sum factors; let dispatch choose".into(),
             ));
+        }
+        if let Some(levels) = &self.inner.levels {
+            return levels.all_reduce(self.size(), &self.inner.stream, input, output, red, call);
         }
         let count = input.count();
         self.submit(call, "all_reduce", |s| {
@@ -281,7 +289,7 @@ impl<D: Device> Communicator<D> {
                 None
             };
             match as_kernel {
-                Some((kd, n)) if on_host || !s.res.vendor.available() || dtype.size() <= 4 => {
+                Some((kd, n)) if s.inner.kernels && (on_host || !s.res.vendor.available() || dtype.size() <= 4) => {
                     let mut c =
                         CollectiveCall::new(KernelKind::Broadcast, kd, ReduceOp::Sum, n, input.ptr(), output.ptr());
                     c.root = root;
@@ -406,6 +414,9 @@ impl<D: Device> Communicator<D> {
             }
             self.checked("all_gather output", o)?;
         }
+        if let Some(levels) = self.inner.levels.as_ref().filter(|l| l.uniform()) {
+            return levels.all_gather(&self.inner.stream, outputs, input, call);
+        }
         let dtype = input.dtype();
         let outs: Vec<DevicePtr> = outputs.iter().map(Tensor::ptr).collect();
         let on_host = self.on_host();
@@ -502,6 +513,9 @@ impl<D: Device> Communicator<D> {
         }
         let dtype = output.dtype();
         let (op, scalar, flags) = self.checked_reduction(&red, dtype)?;
+        if let Some(levels) = self.inner.levels.as_ref().filter(|l| l.uniform()) {
+            return levels.reduce_scatter(world, &self.inner.stream, output, inputs, red, call);
+        }
         let ins: Vec<DevicePtr> = inputs.iter().map(Tensor::ptr).collect();
         let on_host = self.on_host();
         self.submit(call, "reduce_scatter", |s| {
@@ -883,12 +897,20 @@ fn enqueue<D: Device>(s: &mut Submit<'_, D>, c: &CollectiveCall) -> Result<()> {
         (Some(m), Some(_)) => m,
         _ => &s.res.module,
     };
+    let Some(ws) = &s.res.ws else {
+        return Err(Error::Unsupported(format!(
+            "communicator {} has no workspace for ferrocomm's kernels (it spans {}, or has more ranks than one \
+             node's kernels serve) and no NCCL/RCCL underneath for this call",
+            inner.name,
+            inner.topology.describe()
+        )));
+    };
     c.enqueue(
         &inner.device,
         module,
         &inner.names,
         &inner.grids,
-        &s.res.ws,
+        ws,
         &inner.flags,
         inner.rank,
         s.timeout,

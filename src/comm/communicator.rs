@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::call::Call;
+use super::layered::{Levels, Shape};
 use super::options::CommOptions;
 use super::registry::Registry;
 use super::topology::Topology;
@@ -30,8 +31,8 @@ use crate::algo::kernels::{COLLECTIVES, QUICK_REDUCE};
 use crate::algo::{DispatchTable, GridTable, KernelNames, Workspace};
 use crate::bootstrap::{store_all_gather, store_barrier, Store};
 use crate::device::{
-    Device, DeviceBuffer, HostFlags, MemKind, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE, ERR_CODE_TIMEOUT,
-    ERR_WORDS, MAX_RANKS,
+    BackendKind, Device, DeviceBuffer, HostFlags, MemKind, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE,
+    ERR_CODE_TIMEOUT, ERR_WORDS, MAX_RANKS,
 };
 use crate::error::{Error, Result};
 
@@ -43,7 +44,9 @@ enum Phase {
 
 /// What finalize releases.
 pub(crate) struct Resources<D: Device> {
-    pub(crate) ws: Workspace<D>,
+    /// `None` in a communicator that spans nodes (or has more ranks than the
+    /// kernels serve): NCCL/RCCL and its levels carry its calls.
+    pub(crate) ws: Option<Workspace<D>>,
     pub(crate) module: D::Module,
     /// Loaded at creation when the caller opted in to quick-reduce, else on
     /// the first quick-reduce call.
@@ -90,7 +93,12 @@ pub(crate) struct Inner<D: Device> {
     serial: AtomicU64,
     /// This rank in the first communicator of its lineage (see `create`).
     root_rank: usize,
-    topology: Topology,
+    pub(crate) topology: Topology,
+    /// Whether this communicator has a workspace for ferrocomm's kernels.
+    pub(crate) kernels: bool,
+    /// The node level and the between-nodes level of a communicator that
+    /// spans nodes (`layered.rs`).
+    pub(crate) levels: Option<Levels<D>>,
 }
 
 impl<D: Device> Drop for Inner<D> {
@@ -147,6 +155,10 @@ impl<D: Device> Inner<D> {
         if let Some(res) = st.res.as_ref() {
             res.vendor.abort();
         }
+        drop(st);
+        if let Some(levels) = &self.levels {
+            levels.abort();
+        }
     }
 
     /// A fresh store key prefix for a collective setup step (split,
@@ -171,6 +183,41 @@ pub(crate) struct Submit<'a, D: Device> {
     pub(crate) capturing: bool,
 }
 
+/// What the levels of a communicator that spans nodes are created from.
+pub(crate) struct SubCommunicators<'a, D: Device> {
+    device: &'a D,
+    store: &'a Arc<dyn Store>,
+    prefix: &'a str,
+    opts: &'a CommOptions,
+    root_rank: usize,
+}
+
+impl<D: Device> SubCommunicators<'_, D> {
+    /// A communicator of `world` ranks under the key `suffix` (the same on
+    /// every member), this rank being `rank` of it. Collective over them.
+    pub(crate) fn create(
+        &self,
+        suffix: &str,
+        rank: usize,
+        world: usize,
+        name: String,
+        shape: Shape,
+    ) -> Result<Communicator<D>> {
+        let mut opts = self.opts.clone();
+        opts.name = Some(name);
+        Communicator::create(
+            self.device.duplicate()?,
+            self.store.clone(),
+            format!("{}/{suffix}", self.prefix),
+            rank,
+            world,
+            opts,
+            self.root_rank,
+            shape,
+        )
+    }
+}
+
 /// A group of ranks that run collectives together.
 ///
 /// Every rank must issue the same collectives in the same order (see the
@@ -189,13 +236,23 @@ impl<D: Device> Communicator<D> {
         // Each rank numbers its communicators; creating them in the same order
         // on every rank gives the group a shared key prefix.
         let serial = store.add(&format!("fc/ncomm/{rank}"), 1)?;
-        Self::create(device, store, format!("fc/comm{serial}"), rank, world, opts, rank)
+        Self::create(
+            device,
+            store,
+            format!("fc/comm{serial}"),
+            rank,
+            world,
+            opts,
+            rank,
+            Shape::Auto,
+        )
     }
 
     /// Create a communicator whose store keys live under `prefix` (unique to
     /// the group, the same on every member); `root_rank` is this rank in the
     /// communicator the group was split from, first of all (pseudo-nodes
     /// are counted there).
+    #[allow(clippy::too_many_arguments)]
     fn create(
         device: D,
         store: Arc<dyn Store>,
@@ -204,26 +261,47 @@ impl<D: Device> Communicator<D> {
         world: usize,
         opts: CommOptions,
         root_rank: usize,
+        shape: Shape,
     ) -> Result<Self> {
         if world == 0 || rank >= world {
             return Err(Error::invalid(format!("rank {rank} is not in a world of {world}")));
         }
-        if world > MAX_RANKS {
+        let on_host = device.facts().backend == BackendKind::Host;
+        if on_host && world > MAX_RANKS && opts.local_size.is_none_or(|k| k > MAX_RANKS) {
+            // Known before any rendezvous: the host backend has no NCCL, so
+            // more than 8 ranks need pseudo-nodes of at most 8 for two levels.
             return Err(Error::Unsupported(format!(
-                "world {world}: ferrocomm's kernels serve up to {MAX_RANKS} ranks on one node"
+                "world {world} on the host backend: its protocols serve up to {MAX_RANKS} ranks a node; set \
+                 FERROCOMM_LOCAL_SIZE (CommOptions::with_local_size) to at most {MAX_RANKS} for two levels"
             )));
         }
         let started = std::time::Instant::now();
         let topology = Topology::gather(store.as_ref(), &prefix, rank, world, root_rank, &opts, opts.timeout)?;
-        if topology.nodes > 1 && !topology.pseudo {
-            // Workspaces are mapped through this host's IPC; nothing may try
-            // to reach another host's memory that way.
-            return Err(Error::Unsupported(format!(
-                "this communicator spans {}: ferrocomm's kernels and host protocols reach one host; split it by \
-                 node (Topology::ranks_on) and use NCCL/RCCL between nodes",
-                topology.describe()
-            )));
-        }
+        let spans = topology.nodes > 1 || world > MAX_RANKS;
+        let layered = shape == Shape::Auto && spans;
+        let kernels = match shape {
+            Shape::VendorOnly => false,
+            // The host protocols stand in for NCCL between pseudo-nodes of
+            // one machine; GPUs never reach another node by IPC.
+            Shape::Auto if layered => on_host && topology.pseudo && world <= MAX_RANKS,
+            Shape::Auto | Shape::Flat => {
+                if world > MAX_RANKS {
+                    return Err(Error::Unsupported(format!(
+                        "world {world}: ferrocomm's kernels serve up to {MAX_RANKS} ranks on one node"
+                    )));
+                }
+                if topology.nodes > 1 && !topology.pseudo {
+                    // Workspaces are mapped through this host's IPC; nothing
+                    // may try to reach another host's memory that way.
+                    return Err(Error::Unsupported(format!(
+                        "this communicator spans {}: ferrocomm's kernels and host protocols reach one host; on \
+                         GPUs a communicator spanning nodes uses NCCL/RCCL between them",
+                        topology.describe()
+                    )));
+                }
+                true
+            }
+        };
         let stream = device.create_stream()?;
         let flags = device.alloc_host_flags(ERR_WORDS)?;
         let module = device.load_module(&COLLECTIVES)?;
@@ -233,18 +311,47 @@ impl<D: Device> Communicator<D> {
             Some(_) => Some(device.load_module(&QUICK_REDUCE)?),
             None => None,
         };
-        let ws = Workspace::create(
-            &device,
-            store.as_ref(),
-            &prefix,
-            rank,
-            world,
-            opts.slot_bytes_for(device.facts().backend),
-            opts.timeout,
-        )?;
+        let ws = match kernels {
+            true => Some(Workspace::create(
+                &device,
+                store.as_ref(),
+                &prefix,
+                rank,
+                world,
+                opts.slot_bytes_for(device.facts().backend),
+                opts.timeout,
+            )?),
+            false => None,
+        };
         let scratch = device.alloc(64, MemKind::Plain)?;
         let vendor = Vendor::init(&device, store.as_ref(), &prefix, rank, world, opts.timeout)?;
+        if shape == Shape::VendorOnly && world > 1 && !vendor.available() {
+            return Err(Error::Unsupported(format!(
+                "a communicator between nodes ({}) needs NCCL/RCCL underneath, and it is not loaded (build with the \
+                 nccl/rccl feature, install the library, and leave FERROCOMM_CCL unset)",
+                topology.describe()
+            )));
+        }
         store_barrier(store.as_ref(), &format!("{prefix}/ready"), rank, world, opts.timeout)?;
+        let levels = match layered {
+            true => {
+                let sub = SubCommunicators {
+                    device: &device,
+                    store: &store,
+                    prefix: &prefix,
+                    opts: &opts,
+                    root_rank,
+                };
+                let inter = if on_host { Shape::Flat } else { Shape::VendorOnly };
+                Levels::build(
+                    &sub,
+                    &topology,
+                    &opts.name.clone().unwrap_or_else(|| prefix.replace('/', "-")),
+                    inter,
+                )?
+            }
+            false => None,
+        };
         let table = DispatchTable::default_for(device.facts().backend);
         let grids = GridTable::new(device.facts())?;
         let has_vendor = vendor.available();
@@ -254,7 +361,7 @@ impl<D: Device> Communicator<D> {
             crate::fc_log!(
                 tracing::Level::INFO,
                 "communicator {name} ready in {:.2} s: rank {rank} of {world} on {} (local rank {} of {}), backend {} \
-                 device {} ({}, {}, {} SMs/CUs), workspace {} MiB ({} MiB slots), library underneath {}, runtime: {}",
+                 device {} ({}, {}, {} SMs/CUs), workspace {}, library underneath {}, runtime: {}",
                 started.elapsed().as_secs_f64(),
                 topology.describe(),
                 topology.local_rank,
@@ -264,8 +371,11 @@ impl<D: Device> Communicator<D> {
                 f.name,
                 f.arch,
                 f.multiprocessors,
-                ws.own().len() >> 20,
-                ws.slot_bytes() >> 20,
+                match (&ws, &levels) {
+                    (Some(ws), _) => format!("{} MiB ({} MiB slots)", ws.own().len() >> 20, ws.slot_bytes() >> 20),
+                    (None, Some(_)) => "none (a node level and a between-nodes level)".into(),
+                    (None, None) => "none (NCCL/RCCL only)".into(),
+                },
                 vendor.describe(),
                 device.runtime_info()
             );
@@ -301,6 +411,8 @@ impl<D: Device> Communicator<D> {
                 serial: AtomicU64::new(0),
                 root_rank,
                 topology,
+                kernels,
+                levels,
             }),
         })
     }
@@ -437,6 +549,7 @@ impl<D: Device> Communicator<D> {
             ranks.len(),
             opts,
             inner.root_rank,
+            Shape::Auto,
         )
         .map(Some)
     }
@@ -449,6 +562,9 @@ impl<D: Device> Communicator<D> {
             return Err(Error::Finalized);
         }
         let drained = self.inner.device.synchronize(&self.inner.stream);
+        if let Some(levels) = &self.inner.levels {
+            levels.finalize();
+        }
         st.res = None;
         st.last = None;
         st.phase = Phase::Finalized;
@@ -492,6 +608,16 @@ impl<D: Device> Communicator<D> {
     ) -> Result<Work<D>> {
         let inner = &*self.inner;
         let mut st = self.lock_active()?;
+        if !inner.kernels && !inner.has_vendor && inner.world > 1 {
+            return Err(Error::Unsupported(format!(
+                "{what} on communicator {}: it spans {} with {} ranks, so it has no workspace for ferrocomm's \
+                 kernels, and no NCCL/RCCL underneath (all_reduce, all_gather and reduce_scatter run in two levels \
+                 when the nodes have equal sizes)",
+                inner.name,
+                inner.topology.describe(),
+                inner.world
+            )));
+        }
         let stream = call.stream.unwrap_or(&inner.stream);
         let capturing = inner.device.is_capturing(stream)?;
         let id = stream_id::<D>(&inner.device, stream);

@@ -5,6 +5,7 @@
 mod call;
 mod collectives;
 mod communicator;
+mod layered;
 mod mapping;
 mod options;
 mod registry;

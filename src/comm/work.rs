@@ -17,6 +17,9 @@ pub struct Work<D: Device> {
     what: &'static str,
     /// The call's own timeout, if it had one.
     timeout: Option<Duration>,
+    /// The communicators of earlier steps of the same call (the levels of
+    /// a communicator that spans nodes): their failures are this work's.
+    parts: Vec<Arc<Inner<D>>>,
 }
 
 impl<D: Device> Work<D> {
@@ -39,7 +42,21 @@ impl<D: Device> Work<D> {
             event,
             what,
             timeout,
+            parts: Vec::new(),
         })
+    }
+
+    /// This work, answering also for failures in `comms`' kernels.
+    pub(crate) fn with_parts(mut self, comms: &[&super::Communicator<D>]) -> Self {
+        self.parts = comms.iter().map(|c| c.inner.clone()).collect();
+        self
+    }
+
+    /// A failure the kernels of this call reported, and where.
+    fn device_error(&self) -> Option<(Error, &Inner<D>)> {
+        std::iter::once(&self.inner)
+            .chain(&self.parts)
+            .find_map(|i| i.device_error().map(|e| (e, &**i)))
     }
 
     pub(crate) fn event(&self) -> Option<Arc<D::Event>> {
@@ -58,7 +75,7 @@ impl<D: Device> Work<D> {
         let Some(event) = &self.event else {
             return true;
         };
-        self.inner.device_error().is_some() || self.inner.device.query(event).unwrap_or(true)
+        self.device_error().is_some() || self.inner.device.query(event).unwrap_or(true)
     }
 
     /// Wait for the collective. `None` waits as long as the call's timeout
@@ -82,15 +99,15 @@ impl<D: Device> Work<D> {
         // failed may leave its event pending until its own deadline.
         let slice = Duration::from_millis(5);
         loop {
-            if let Some(err) = self.inner.device_error() {
-                self.inner.abort(&err.to_string());
+            if let Some((err, comm)) = self.device_error() {
+                comm.abort(&err.to_string());
                 return Err(err);
             }
             let left = limit.saturating_sub(start.elapsed());
             if self.inner.device.wait_event_for(event, left.min(slice))? {
                 // The kernels may have failed just before the event completed.
-                if let Some(err) = self.inner.device_error() {
-                    self.inner.abort(&err.to_string());
+                if let Some((err, comm)) = self.device_error() {
+                    comm.abort(&err.to_string());
                     return Err(err);
                 }
                 return Ok(());
