@@ -3,8 +3,8 @@
 # binaries (see ci/pack-gpu.sh), writing logs under $OUT (or ./gpu-logs).
 #
 #   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
-#   STEPS: tests coldstart torchrun example sanitizer bench collbench qrbench
-#          python baseline (default: all)
+#   STEPS: tests coldstart torchrun layered example sanitizer bench collbench
+#          qrbench python baseline (default: all)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a
 # shared host's GPUs down. Every test runs with FERROCOMM_REQUIRE_GPU=1, so a
@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(cd "${1:-.carry/bin}" && pwd)"
 shift || true
-STEPS="${*:-tests coldstart torchrun example sanitizer bench collbench qrbench python baseline}"
+STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench qrbench python baseline}"
 # Logs go to one folder; with $OUT set (the lent machines bring back a
 # limited number of files) they are packed into $OUT/gpu-logs.tgz at the end,
 # beside summary.txt, also when the job is stopped.
@@ -97,6 +97,17 @@ if [[ " $STEPS " == *" torchrun "* ]] && command -v torchrun >/dev/null && [ "$N
     if [ -x "$BIN/torchrun_store" ] && [ "${TORCH_STORE_TESTS:-1}" != 0 ]; then
         step torch_tcpstore_client env FERROCOMM_REQUIRE_TORCH=1 "$BIN/torchrun_store" --include-ignored --test-threads=1
     fi
+fi
+
+if [[ " $STEPS " == *" layered "* ]] && command -v torchrun >/dev/null && [ "$NGPU" -ge 2 ]; then
+    # Pseudo-nodes of one GPU each (FERROCOMM_LOCAL_SIZE=1): every
+    # communicator spans nodes, so all-reduce, all-gather and reduce-scatter
+    # run in two levels (NCCL between the "nodes") and the rest through
+    # NCCL; the bench checks every result, then the conformance suite runs.
+    step layered_bench env FERROCOMM_LOCAL_SIZE=1 "$BIN/ferrocomm-bench" --backend cuda --world 2 --coll all --algo auto \
+        --dtype bf16 --min-bytes 4K --max-bytes 16M --iters 5 --warmup 2
+    step layered_conformance env FERROCOMM_LOCAL_SIZE=1 torchrun --nproc_per_node=2 --no-python "$BIN/ferrocomm-worker" \
+        conformance --backend cuda --timeout-secs 120
 fi
 
 if [[ " $STEPS " == *" example "* ]] && command -v torchrun >/dev/null && [ "$NGPU" -ge 2 ] && [ -x "$BIN/engine_cudarc" ]; then
