@@ -171,6 +171,11 @@ if [[ " $STEPS " == *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/nu
     step python_gpu_tests python3 -m pytest -x -v -rs python/tests/test_gpu_torch.py
     if [ "$NGPU" -ge 2 ]; then
         step python_bench torchrun --nproc_per_node=2 python/bench/bench_torch.py
+        # Eager calls back to back: when the CPU cannot issue them as fast
+        # as the GPU runs them, eager us/op minus graph us/op is the Python
+        # + Rust cost of one call.
+        step python_bench_eager torchrun --nproc_per_node=2 python/bench/bench_torch.py --collectives all_reduce \
+            --min-bytes 4K --max-bytes 64K --eager --no-symm-mem --k 200
     fi
 fi
 
