@@ -48,7 +48,7 @@ impl<D: Device> Work<D> {
 
     /// This work, answering also for failures in `comms`' kernels.
     pub(crate) fn with_parts(mut self, comms: &[&super::Communicator<D>]) -> Self {
-        self.parts = comms.iter().map(|c| c.inner.clone()).collect();
+        self.parts.extend(comms.iter().map(|c| c.inner.clone()));
         self
     }
 
