@@ -29,6 +29,7 @@ pub mod algo;
 #[path = "../backends/mod.rs"]
 pub mod backends;
 pub mod bootstrap;
+pub mod cache;
 pub mod codec;
 pub mod comm;
 pub mod device;
@@ -41,7 +42,7 @@ pub mod testing;
 
 pub use comm::{
     Axis, Call, CommOptions, Communicator, Mapping, MixedComm, MixedMode, MixedOp, P2p, Reduction, Registration,
-    Tensor, Topology, Work,
+    Tensor, Topology, TuneReport, TuneSource, Work,
 };
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};

@@ -146,7 +146,8 @@ impl<D: Device> Communicator<D> {
             // one node's kernels serve): NCCL/RCCL carries the call.
             return Algorithm::Ccl;
         }
-        let mut chosen = inner.table.choose(algo, bytes, inner.world, ccl_allowed, quantize);
+        let mut chosen =
+            super::communicator::read(&inner.table).choose(algo, bytes, inner.world, ccl_allowed, quantize);
         // The LL protocol has no room for per-rank factors: dispatch takes
         // the push one-shot instead (a fixed choice still gets the error).
         if chosen == Algorithm::OneShotLl && op == ReduceOp::PreMulSum && algo == AlgoChoice::Auto {

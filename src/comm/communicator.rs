@@ -17,9 +17,10 @@
 //! capture all of a communicator's calls on one stream.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
+use super::autotune::{self, TuneReport};
 use super::call::Call;
 use super::layered::{Levels, Shape};
 use super::options::CommOptions;
@@ -80,7 +81,10 @@ pub(crate) struct Inner<D: Device> {
     pub(crate) rank: usize,
     pub(crate) world: usize,
     pub(crate) opts: CommOptions,
-    pub(crate) table: DispatchTable,
+    /// Dispatch thresholds; autotune at init replaces the all-reduce ladder.
+    pub(crate) table: RwLock<DispatchTable>,
+    /// What autotune chose at init, if it ran.
+    pub(crate) tuned: Mutex<Option<TuneReport>>,
     pub(crate) grids: GridTable,
     pub(crate) names: KernelNames,
     /// Whether the vendor library is loaded (fixed at creation).
@@ -107,6 +111,10 @@ impl<D: Device> Drop for Inner<D> {
         // deadline, so this returns.
         let _ = self.device.synchronize(&self.stream);
     }
+}
+
+pub(crate) fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|e| e.into_inner())
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -380,7 +388,7 @@ impl<D: Device> Communicator<D> {
                 device.runtime_info()
             );
         }
-        Ok(Communicator {
+        let comm = Communicator {
             inner: Arc::new(Inner {
                 state: Mutex::new(State {
                     phase: Phase::Active,
@@ -401,7 +409,8 @@ impl<D: Device> Communicator<D> {
                 rank,
                 world,
                 opts,
-                table,
+                table: RwLock::new(table),
+                tuned: Mutex::new(None),
                 grids,
                 names: KernelNames::new(),
                 has_vendor,
@@ -414,7 +423,45 @@ impl<D: Device> Communicator<D> {
                 kernels,
                 levels,
             }),
-        })
+        };
+        comm.autotune_at_init(kernels)?;
+        Ok(comm)
+    }
+
+    /// Autotune the all-reduce ladder (`autotune.rs`) where it is on and
+    /// this communicator runs kernels between ranks. Collective.
+    fn autotune_at_init(&self, kernels: bool) -> Result<()> {
+        let inner = &*self.inner;
+        let backend = inner.device.facts().backend;
+        if !kernels || inner.world < 2 || !inner.opts.autotune_for(backend) {
+            return Ok(());
+        }
+        let report = autotune::tune(self)?;
+        crate::fc_log!(
+            tracing::Level::INFO,
+            "communicator {}: all-reduce ladder {} ({:?})",
+            inner.name,
+            report
+                .ladder
+                .iter()
+                .map(|s| match s.max_bytes {
+                    usize::MAX => s.algo.to_string(),
+                    b => format!("{} up to {b} B", s.algo),
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+            report.source
+        );
+        let mut table = inner.table.write().unwrap_or_else(|e| e.into_inner());
+        table.ladders[inner.world.min(MAX_RANKS)] = report.ladder.clone();
+        drop(table);
+        *lock(&inner.tuned) = Some(report);
+        Ok(())
+    }
+
+    /// What autotune chose at init (`None` where it did not run).
+    pub fn autotune_report(&self) -> Option<TuneReport> {
+        lock(&self.inner.tuned).clone()
     }
 
     pub fn rank(&self) -> usize {

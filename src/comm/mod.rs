@@ -2,6 +2,7 @@
 //! takes [`Tensor`]s (the caller's memory), a [`Call`] (stream, timeout,
 //! hints) and returns a [`Work`] to wait on or poll.
 
+mod autotune;
 mod call;
 mod collectives;
 mod communicator;
@@ -15,6 +16,7 @@ mod topology;
 mod vendor;
 mod work;
 
+pub use autotune::{TuneReport, TuneSource};
 pub use call::{Call, Factor, Reduction};
 pub use collectives::P2p;
 pub use communicator::Communicator;

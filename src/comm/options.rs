@@ -32,6 +32,10 @@ pub struct CommOptions {
     /// run multi-node paths on one machine (`FERROCOMM_LOCAL_SIZE`; every
     /// rank must set the same value). `None`: nodes are real hosts.
     pub local_size: Option<usize>,
+    /// Time the all-reduce algorithms at init and dispatch by the result,
+    /// cached on disk (`FERROCOMM_AUTOTUNE=0|1`). `None`: on for GPUs, off
+    /// on the host backend.
+    pub autotune: Option<bool>,
 }
 
 impl Default for CommOptions {
@@ -44,12 +48,22 @@ impl Default for CommOptions {
             quantization: Quantization::None,
             name: None,
             local_size: None,
+            autotune: None,
         }
     }
 }
 
 fn env_var(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// An on/off environment value.
+fn switch(name: &str, v: &str) -> Result<bool> {
+    match v.trim() {
+        "1" | "true" | "on" | "yes" => Ok(true),
+        "0" | "false" | "off" | "no" => Ok(false),
+        _ => Err(Error::invalid(format!("{name}={v:?} is not 0 or 1"))),
+    }
 }
 
 impl CommOptions {
@@ -74,11 +88,10 @@ impl CommOptions {
             o.timeout = Duration::from_secs_f64(secs);
         }
         if let Some(v) = env_var("FERROCOMM_DETERMINISTIC") {
-            o.deterministic = match v.trim() {
-                "1" | "true" | "on" | "yes" => true,
-                "0" | "false" | "off" | "no" => false,
-                _ => return Err(Error::invalid(format!("FERROCOMM_DETERMINISTIC={v:?} is not 0 or 1"))),
-            };
+            o.deterministic = switch("FERROCOMM_DETERMINISTIC", &v)?;
+        }
+        if let Some(v) = env_var("FERROCOMM_AUTOTUNE") {
+            o.autotune = Some(switch("FERROCOMM_AUTOTUNE", &v)?);
         }
         if let Some(v) = env_var("FERROCOMM_ALGO") {
             o.algo = v.parse()?;
@@ -126,6 +139,17 @@ impl CommOptions {
     pub fn with_slot_bytes(mut self, bytes: usize) -> Self {
         self.slot_bytes = Some(bytes);
         self
+    }
+
+    /// Autotune at init on or off (see [`CommOptions::autotune`]).
+    pub fn with_autotune(mut self, on: bool) -> Self {
+        self.autotune = Some(on);
+        self
+    }
+
+    /// Whether autotune runs on `backend`.
+    pub fn autotune_for(&self, backend: crate::device::BackendKind) -> bool {
+        self.autotune.unwrap_or(backend != crate::device::BackendKind::Host)
     }
 
     /// Pseudo-nodes of `ranks` consecutive ranks (see [`CommOptions::local_size`]).

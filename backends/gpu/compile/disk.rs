@@ -9,7 +9,7 @@
 //! truncated, written for another key, or not owned by us is ignored with a
 //! warning and rebuilt, never loaded.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::backends::gpu::vendor::ImageKind;
 
@@ -61,29 +61,7 @@ pub fn sanitize(name: &str) -> String {
     }
 }
 
-/// `$FERROCOMM_CACHE_DIR` (`off`, `0`, `none`, `false` or empty disable the
-/// cache), else `$XDG_CACHE_HOME/ferrocomm` or `~/.cache/ferrocomm`.
-pub fn cache_dir() -> Option<PathBuf> {
-    match std::env::var_os("FERROCOMM_CACHE_DIR") {
-        Some(v) => {
-            let s = v.to_string_lossy();
-            if s.is_empty() || ["off", "0", "none", "false"].contains(&s.to_ascii_lowercase().as_str()) {
-                None
-            } else {
-                Some(PathBuf::from(v))
-            }
-        }
-        None => std::env::var_os("XDG_CACHE_HOME")
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-            .or_else(|| {
-                std::env::var_os("HOME")
-                    .filter(|v| !v.is_empty())
-                    .map(|h| PathBuf::from(h).join(".cache"))
-            })
-            .map(|base| base.join("ferrocomm")),
-    }
-}
+pub use crate::cache::cache_dir;
 
 /// True when `meta` belongs to us and nobody else can write it.
 fn trusted(meta: &std::fs::Metadata) -> bool {
@@ -216,7 +194,7 @@ mod tests {
         b
     }
 
-    fn scratch(name: &str) -> PathBuf {
+    fn scratch(name: &str) -> std::path::PathBuf {
         let d = std::env::temp_dir().join(format!("ferrocomm-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         d
