@@ -845,7 +845,7 @@ mod tests {
             assert_eq!(p.per_peer[3][..2], [at(&tb, 0), at(&tb, 16)]);
             assert_eq!(cfg.grid, 1, "64-byte blocks take one GPU block");
 
-            // All-to-all-v: splits differ per rank, so no agreed count (0).
+            // All-to-all-v: no agreed count (0), whatever the splits.
             // Rank s sends 1 + s + 2d elements to rank d.
             let (ins, outs) = ([1 + rank, 3 + rank], [1 + 2 * rank, 2 + 2 * rank]);
             comm.all_to_all_v_single(
@@ -885,6 +885,13 @@ mod tests {
             assert_eq!(p.per_peer[0][..2], [16, 16]);
             assert_eq!(p.per_peer[1][..2], [at(&ta, 400), at(&ta, 416)]);
             assert_eq!(p.per_peer[2][..2], [16, 16]);
+
+            // Reduce-scatter of a list: the kernel takes the list as it is (no staging).
+            let (i0, i1) = (ta.slice(450, 5)?, ta.slice(460, 5)?);
+            comm.reduce_scatter(tb.slice(450, 5)?, &[i0, i1], ReduceOp::Max, &call)?
+                .wait(None)?;
+            let (_, p) = launched("fc_reduce_to_f32_max", rank, |p| p.output.0 == at(&tb, 450));
+            assert_eq!(p.per_peer[1][..2], [at(&ta, 450), at(&ta, 460)]);
 
             // Reduce to rank 1 with premul_sum: only the root receives.
             let t = ta.slice(500, 8)?;

@@ -615,10 +615,7 @@ impl<D: Device> Communicator<D> {
                 .collect()
         };
         let (ib, ob) = (blocks(&input, &ins)?, blocks(&output, &outs)?);
-        // Even splits the caller left to us: every rank has the same block
-        // (what a size-based route may look at); given splits may differ.
-        let even = (input_splits.is_empty() && output_splits.is_empty()).then(|| input.count() / world);
-        self.all_to_all_impl(&ob, &ib, even, call)
+        self.all_to_all_impl(&ob, &ib, call)
     }
 
     /// `inputs[q]` to rank `q`, `outputs[s]` from rank `s` (lists of one
@@ -632,17 +629,10 @@ impl<D: Device> Communicator<D> {
                 inputs.len()
             )));
         }
-        self.all_to_all_impl(outputs, inputs, None, call)
+        self.all_to_all_impl(outputs, inputs, call)
     }
 
-    /// `even`: the block every rank sends every peer, when all ranks agree on one.
-    fn all_to_all_impl(
-        &self,
-        outputs: &[Tensor],
-        inputs: &[Tensor],
-        even: Option<usize>,
-        call: &Call<'_, D>,
-    ) -> Result<Work<D>> {
+    fn all_to_all_impl(&self, outputs: &[Tensor], inputs: &[Tensor], call: &Call<'_, D>) -> Result<Work<D>> {
         let dtype = inputs.first().map_or(DType::U8, Tensor::dtype);
         for t in inputs.iter().chain(outputs) {
             if t.dtype() != dtype {
@@ -668,8 +658,12 @@ impl<D: Device> Communicator<D> {
             if on_host {
                 return exchange(s, dtype, &l, 0);
             }
-            match route_of(s, Coll::AllToAll, even.map(|n| n * dtype.size())) {
-                Route::Custom => exchange(s, dtype, &l, even.unwrap_or(0)),
+            // No block size every rank is sure to share: one rank's splits may
+            // be even while another's are not, or given where another left
+            // them empty; so no size goes into the route, the fingerprint or
+            // the grid (a full chunk's), which must agree across ranks.
+            match route_of(s, Coll::AllToAll, None) {
+                Route::Custom => exchange(s, dtype, &l, 0),
                 Route::Vendor => vendor_exchange(s, dtype, l, me),
             }
         })

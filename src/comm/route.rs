@@ -5,8 +5,8 @@
 //! The decision must come out the same on every rank (a group split between
 //! the kernels and the library waits until its deadline), so it depends only
 //! on what every rank shares: the collective, the world, the per-peer block
-//! size where all ranks agree on one (`None` for all-to-all-v and list
-//! all-to-alls, whose per-rank sizes differ), the route asked for
+//! size where all ranks agree on one (`None` for all-to-alls, whose
+//! per-rank sizes may differ), the route asked for
 //! (`FERROCOMM_COLL_ROUTE`, which every rank must set alike, like every
 //! `FERROCOMM_*` knob) and whether the library loaded (it loads on every rank
 //! or the communicator fails at init).
@@ -98,9 +98,9 @@ pub(crate) const CUSTOM_MAX_BLOCK_BYTES: usize = usize::MAX;
 ///
 /// - `block_bytes`: the per-peer block in bytes when every rank agrees on it
 ///   (all-gather's input, reduce-scatter's output, gather/scatter's block,
-///   an even all-to-all's split); `None` when ranks may differ (all-to-all-v,
-///   lists): `auto` then takes the kernels, the one route that needs no
-///   agreed size.
+///   all of which every rank's validation pins); `None` for all-to-alls
+///   (one rank's splits may be even while another's are not): `auto` then
+///   takes the kernels, the one route that needs no agreed size.
 /// - `vendor`: the build has NCCL/RCCL and the library loaded.
 /// - `deterministic`: [`CommOptions::deterministic`](super::CommOptions::deterministic).
 ///
