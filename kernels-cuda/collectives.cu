@@ -1,4 +1,6 @@
-// ferrocomm collective kernels: one-shot and two-shot all-reduce (pull, push, LL), broadcast.
+// ferrocomm collective kernels: one-shot and two-shot all-reduce (pull, push, LL), broadcast,
+// and the exchange and reduce-to protocols (all-gather, gather, scatter, all-to-all(-v),
+// reduce-scatter, reduce).
 //
 // Vendor neutral (see common.cuh): the HIP module reuses this file unchanged.
 // The contract is docs/protocol.md. The module NVRTC compiles is prelude.cuh +
@@ -478,6 +480,314 @@ FC_DEVICE void oneshot_ll(const FcParams& p) {
     }
     if (fc_barrier_or(failed)) return;
     complete(own, epoch);
+}
+
+// ===========================================================================
+// Exchange and reduce-to (protocol.md "Data movement and reductions to some
+// ranks"): the host protocols of backends/host/collectives.rs, multi-block.
+//
+// Per-peer lists come by value in the params (per_peer rows: 0 send counts,
+// 1 send addresses, 2 receive counts, 3 receive addresses; elements of the
+// call's dtype). Every source s has an inbox in slot A of each rank's parity
+// region, `stride = push2_stride` bytes at s * stride; chunk c (epoch E + c)
+// carries bytes [c*capb, (c+1)*capb) of every block, capb = (stride/ES)*ES.
+//
+// Pieces: a pair's block of `bytes` is cut, in every chunk, into pieces of
+// `per = round_up16(ceil(min(bytes, capb) / gridDim))` bytes, and block b
+// moves piece b of every pair. The sender cuts with its send count, the
+// receiver with its receive count: equal when the lists agree (and if they do
+// not, chunk 0's check below stops the receiver before it reads anything).
+// So block b of a receiver reads only what block b of the source wrote before
+// the flag it waited for, and block b touches the same inbox bytes in every
+// chunk: the reuse argument of the push kinds holds per block. Pieces start
+// on 16 bytes from the chunk's start (which is 64-byte aligned in the inbox):
+// a user buffer gets the vector path when its address is 16-byte aligned,
+// byte copies otherwise (any alignment, any count).
+//
+// Chunk 0's agreement: thread q < world writes, with the fingerprint, into
+// peer q's aux words [parity][b][.][rank] the count we send q and the largest
+// block we move (and premul_sum's factor). After its own wait, every thread of
+// block b reads the aux words of block b (published by each source's block b
+// before its flag) and so every block, on its own, (1) checks that each
+// source sends what we expect (else a mismatch naming the source, raised by
+// thread 0, and the block leaves without touching any output) and (2) takes
+// nchunk = ceil(largest of the group / cap): every block of every rank gets
+// the same number of epochs with no exchange between blocks.
+
+FC_DEVICE fc_u64 round_up16(fc_u64 x) { return (x + 15) & ~(fc_u64)15; }
+
+// Element size of a DType code (src/dtype.rs): f32 0, f16 1, bf16 2, i32 3,
+// i8 4, u8 5, i64 6, f64 7, fp8 e4m3 8, fp8 e5m2 9.
+FC_DEVICE fc_u64 dtype_bytes(fc_u32 code) {
+    switch (code) {
+        case 0: case 3: return 4;
+        case 1: case 2: return 2;
+        case 6: case 7: return 8;
+        default: return 1;
+    }
+}
+
+FC_DEVICE fc_u64 send_count(const FcParams& p, fc_u32 q) { return p.per_peer[0][q]; }
+FC_DEVICE fc_u64 send_addr(const FcParams& p, fc_u32 q) { return p.per_peer[1][q]; }
+FC_DEVICE fc_u64 recv_count(const FcParams& p, fc_u32 s) { return p.per_peer[2][s]; }
+FC_DEVICE fc_u64 recv_addr(const FcParams& p, fc_u32 s) { return p.per_peer[3][s]; }
+
+// The largest block (elements) this rank sends or receives.
+FC_DEVICE fc_u64 largest_block(const FcParams& p) {
+    fc_u64 m = 0;
+    for (fc_u32 q = 0; q < p.world; ++q) {
+        const fc_u64 a = send_count(p, q), b = recv_count(p, q);
+        m = a > m ? a : m;
+        m = b > m ? b : m;
+    }
+    return m;
+}
+
+FC_DEVICE fc_u64 pair_per(fc_u64 bytes, fc_u64 capb, fc_u32 nb) { return round_up16(div_ceil(min_u64(bytes, capb), nb)); }
+
+// Piece b (bytes, relative to the chunk's start) of chunk c of a pair's block.
+FC_DEVICE Range pair_piece(fc_u64 bytes, fc_u64 capb, fc_u32 nb, fc_u64 c, fc_u32 b) {
+    const fc_u64 per = pair_per(bytes, capb, nb);
+    const fc_u64 first = c * capb;
+    const fc_u64 len = first < bytes ? min_u64(capb, bytes - first) : 0;
+    Range r;
+    r.lo = min_u64((fc_u64)b * per, len);
+    r.hi = min_u64(r.lo + per, len);
+    return r;
+}
+
+// Push piece b of chunk c of the block we send to q into q's inbox [rank].
+FC_DEVICE void push_piece(const FcParams& p, fc_u32 q, fc_u64 region, fc_u64 stride, fc_u64 es, fc_u64 capb, fc_u64 c,
+                          fc_u32 b, fc_u32 nb) {
+    const fc_u64 addr = send_addr(p, q);
+    const Range r = pair_piece(send_count(p, q) * es, capb, nb, c, b);
+    if (r.hi <= r.lo) return;
+    copy_range<1, FC_COPY_UNROLL>(fc_ptr<char>(p.peer_ws[q] + region + (fc_u64)p.rank * stride),
+                                  fc_ptr<const char>(addr + c * capb), r.lo, r.hi, aligned16(addr));
+}
+
+// Chunk 0, before the arrive: thread q < world tells peer q (itself included)
+// what we send it, our largest block and our premul_sum factor (bits).
+FC_DEVICE void announce(const FcParams& p, fc_u32 parity, fc_u32 b, fc_u64 largest, fc_u32 factor_bits) {
+    const fc_u32 q = fc_thread_id();
+    if (q >= p.world) return;
+    char* peer = fc_ptr<char>(p.peer_ws[q]);
+    fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_PAIR_COUNT, p.rank), send_count(p, q));
+    fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_LARGEST, p.rank), largest);
+    fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_FACTOR, p.rank), (fc_u64)factor_bits);
+}
+
+// Chunk 0, after the wait (every thread of the block computes the same):
+// the group's number of chunks, or 0 after a mismatch (raised once, by
+// thread 0, naming the first source that disagrees).
+FC_DEVICE fc_u64 agree_on_chunks(const FcParams& p, char* own, fc_u32 parity, fc_u32 b, fc_u32 epoch, fc_u64 largest,
+                                 fc_u64 cap) {
+    for (fc_u32 s = 0; s < p.world; ++s) {
+        bool bad;
+        if (s == p.rank) {
+            bad = send_count(p, s) != recv_count(p, s);
+        } else {
+            const fc_u64 pair = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_PAIR_COUNT, s));
+            const fc_u64 theirs = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_LARGEST, s));
+            bad = pair != recv_count(p, s);
+            largest = theirs > largest ? theirs : largest;
+        }
+        if (bad) {
+            if (fc_thread_id() == 0) raise_mismatch(p, s, epoch);
+            return 0;
+        }
+    }
+    const fc_u64 n = div_ceil(largest, cap > 0 ? cap : 1);
+    return n > 0 ? n : 1;
+}
+
+// Exchange: all-gather (list or single), gather, scatter, all-to-all(-v).
+// Any dtype: bytes move unchanged. Per chunk c: push piece b of every send
+// block's chunk into its receiver's inbox (peers staggered by block so all
+// links are busy); arrive/wait phase 0; (chunk 0: agree, and our own block
+// goes straight across, piece b of it, once); copy piece b of every inbox's
+// chunk into its receive block (local reads).
+// In place (all-to-all on one tensor with equal splits, an all-gather whose
+// input is its own part): a receive block that is a send block is the same
+// pair's, cut into the same pieces, and block b overwrites its piece of chunk
+// c only after it pushed that piece (chunk c, before its wait); other chunks
+// and pieces are other bytes. Peers never read our buffers, only inboxes.
+FC_DEVICE void exchange(const FcParams& p) {
+    char* own = fc_ptr<char>(p.peer_ws[p.rank]);
+    const fc_u32 e0 = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
+    const fc_u32 b = fc_block_id();
+    const fc_u32 nb = fc_grid_blocks();
+    const fc_u32 world = p.world;
+    const fc_u32 rank = p.rank;
+    const fc_u64 es = dtype_bytes(p.dtype);
+    const fc_u64 stride = push2_stride(p);
+    const fc_u64 cap = stride / es;
+    const fc_u64 capb = cap * es;
+    const fc_u64 largest = largest_block(p);
+
+    fc_u64 nchunk = 1;
+    for (fc_u64 c = 0; c < nchunk; ++c) {
+        const fc_u32 epoch = e0 + (fc_u32)c;
+        const fc_u32 parity = epoch & 1;
+        const fc_u64 region = region_offset(p, parity);
+        for (fc_u32 k = 0; k + 1 < world; ++k) {
+            const fc_u32 q = (rank + 1 + (k + b) % (world - 1)) % world;
+            push_piece(p, q, region, stride, es, capb, c, b, nb);
+        }
+        if (c == 0) announce(p, parity, b, largest, 0u);
+        if (!arrive_wait(p, own, epoch, parity, 0, b)) return;
+        if (c == 0) {
+            nchunk = agree_on_chunks(p, own, parity, b, epoch, largest, cap);
+            if (nchunk == 0) return;
+            const fc_u64 from = send_addr(p, rank), to = recv_addr(p, rank);
+            const fc_u64 bytes = recv_count(p, rank) * es;
+            if (from != to && bytes > 0) {
+                // Piece b of the whole block (16-byte multiples: the vector path when both are aligned).
+                const fc_u64 per = round_up16(div_ceil(bytes, nb));
+                const fc_u64 lo = min_u64((fc_u64)b * per, bytes), hi = min_u64(lo + per, bytes);
+                copy_range<1, FC_COPY_UNROLL>(fc_ptr<char>(to), fc_ptr<const char>(from), lo, hi,
+                                              aligned16(from) && aligned16(to));
+            }
+        }
+        for (fc_u32 s = 0; s < world; ++s) {
+            if (s == rank) continue;
+            const fc_u64 addr = recv_addr(p, s);
+            const Range r = pair_piece(recv_count(p, s) * es, capb, nb, c, b);
+            if (r.hi <= r.lo) continue;
+            copy_range<1, FC_COPY_UNROLL>(fc_ptr<char>(addr + c * capb), own + region + (fc_u64)s * stride, r.lo, r.hi,
+                                          aligned16(addr));
+        }
+    }
+    complete(own, e0 + (fc_u32)(nchunk - 1));
+}
+
+// premul_sum's own factor: f32 bits in `scalar`, or the address of one
+// element of the call's dtype (FC_PARAM_SCALAR_IS_PTR); 1.0 for other ops.
+template <class T, int OP>
+FC_DEVICE float own_factor(const FcParams& p) {
+    if (OP != FC_OP_PREMUL) return 1.0f;
+    if ((p.flags & FC_PARAM_SCALAR_IS_PTR) == 0) return fc_u32_as_f32((fc_u32)p.scalar);
+    return (float)T::to_acc(fc_load(fc_ptr<const typename T::S>(p.scalar)));
+}
+
+FC_DEVICE float premul_scale(float x, float f) { return fc_fmul(x, f); }
+FC_DEVICE fc_i32 premul_scale(fc_i32 x, float) { return x; }
+
+// premul_sum over the inboxes: acc = x_0 * f_0; acc = acc + x_r * f_r in rank
+// order (each product and sum rounded to f32: no FMA), then narrowed once,
+// as the host's Tiles. Factors come in registers (constant indices).
+template <class T>
+FC_DEVICE void reduce_premul(const FcParams& p, const StrideSrc& src, char* out, fc_u64 lo, fc_u64 hi, bool out_aligned,
+                             const float (&f)[FC_MAX_RANKS]) {
+    typedef typename T::S S;
+    typedef typename T::Acc Acc;
+    const fc_u32 nt = fc_block_threads();
+    const fc_u32 world = p.world;
+    fc_u64 tail = lo;
+    if (out_aligned) {
+        const fc_u64 nvec = (hi - lo) / T::VEC;
+        const fc_u64 byte0 = lo * sizeof(S);
+        for (fc_u64 i = fc_thread_id(); i < nvec; i += nt) {
+            const fc_u64 off = byte0 + i * 16;
+            Acc a[T::VEC];
+            T::unpack(fc_load16(fc_ptr<const char>(src_base(src, 0) + off)), a);
+#pragma unroll
+            for (int k = 0; k < T::VEC; ++k) a[k] = premul_scale(a[k], f[0]);
+#pragma unroll
+            for (int r = 1; r < (int)FC_MAX_RANKS; ++r) {
+                if ((fc_u32)r >= world) break;
+                Acc x[T::VEC];
+                T::unpack(fc_load16(fc_ptr<const char>(src_base(src, r) + off)), x);
+#pragma unroll
+                for (int k = 0; k < T::VEC; ++k) a[k] = Op<FC_OP_SUM>::apply(a[k], premul_scale(x[k], f[r]));
+            }
+            fc_store16(out + off, T::pack(a));
+        }
+        tail = lo + nvec * T::VEC;
+    }
+    for (fc_u64 e = tail + fc_thread_id(); e < hi; e += nt) {
+        const fc_u64 off = e * sizeof(S);
+        Acc a = premul_scale(T::to_acc(fc_load(fc_ptr<const S>(src_base(src, 0) + off))), f[0]);
+#pragma unroll
+        for (int r = 1; r < (int)FC_MAX_RANKS; ++r) {
+            if ((fc_u32)r >= world) break;
+            a = Op<FC_OP_SUM>::apply(a, premul_scale(T::to_acc(fc_load(fc_ptr<const S>(src_base(src, r) + off))), f[r]));
+        }
+        fc_store(reinterpret_cast<S*>(out + off), T::from_acc(a));
+    }
+}
+
+// Reduce-to: reduce-scatter, reduce. As the exchange, but our own block goes
+// into our own inbox [rank] too (last), and each receiver reduces piece b of
+// the chunk from its inboxes 0..world-1 (local, 16-byte aligned) in rank
+// order into the output (the receive count's chunk; rule of protocol.md).
+// An output not aligned to its element gets the result in our own inbox
+// [rank] first (each element read and written by one thread), then a byte
+// copy. In place (the output is our own send block): as the exchange's.
+template <class T, int OP>
+FC_DEVICE void reduce_to(const FcParams& p) {
+    typedef typename T::S S;
+    const fc_u64 es = sizeof(S);
+    char* own = fc_ptr<char>(p.peer_ws[p.rank]);
+    const fc_u32 e0 = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
+    const fc_u32 b = fc_block_id();
+    const fc_u32 nb = fc_grid_blocks();
+    const fc_u32 world = p.world;
+    const fc_u32 rank = p.rank;
+    const fc_u64 stride = push2_stride(p);
+    const fc_u64 cap = stride / es;
+    const fc_u64 capb = cap * es;
+    const fc_u64 largest = largest_block(p);
+    // What we receive: every source's block of n elements (counts agreed).
+    fc_u64 n = 0;
+    for (fc_u32 s = 0; s < world; ++s) n = recv_count(p, s) > n ? recv_count(p, s) : n;
+    const fc_u64 out_addr = p.output;
+    const bool out_elem = (out_addr % es) == 0;
+    const bool out_aligned = aligned16(out_addr);
+    float f[FC_MAX_RANKS];
+#pragma unroll
+    for (int r = 0; r < (int)FC_MAX_RANKS; ++r) f[r] = 1.0f;
+
+    fc_u64 nchunk = 1;
+    for (fc_u64 c = 0; c < nchunk; ++c) {
+        const fc_u32 epoch = e0 + (fc_u32)c;
+        const fc_u32 parity = epoch & 1;
+        const fc_u64 region = region_offset(p, parity);
+        for (fc_u32 k = 0; k + 1 < world; ++k) {
+            const fc_u32 q = (rank + 1 + (k + b) % (world - 1)) % world;
+            push_piece(p, q, region, stride, es, capb, c, b, nb);
+        }
+        push_piece(p, rank, region, stride, es, capb, c, b, nb);
+        if (c == 0) announce(p, parity, b, largest, fc_f32_as_u32(own_factor<T, OP>(p)));
+        if (!arrive_wait(p, own, epoch, parity, 0, b)) return;
+        if (c == 0) {
+            nchunk = agree_on_chunks(p, own, parity, b, epoch, largest, cap);
+            if (nchunk == 0) return;
+            if (OP == FC_OP_PREMUL) {
+#pragma unroll
+                for (int r = 0; r < (int)FC_MAX_RANKS; ++r)
+                    if ((fc_u32)r < world)
+                        f[r] = fc_u32_as_f32((fc_u32)fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_FACTOR, r)));
+            }
+        }
+        const Range r = pair_piece(n * es, capb, nb, c, b);
+        if (r.hi <= r.lo) continue;
+        const StrideSrc src = {p.peer_ws[rank] + region, stride};
+        char* mine = own + region + (fc_u64)rank * stride;
+        char* dst = out_elem ? fc_ptr<char>(out_addr + c * capb) : mine;
+        const bool dst_aligned = out_elem ? out_aligned : true;
+        if (OP == FC_OP_PREMUL) {
+            reduce_premul<T>(p, src, dst, r.lo / es, r.hi / es, dst_aligned, f);
+        } else {
+            const OutDst d = {dst};
+            reduce_range<T, OP, true>(p, src, d, r.lo / es, r.hi / es, dst_aligned);
+        }
+        if (!out_elem) {
+            fc_barrier(); // the piece's results, written by all threads, before the copy
+            copy_range<1, FC_COPY_UNROLL>(fc_ptr<char>(out_addr + c * capb), mine, r.lo, r.hi, false);
+        }
+    }
+    complete(own, e0 + (fc_u32)(nchunk - 1));
 }
 
 } // namespace fc

@@ -157,6 +157,14 @@ struct Op<FC_OP_BXOR> {
     FC_DEVICE fc_i32 apply(fc_i32 a, fc_i32 b) { return a ^ b; }
 };
 
+// premul_sum (reduce-to only): sources are scaled by their factors before
+// they reach the combine, which is then a sum (see reduce_premul).
+template <>
+struct Op<FC_OP_PREMUL> {
+    FC_DEVICE float apply(float a, float b) { return fc_fadd(a, b); }
+    FC_DEVICE fc_i32 apply(fc_i32 a, fc_i32 b) { return (fc_i32)((fc_u32)a + (fc_u32)b); }
+};
+
 // avg: acc / world, correctly rounded (as the host's f32 division), without a
 // division instruction (its slow path is a call that costs registers):
 // - world a power of two: one multiply by 1/world, which is exact scaling;
@@ -293,6 +301,18 @@ FC_DEVICE fc_u32* flag_ptr(const FcParams& p, char* ws, fc_u32 phase, fc_u32 b, 
 FC_DEVICE fc_u64* fp_ptr(const FcParams& p, char* ws, fc_u32 parity, fc_u32 b, fc_u32 src) {
     return reinterpret_cast<fc_u64*>(ws + p.fp_offset + ((parity * FC_MAX_BLOCKS + b) * FC_MAX_RANKS + src) * 8u);
 }
+// Aux words (layout.rs, AUX_OFFSET): u64 [2 parity][MAX_BLOCKS][AUX_WORDS][MAX_RANKS],
+// right after the flags, written by sources at phase 0 next to their fingerprint.
+#define FC_FLAGS_BYTES (2ull * FC_MAX_BLOCKS * FC_MAX_RANKS * 4ull)
+#define FC_AUX_WORDS 4u
+#define FC_AUX_PAIR_COUNT 0u
+#define FC_AUX_LARGEST 1u
+#define FC_AUX_FACTOR 2u
+FC_DEVICE fc_u64* aux_ptr(const FcParams& p, char* ws, fc_u32 parity, fc_u32 b, fc_u32 k, fc_u32 src) {
+    return reinterpret_cast<fc_u64*>(
+        ws + p.flags_offset + FC_FLAGS_BYTES +
+        ((((fc_u64)parity * FC_MAX_BLOCKS + b) * FC_AUX_WORDS + k) * FC_MAX_RANKS + src) * 8u);
+}
 // Parity region of a launch: slots 2*parity and 2*parity + 1.
 FC_DEVICE fc_u64 region_offset(const FcParams& p, fc_u32 parity) {
     return p.data_offset + (fc_u64)parity * 2u * p.slot_bytes;
@@ -405,6 +425,12 @@ FC_DEVICE void complete(char* own, fc_u32 epoch) {
 
 template <int ES>
 struct Elem;
+// Bytes: the exchange moves any dtype as bytes (copy_range<1, U>; `lo` then
+// a multiple of 16 where `aligned`).
+template <>
+struct Elem<1> {
+    typedef fc_u8 T;
+};
 template <>
 struct Elem<2> {
     typedef fc_u16 T;

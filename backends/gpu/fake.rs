@@ -19,7 +19,7 @@ use super::vendor::{
     sealed, CompileTarget, Driver, Export, ImageKind, Ipc, MemoryType, Opened, PointerInfo, RawEvent, RawFunction,
     RawGraph, RawGraphExec, RawModule, RawStream, Rtc,
 };
-use crate::device::{BackendKind, DeviceFacts, DevicePtr, LaunchConfig};
+use crate::device::{BackendKind, DeviceFacts, DevicePtr, KernelParams, LaunchConfig};
 use crate::error::{Error, Result};
 
 /// The fake vendor (it poses as HIP, whose handles are address-based).
@@ -43,6 +43,8 @@ pub struct Log {
     pub loads: Vec<ThreadId>,
     /// Kernel names launched, in order.
     pub launches: Vec<String>,
+    /// Every launch with its grid and parameter block, in order.
+    pub launched: Vec<(String, LaunchConfig, KernelParams)>,
     pub functions: HashMap<u64, String>,
 }
 
@@ -254,13 +256,17 @@ impl Driver for Fake {
     unsafe fn launch(
         _: &FakeCtx,
         f: RawFunction,
-        _: LaunchConfig,
-        _: &mut [*mut c_void; 1],
+        config: LaunchConfig,
+        args: &mut [*mut c_void; 1],
         _: RawStream,
     ) -> Result<()> {
+        // SAFETY: every launch passes one pointer to a live KernelParams
+        // (GpuDevice::launch), valid for this call.
+        let params = unsafe { *(args[0] as *const KernelParams) };
         let mut l = log();
         let name = l.functions.get(&f.0).cloned().unwrap_or_default();
-        l.launches.push(name);
+        l.launches.push(name.clone());
+        l.launched.push((name, config, params));
         Ok(())
     }
 }

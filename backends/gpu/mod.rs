@@ -799,4 +799,125 @@ mod tests {
         let e = dev.create_event().unwrap();
         assert!(dev.wait_event_for(&e, Duration::from_millis(1)).unwrap());
     }
+
+    /// The data-moving collectives on a GPU communicator without NCCL/RCCL
+    /// (this build): the exchange / reduce-to kernels, with the per-peer
+    /// lists, the agreed count and the output by value in the params.
+    #[test]
+    fn data_collectives_enqueue_the_exchange_kernels_with_their_lists() {
+        use crate::comm::{Call, CommOptions, Communicator, Reduction, Tensor};
+        use crate::dtype::{DType, ReduceOp};
+        use crate::testing::harness::run_thread_ranks;
+
+        /// The last launch of `name` by `rank` whose params satisfy `pred`.
+        fn launched(name: &str, rank: usize, pred: impl Fn(&KernelParams) -> bool) -> (LaunchConfig, KernelParams) {
+            log()
+                .launched
+                .iter()
+                .rev()
+                .find(|(n, _, p)| n == name && p.rank as usize == rank && pred(p))
+                .map(|(_, c, p)| (*c, *p))
+                .unwrap_or_else(|| panic!("rank {rank}: no launch of {name}"))
+        }
+
+        let results = run_thread_ranks(2, |rank, world, store| -> Result<()> {
+            let dev = GpuDevice::<Fake>::new(rank)?;
+            // Small slots: the fake's allocations are 4 MiB apart.
+            let opts = CommOptions::default()
+                .with_timeout(Duration::from_secs(30))
+                .with_slot_bytes(64 << 10);
+            let comm = Communicator::new(dev, store, rank, world, opts)?;
+            assert!(!comm.has_vendor_library());
+            let dev = comm.device();
+            let (a, b) = (dev.alloc(4096, MemKind::Plain)?, dev.alloc(4096, MemKind::Plain)?);
+            let (ta, tb) = (Tensor::of(&a, DType::F32), Tensor::of(&b, DType::F32));
+            let call = Call::new();
+            let at = |t: &Tensor, k: usize| t.ptr().0 + 4 * k as u64;
+
+            // All-gather (single): 16 elements to and from every peer.
+            comm.all_gather_single(tb.slice(0, 32)?, ta.slice(0, 16)?, &call)?
+                .wait(None)?;
+            let (cfg, p) = launched("fc_exchange", rank, |p| p.per_peer[1][0] == at(&ta, 0));
+            assert_eq!((p.count, p.world, p.dtype), (16, 2, DType::F32 as u32));
+            assert_eq!(p.per_peer[0][..2], [16, 16]);
+            assert_eq!(p.per_peer[1][..2], [at(&ta, 0), at(&ta, 0)]);
+            assert_eq!(p.per_peer[2][..2], [16, 16]);
+            assert_eq!(p.per_peer[3][..2], [at(&tb, 0), at(&tb, 16)]);
+            assert_eq!(cfg.grid, 1, "64-byte blocks take one GPU block");
+
+            // All-to-all-v: no agreed count (0), whatever the splits.
+            // Rank s sends 1 + s + 2d elements to rank d.
+            let (ins, outs) = ([1 + rank, 3 + rank], [1 + 2 * rank, 2 + 2 * rank]);
+            comm.all_to_all_v_single(
+                tb.slice(100, outs[0] + outs[1])?,
+                ta.slice(100, ins[0] + ins[1])?,
+                &outs,
+                &ins,
+                &call,
+            )?
+            .wait(None)?;
+            let (_, p) = launched("fc_exchange", rank, |p| p.per_peer[1][0] == at(&ta, 100));
+            assert_eq!(p.count, 0);
+            assert_eq!(p.per_peer[0][..2], [ins[0] as u64, ins[1] as u64]);
+            assert_eq!(p.per_peer[1][..2], [at(&ta, 100), at(&ta, 100 + ins[0])]);
+            assert_eq!(p.per_peer[2][..2], [outs[0] as u64, outs[1] as u64]);
+            assert_eq!(p.per_peer[3][..2], [at(&tb, 100), at(&tb, 100 + outs[0])]);
+
+            // All-to-all in place, equal splits: the same tensor, no staging.
+            let t = ta.slice(200, 8)?;
+            comm.all_to_all_single(t, t, &call)?.wait(None)?;
+            let (_, p) = launched("fc_exchange", rank, |p| p.per_peer[1][0] == at(&ta, 200));
+            assert_eq!(p.per_peer[1][..2], [at(&ta, 200), at(&ta, 204)]);
+            assert_eq!(p.per_peer[3][..2], p.per_peer[1][..2]);
+
+            // A list whose output aliases another peer's input: the sends are staged.
+            let (i0, i1) = (ta.slice(300, 4)?, ta.slice(304, 4)?);
+            comm.all_to_all(&[i1, tb.slice(300, 4)?], &[i0, i1], &call)?
+                .wait(None)?;
+            let (_, p) = launched("fc_exchange", rank, |p| p.per_peer[3][0] == at(&ta, 304));
+            assert!(p.per_peer[1][..2].iter().all(|&x| x < at(&ta, 0) || x >= at(&ta, 1024)));
+
+            // Reduce-scatter (single): every peer's block of 16 into our 16.
+            comm.reduce_scatter_single(tb.slice(400, 16)?, ta.slice(400, 32)?, ReduceOp::Sum, &call)?
+                .wait(None)?;
+            let (_, p) = launched("fc_reduce_to_f32_sum", rank, |p| p.output.0 == at(&tb, 400));
+            assert_eq!(p.count, 16);
+            assert_eq!(p.per_peer[0][..2], [16, 16]);
+            assert_eq!(p.per_peer[1][..2], [at(&ta, 400), at(&ta, 416)]);
+            assert_eq!(p.per_peer[2][..2], [16, 16]);
+
+            // Reduce-scatter of a list: the kernel takes the list as it is (no staging).
+            let (i0, i1) = (ta.slice(450, 5)?, ta.slice(460, 5)?);
+            comm.reduce_scatter(tb.slice(450, 5)?, &[i0, i1], ReduceOp::Max, &call)?
+                .wait(None)?;
+            let (_, p) = launched("fc_reduce_to_f32_max", rank, |p| p.output.0 == at(&tb, 450));
+            assert_eq!(p.per_peer[1][..2], [at(&ta, 450), at(&ta, 460)]);
+
+            // Reduce to rank 1 with premul_sum: only the root receives.
+            let t = ta.slice(500, 8)?;
+            comm.reduce(t, Reduction::premul_sum(0.5), 1, &call)?.wait(None)?;
+            let (_, p) = launched("fc_reduce_to_f32_premul_sum", rank, |p| p.output.0 == at(&ta, 500));
+            assert_eq!(p.per_peer[0][..2], [0, 8]);
+            assert_eq!(p.per_peer[1][1], at(&ta, 500));
+            let expect = if rank == 1 { [8, 8] } else { [0, 0] };
+            assert_eq!(p.per_peer[2][..2], expect);
+            assert_eq!(p.scalar, 0.5f32.to_bits() as u64);
+
+            // Gather to 0 and scatter from 0.
+            let outs = [tb.slice(600, 4)?, tb.slice(604, 4)?];
+            let gathered: &[Tensor] = if rank == 0 { &outs } else { &[] };
+            comm.gather(gathered, ta.slice(600, 4)?, 0, &call)?.wait(None)?;
+            let (_, p) = launched("fc_exchange", rank, |p| p.per_peer[1][0] == at(&ta, 600));
+            assert_eq!((p.count, p.per_peer[0][..2].to_vec()), (4, vec![4, 0]));
+            let ins = [ta.slice(700, 4)?, ta.slice(704, 4)?];
+            let scattered: &[Tensor] = if rank == 0 { &ins } else { &[] };
+            comm.scatter(tb.slice(700, 4)?, scattered, 0, &call)?.wait(None)?;
+            let (_, p) = launched("fc_exchange", rank, |p| p.per_peer[3][0] == at(&tb, 700));
+            assert_eq!(p.per_peer[2][..2], [4, 0]);
+            comm.finalize()
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        }
+    }
 }

@@ -44,14 +44,14 @@ fn compile_timeout() -> Duration {
     Duration::from_secs_f64(secs)
 }
 
-/// The order kernels are compiled in: the all-reduce kernels of the common
-/// float sums first (what the first collectives use), then broadcasts and
-/// the other sums, then the rest.
+/// The order kernels are compiled in: the all-reduce and reduce-to kernels
+/// of the common float sums first (what the first collectives use), then
+/// broadcasts, the exchange and the other sums, then the rest.
 pub fn priority(kernel: &str) -> Priority {
     let float_sum = ["_bf16_sum", "_f16_sum", "_f32_sum"]
         .iter()
         .any(|s| kernel.ends_with(s));
-    if kernel.contains("_broadcast_") {
+    if kernel.contains("_broadcast_") || kernel == "fc_exchange" {
         1
     } else if float_sum {
         0
@@ -426,6 +426,8 @@ mod tests {
         assert_eq!(priority("fc_oneshot_ll_bf16_sum"), 0);
         assert_eq!(priority("fc_twoshot_push_f32_sum"), 0);
         assert_eq!(priority("fc_broadcast_bf16_sum"), 1);
+        assert_eq!(priority("fc_exchange"), 1);
+        assert_eq!(priority("fc_reduce_to_bf16_sum"), 0);
         assert_eq!(priority("fc_oneshot_i32_sum"), 2);
         assert_eq!(priority("fc_oneshot_f32_max"), 3);
         assert_eq!(priority("fc_qr_int4_bf16"), 3);
@@ -434,8 +436,8 @@ mod tests {
         let first: Vec<_> = names.iter().take_while(|n| priority(n) == 0).collect();
         assert_eq!(
             first.len(),
-            15,
-            "five all-reduce kinds for three float dtypes: {first:?}"
+            18,
+            "five all-reduce kinds and reduce-to for three float dtypes: {first:?}"
         );
     }
 }

@@ -25,8 +25,8 @@ use super::futex;
 use super::kernels::{copy_bytes, Launch};
 use super::reduce::{Lanes, Reduction, Tiles};
 use crate::algo::layout::{
-    p2p_half_bytes, p2p_offset, push_twoshot_stride, P2P_CONSUMED, P2P_CTRL_OFFSET, P2P_DELIVERED, P2P_HEADER,
-    P2P_RECEIVED, P2P_SENT,
+    p2p_half_bytes, p2p_offset, push_twoshot_stride, AUX_LARGEST, AUX_PAIR_COUNT, P2P_CONSUMED, P2P_CTRL_OFFSET,
+    P2P_DELIVERED, P2P_HEADER, P2P_RECEIVED, P2P_SENT,
 };
 use crate::device::{DevicePtr, KernelParams, ERR_CODE_MISMATCH, ERR_CODE_TIMEOUT, MAX_RANKS};
 use crate::dtype::DType;
@@ -36,11 +36,6 @@ const SEND_COUNT: usize = 0;
 const SEND_ADDR: usize = 1;
 const RECV_COUNT: usize = 2;
 const RECV_ADDR: usize = 3;
-
-/// Aux words of chunk 0 (fingerprint slots of blocks the one-block host
-/// launch leaves free): the count a source sends here, and its largest block.
-const AUX_PAIR_COUNT: usize = 1;
-const AUX_LARGEST: usize = 2;
 
 /// # Safety: `addr` is a live, aligned u32 in a mapped workspace.
 unsafe fn word<'a>(addr: DevicePtr) -> &'a AtomicU32 {
@@ -85,7 +80,8 @@ impl Lists<'_> {
     }
 }
 
-/// Chunk 0 of an exchange or reduce-to, after the flags: whether every
+/// Chunk 0 of an exchange or reduce-to, after the flags (the aux words are
+/// per block: a GPU block reads those of its own index, here block 0): whether every
 /// source sends what this rank expects (else a mismatch), and the group's
 /// number of chunks (from the largest block anyone moves).
 fn agree_on_chunks(l: &Launch, lists: &Lists, cap: usize) -> Option<usize> {

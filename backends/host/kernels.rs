@@ -18,7 +18,8 @@ use crate::algo::kernels::{
     COLLECTIVES, QR_CODECS, QR_DTYPES, QUICK_REDUCE,
 };
 use crate::algo::layout::{
-    ll_parity_bytes, ll_stride, push_oneshot_stride, push_twoshot_stride, segment_elems, LL_FP_BYTES, MAX_BLOCKS,
+    aux_offset, ll_parity_bytes, ll_stride, push_oneshot_stride, push_twoshot_stride, segment_elems, AUX_FACTOR,
+    AUX_OFFSET, FLAGS_BYTES, LL_FP_BYTES, MAX_BLOCKS,
 };
 use crate::codec::Codec;
 use crate::device::{DevicePtr, KernelParams, ERR_CODE_MISMATCH, ERR_CODE_TIMEOUT, MAX_RANKS, PARAM_SCALAR_IS_PTR};
@@ -160,10 +161,6 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
 
 // ---- raw access to the shared workspace (all unsafe, all tiny) ----
 
-/// Aux slot (see [`Launch::aux_addr`]) of premul_sum's factor; `collectives`
-/// uses slots 1 and 2.
-const AUX_FACTOR: usize = 3;
-
 /// # Safety: `addr` is a live, 4-byte aligned u32 in shared memory.
 unsafe fn atomic_u32<'a>(addr: DevicePtr) -> &'a AtomicU32 {
     // SAFETY: guaranteed by the caller; AtomicU32 has u32's layout.
@@ -268,12 +265,11 @@ impl Launch<'_> {
         ws.offset(self.p.flags_offset as usize + ((phase * MAX_BLOCKS + self.block) * MAX_RANKS + src) * 4)
     }
 
-    /// Rank `rank`'s aux word `k` (1..MAX_BLOCKS) from `src`, this parity:
-    /// the fingerprint slot of block `k`, which one-block host launches leave
-    /// free (the host protocols' chunk-0 counts; `collectives`).
+    /// Rank `rank`'s aux word `k` (`layout::AUX_*`) from `src`, this parity
+    /// and block: the aux area follows the flags (as the device code finds it).
     pub(super) fn aux_addr(&self, rank: usize, k: usize, src: usize) -> DevicePtr {
         let ws = self.p.peer_ws[rank];
-        ws.offset(self.p.fp_offset as usize + ((self.parity * MAX_BLOCKS + k) * MAX_RANKS + src) * 8)
+        ws.offset(self.p.flags_offset as usize + FLAGS_BYTES + aux_offset(self.parity, self.block, k, src) - AUX_OFFSET)
     }
 
     /// premul_sum's factor of every source, as published at phase 0 (read

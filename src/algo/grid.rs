@@ -89,8 +89,10 @@ fn default_rule(kind: KernelKind) -> GridRule {
         // Quick-reduce: as the push two-shot (dispatch takes it from 4 MiB
         // up, where that means 128 blocks).
         KernelKind::QuickReduce => (16 << 10, 128, 0),
-        // The host protocols (GPUs route these collectives to NCCL/RCCL
-        // until their kernels land): as the push two-shot.
+        // Exchange and reduce-to (GPU kernels since issue 11; send/recv has
+        // none yet): as the push two-shot, by the per-peer block. Not
+        // measured for these kernels yet (TODO(measure)); the grid must be
+        // the same on every rank (`CollectiveCall::enqueue`).
         KernelKind::Exchange | KernelKind::ReduceTo | KernelKind::SendRecv => (16 << 10, 128, 0),
     };
     GridRule {
@@ -104,7 +106,7 @@ impl GridTable {
     /// Defaults per kind (see [`default_rule`]), each overridable with
     /// `FERROCOMM_<KIND>_MAX_BLOCKS` (1..=128) and `FERROCOMM_<KIND>_BLOCK_BYTES`,
     /// `<KIND>` one of ONESHOT, TWOSHOT, ONESHOT_PUSH, ONESHOT_LL, TWOSHOT_PUSH,
-    /// QUICK_REDUCE.
+    /// QUICK_REDUCE, EXCHANGE, REDUCE_TO (every rank must set the same).
     pub fn new(facts: &DeviceFacts) -> Result<Self> {
         let mut rules = [default_rule(KernelKind::OneShot); KernelKind::ALL.len()];
         for (rule, kind) in rules.iter_mut().zip(KernelKind::ALL) {

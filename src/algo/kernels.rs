@@ -24,7 +24,9 @@ macro_rules! module_text {
     };
 }
 
-/// All-reduce (one-shot, two-shot, push, LL) and broadcast.
+/// All-reduce (one-shot, two-shot, push, LL), broadcast, and the exchange
+/// and reduce-to protocols (all-gather, gather, scatter, all-to-all(-v),
+/// reduce-scatter, reduce).
 pub const COLLECTIVES: ModuleSource = ModuleSource {
     name: "collectives",
     cuda: module_text!("../../kernels-cuda/prelude.cuh", "../../kernels-cuda/collectives.cu"),
@@ -74,7 +76,15 @@ fn device_op(op: ReduceOp) -> &'static str {
 
 /// Parse `fc_<kind>_<dtype>_<op>` back, for every name the module exports.
 fn parse_collective(name: &str) -> Option<(KernelKind, DType, ReduceOp)> {
+    if name == kernel_name(KernelKind::Exchange, DType::U8, ReduceOp::Sum) {
+        return Some((KernelKind::Exchange, DType::U8, ReduceOp::Sum));
+    }
     for dtype in DType::REDUCIBLE {
+        for op in REDUCE_TO_OPS.into_iter().filter(|&op| dtype.supports(op)) {
+            if kernel_name(KernelKind::ReduceTo, dtype, op) == name {
+                return Some((KernelKind::ReduceTo, dtype, op));
+            }
+        }
         for kind in KernelKind::COLLECTIVES {
             for op in KERNEL_OPS {
                 if (kind == KernelKind::Broadcast || dtype.supports(op)) && kernel_name(kind, dtype, op) == name {
@@ -89,6 +99,10 @@ fn parse_collective(name: &str) -> Option<(KernelKind, DType, ReduceOp)> {
 /// The C++ definition of one entry point of [`COLLECTIVES`].
 pub fn collective_entry(name: &str) -> Option<String> {
     let (kind, dtype, op) = parse_collective(name)?;
+    if kind == KernelKind::Exchange {
+        // Bytes of any dtype: the element size comes from `FcParams::dtype`.
+        return Some(format!("FC_KERNEL({name}) {{ fc::exchange(p); }}\n"));
+    }
     let ty = device_type(dtype)?;
     let call = match kind {
         KernelKind::Broadcast => format!("fc::broadcast<{}>(p)", dtype.size()),
@@ -97,7 +111,8 @@ pub fn collective_entry(name: &str) -> Option<String> {
         KernelKind::OneShotPush => format!("fc::oneshot_push<{ty}, {}>(p)", device_op(op)),
         KernelKind::OneShotLl => format!("fc::oneshot_ll<{ty}, {}>(p)", device_op(op)),
         KernelKind::TwoShotPush => format!("fc::twoshot_push<{ty}, {}>(p)", device_op(op)),
-        KernelKind::QuickReduce | KernelKind::Exchange | KernelKind::ReduceTo | KernelKind::SendRecv => return None,
+        KernelKind::ReduceTo => format!("fc::reduce_to<{ty}, {}>(p)", device_op(op)),
+        KernelKind::QuickReduce | KernelKind::Exchange | KernelKind::SendRecv => return None,
     };
     Some(format!("FC_KERNEL({name}) {{ {call}; }}\n"))
 }
@@ -129,8 +144,9 @@ pub fn quick_reduce_entry(name: &str) -> Option<String> {
     None
 }
 
-/// The ops ferrocomm's reduction kernels implement. premul_sum is reduced
-/// by the host reference only; on GPUs it goes to NCCL/RCCL.
+/// The ops ferrocomm's all-reduce kernels implement. premul_sum is reduced
+/// by the host reference and the reduce-to kernels ([`REDUCE_TO_OPS`]);
+/// a GPU all-reduce with it goes to NCCL/RCCL.
 pub const KERNEL_OPS: [ReduceOp; 8] = [
     ReduceOp::Sum,
     ReduceOp::Prod,
@@ -140,6 +156,20 @@ pub const KERNEL_OPS: [ReduceOp; 8] = [
     ReduceOp::BAnd,
     ReduceOp::BOr,
     ReduceOp::BXor,
+];
+
+/// The ops of the reduce-to kernels: the all-reduce kernels' and premul_sum
+/// (each source scaled by its own factor, published at phase 0).
+pub const REDUCE_TO_OPS: [ReduceOp; 9] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Avg,
+    ReduceOp::BAnd,
+    ReduceOp::BOr,
+    ReduceOp::BXor,
+    ReduceOp::PreMulSum,
 ];
 
 /// Which collective kernel family.
@@ -162,11 +192,13 @@ pub enum KernelKind {
     QuickReduce,
     /// Every rank sends a block to some peers and receives one from some:
     /// all-gather, gather, scatter and all-to-all(-v), with per-peer counts and
-    /// addresses (`KernelParams::per_peer`). Host protocol; GPUs use NCCL.
+    /// addresses (`KernelParams::per_peer`). `fc_exchange` on every backend
+    /// (GPUs may route to NCCL/RCCL instead: `comm::route`).
     Exchange,
     /// Every rank sends a block to some peers, and each receiver reduces
     /// what it receives (its own block included) in rank order:
-    /// reduce-scatter and reduce. Host protocol; GPUs use NCCL.
+    /// reduce-scatter and reduce. `fc_reduce_to_<dtype>_<op>` on every
+    /// backend (GPUs may route to NCCL/RCCL instead: `comm::route`).
     ReduceTo,
     /// A batch of sends and receives between pairs, with per-pair sequence
     /// numbers instead of the group's epochs. Host protocol; GPUs use NCCL.
@@ -189,8 +221,9 @@ impl KernelKind {
         }
     }
 
-    /// The host protocols of the collectives beyond all-reduce and
-    /// broadcast (the host module has them; GPUs route these to NCCL/RCCL).
+    /// The protocols of the collectives beyond all-reduce and broadcast,
+    /// with per-peer lists (the host module has them all; the GPU modules
+    /// have exchange and reduce-to; send/recv goes to NCCL/RCCL on GPUs).
     pub const HOST_PROTOCOLS: [KernelKind; 3] = [KernelKind::Exchange, KernelKind::ReduceTo, KernelKind::SendRecv];
 
     /// Every kind, in a fixed order.
@@ -286,10 +319,12 @@ pub fn all_kernel_names() -> Vec<String> {
 }
 
 /// Every entry point the [`COLLECTIVES`] module exports: each kind for
-/// every reducible dtype and kernel op it supports, and broadcast once per
-/// reducible dtype (it only moves bytes of that size).
+/// every reducible dtype and kernel op it supports, broadcast once per
+/// reducible dtype (it only moves bytes of that size), reduce-to for every
+/// reducible dtype and [`REDUCE_TO_OPS`] op it supports, and `fc_exchange`
+/// (bytes of any dtype).
 pub fn collective_kernel_names() -> Vec<String> {
-    let mut names = Vec::new();
+    let mut names = vec![kernel_name(KernelKind::Exchange, DType::U8, ReduceOp::Sum)];
     for dtype in DType::REDUCIBLE {
         for kind in KernelKind::REDUCE {
             for op in KERNEL_OPS {
@@ -299,6 +334,9 @@ pub fn collective_kernel_names() -> Vec<String> {
             }
         }
         names.push(kernel_name(KernelKind::Broadcast, dtype, ReduceOp::Sum));
+        for op in REDUCE_TO_OPS.into_iter().filter(|&op| dtype.supports(op)) {
+            names.push(kernel_name(KernelKind::ReduceTo, dtype, op));
+        }
     }
     names
 }
@@ -325,7 +363,25 @@ mod tests {
             "FC_KERNEL(fc_broadcast_f16_sum) { fc::broadcast<2>(p); }\n"
         );
         assert!(collective_kernel_names().contains(&"fc_twoshot_push_i32_bxor".to_string()));
-        assert!(!collective_kernel_names().iter().any(|n| n.contains("premul")));
+        // premul_sum: reduce-to kernels only (all-reduce sends it to NCCL/RCCL).
+        let premul: Vec<String> = collective_kernel_names()
+            .into_iter()
+            .filter(|n| n.contains("premul"))
+            .collect();
+        assert_eq!(
+            premul,
+            ["f32", "f16", "bf16"].map(|d| format!("fc_reduce_to_{d}_premul_sum"))
+        );
+        assert_eq!(
+            collective_entry("fc_exchange").unwrap(),
+            "FC_KERNEL(fc_exchange) { fc::exchange(p); }\n"
+        );
+        assert_eq!(
+            collective_entry("fc_reduce_to_bf16_premul_sum").unwrap(),
+            "FC_KERNEL(fc_reduce_to_bf16_premul_sum) { fc::reduce_to<fc::TBF16, FC_OP_PREMUL>(p); }\n"
+        );
+        assert!(collective_entry("fc_reduce_to_i32_avg").is_none());
+        assert!(collective_entry("fc_sendrecv").is_none());
     }
 
     #[test]

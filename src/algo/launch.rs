@@ -226,7 +226,14 @@ impl CollectiveCall {
                 fingerprint: fingerprint(self, 0),
                 ..base
             };
-            return dev.launch(module, name, grids.grid(self.kind, chunk_elems * elem), &params, stream);
+            // Every rank must launch the same grid (block b pairs with block
+            // b): sized by the per-peer block when the group agrees on one
+            // (`count`, which the fingerprint checks), else for a full chunk.
+            let agreed = match self.count {
+                0 => chunk_elems,
+                n => n.min(chunk_elems),
+            };
+            return dev.launch(module, name, grids.grid(self.kind, agreed * elem), &params, stream);
         }
         debug_assert!(ws.own().len() >= DATA_OFFSET);
         // The grid is sized for one chunk (a whole-call launch loops over chunks).

@@ -7,6 +7,7 @@
 //! offset 0          control (local): u32 epoch, u32 blocks_done
 //! FP_OFFSET         fingerprints  u64 [2 parity][MAX_BLOCKS][MAX_RANKS]   written by peers
 //! FLAGS_OFFSET      flags         u32 [2 phase ][MAX_BLOCKS][MAX_RANKS]   written by peers
+//! AUX_OFFSET        aux words     u64 [2 parity][MAX_BLOCKS][AUX_WORDS][MAX_RANKS]   written by peers
 //! P2P_CTRL_OFFSET   send/recv control (see below)
 //! DATA_OFFSET       parity region 0: slots 0, 1  (2 * slot_bytes)
 //!                   parity region 1: slots 2, 3  (parity = epoch & 1)
@@ -14,6 +15,17 @@
 //!                   LL lines, parity 0, then parity 1 (slot_bytes / 2 each)
 //! p2p_offset(s)     send/recv mailboxes [MAX_RANKS sources][2 halves] x p2p_half_bytes(s)
 //! ```
+//!
+//! The aux words carry what a source tells a receiver at phase 0 besides its
+//! fingerprint: the exchange's and reduce-to's chunk-0 agreement (the count
+//! it sends the receiver, its largest block) and premul_sum's factor. They are
+//! per block, like the fingerprints: block `b` of a source writes them into
+//! the receiver's `[parity][b]` before the flag of block `b`, so each
+//! receiving block reads them after its own wait, with no order between
+//! blocks needed (every block of a source writes the same values). The area
+//! follows the flags directly (`AUX_OFFSET = FLAGS_OFFSET + FLAGS_BYTES`), which
+//! is how the device code finds it (`flags_offset` + flags' size) without a
+//! field of its own in the parameter block.
 //!
 //! Sends and receives involve two ranks, so they cannot use the epochs every
 //! rank advances together. Each ordered pair has its own chunk sequence
@@ -41,8 +53,19 @@ pub const FP_OFFSET: usize = CONTROL_BYTES;
 pub const FP_BYTES: usize = 2 * MAX_BLOCKS * MAX_RANKS * 8;
 pub const FLAGS_OFFSET: usize = FP_OFFSET + FP_BYTES;
 pub const FLAGS_BYTES: usize = 2 * MAX_BLOCKS * MAX_RANKS * 4;
-/// Send/receive control words (see the module docs), after the flags.
-pub const P2P_CTRL_OFFSET: usize = (FLAGS_OFFSET + FLAGS_BYTES).next_multiple_of(4096);
+/// Aux words per (parity, block, source): see the module docs.
+pub const AUX_WORDS: usize = 4;
+/// Aux word: the count (elements) a source sends this rank (exchange, reduce-to; chunk 0).
+pub const AUX_PAIR_COUNT: usize = 0;
+/// Aux word: the largest block (elements) a source sends or receives (chunk 0).
+pub const AUX_LARGEST: usize = 1;
+/// Aux word: premul_sum's factor of a source (f32 bits).
+pub const AUX_FACTOR: usize = 2;
+/// The aux area, right after the flags (the device code relies on that).
+pub const AUX_OFFSET: usize = FLAGS_OFFSET + FLAGS_BYTES;
+pub const AUX_BYTES: usize = 2 * MAX_BLOCKS * AUX_WORDS * MAX_RANKS * 8;
+/// Send/receive control words (see the module docs), after the aux words.
+pub const P2P_CTRL_OFFSET: usize = (AUX_OFFSET + AUX_BYTES).next_multiple_of(4096);
 pub const P2P_DELIVERED: usize = 0;
 pub const P2P_CONSUMED: usize = 64;
 pub const P2P_HEADER: usize = 128;
@@ -55,6 +78,12 @@ pub const DATA_OFFSET: usize = (P2P_CTRL_OFFSET + P2P_CTRL_BYTES).next_multiple_
 pub const SLOTS: usize = 4;
 /// LL fingerprint records: 16 bytes (two LL units) per (parity, block, source).
 pub const LL_FP_BYTES: usize = 2 * MAX_BLOCKS * MAX_RANKS * 16;
+
+/// Byte offset, inside a workspace, of aux word `k` from `src` for block `b`
+/// and parity `parity`.
+pub const fn aux_offset(parity: usize, block: usize, k: usize, src: usize) -> usize {
+    AUX_OFFSET + (((parity * MAX_BLOCKS + block) * AUX_WORDS + k) * MAX_RANKS + src) * 8
+}
 
 /// Offset of the LL area (right after the data slots).
 pub const fn ll_offset(slot_bytes: usize) -> usize {
@@ -140,6 +169,7 @@ pub const fn ll_stride(slot_bytes: usize, world: usize) -> usize {
 }
 
 const _: () = assert!(DATA_OFFSET % 4096 == 0);
-const _: () = assert!(P2P_CTRL_OFFSET >= FLAGS_OFFSET + FLAGS_BYTES && P2P_CTRL_OFFSET + P2P_CTRL_BYTES <= DATA_OFFSET);
+const _: () = assert!(AUX_OFFSET % 8 == 0 && AUX_FACTOR < AUX_WORDS && AUX_LARGEST < AUX_WORDS);
+const _: () = assert!(P2P_CTRL_OFFSET >= AUX_OFFSET + AUX_BYTES && P2P_CTRL_OFFSET + P2P_CTRL_BYTES <= DATA_OFFSET);
 const _: () = assert!(P2P_RECEIVED + 4 * MAX_RANKS <= P2P_CTRL_BYTES && P2P_HEADER + 16 * MAX_RANKS <= P2P_SENT);
 const _: () = assert!(LL_FP_BYTES % 64 == 0);

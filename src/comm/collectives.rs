@@ -1,10 +1,13 @@
 //! Every torchcomms collective, in Rust form: validation (before anything is
 //! launched, so bad input changes nothing), then the route: ferrocomm's
 //! kernels where it has them (all of them on the host backend, which is the
-//! reference), NCCL/RCCL underneath otherwise.
+//! reference; on GPUs all-reduce, broadcast, and the exchange / reduce-to
+//! kernels for all-gather, gather, scatter, all-to-all(-v), reduce-scatter and
+//! reduce as [`route::decide`] says), NCCL/RCCL underneath otherwise.
 
 use super::call::{Call, Factor, Reduction};
 use super::communicator::{Communicator, Submit};
+use super::route::{self, Coll, Route};
 use super::tensor::Tensor;
 use super::vendor::VendorOp;
 use super::work::Work;
@@ -315,7 +318,7 @@ impl<D: Device> Communicator<D> {
                         }
                     }
                     l.recvs[root] = Some((count, output.ptr()));
-                    exchange(s, dtype, &l)
+                    exchange(s, dtype, &l, 0)
                 }
                 _ => {
                     let op = VendorOp::Broadcast {
@@ -344,7 +347,7 @@ impl<D: Device> Communicator<D> {
             if count == 0 || (s.inner.world == 1 && op != ReduceOp::PreMulSum) {
                 return Ok(());
             }
-            if !on_host {
+            if !on_host && route_of(s, Coll::Reduce, Some(count * dtype.size())) == Route::Vendor {
                 let op = VendorOp::Reduce {
                     send: t.ptr(),
                     recv: t.ptr(),
@@ -354,6 +357,7 @@ impl<D: Device> Communicator<D> {
                 };
                 return run_vendor(s, dtype, op);
             }
+            // Only the root receives (and writes `t`); the others only send.
             let mut l = Lists::new();
             l.sends[root] = Some((count, t.ptr()));
             if s.inner.rank == root {
@@ -429,13 +433,16 @@ impl<D: Device> Communicator<D> {
                 l.recvs[q] = Some((n, *out));
             }
             if on_host {
-                return exchange(s, dtype, &l);
+                return exchange(s, dtype, &l, 0);
             }
             if n == 0 {
                 return Ok(());
             }
             if world == 1 {
                 return copy_if_apart(s, outs[0], input.ptr(), n * dtype.size());
+            }
+            if route_of(s, Coll::AllGather, Some(n * dtype.size())) == Route::Custom {
+                return exchange(s, dtype, &l, n);
             }
             match whole {
                 Some(out) => {
@@ -533,6 +540,10 @@ impl<D: Device> Communicator<D> {
             }
             if world == 1 && op != ReduceOp::PreMulSum {
                 return copy_if_apart(s, output.ptr(), ins[0], n * dtype.size());
+            }
+            if route_of(s, Coll::ReduceScatter, Some(n * dtype.size())) == Route::Custom {
+                // The kernel takes the list as it is (no contiguous input needed).
+                return reduce_to(s, dtype, op, scalar, flags, n, output.ptr(), &l);
             }
             let send = match whole {
                 Some(t) => t.ptr(),
@@ -660,9 +671,15 @@ impl<D: Device> Communicator<D> {
         let on_host = self.on_host();
         self.submit(call, "all_to_all", |s| {
             if on_host {
-                exchange(s, dtype, &l)
-            } else {
-                vendor_exchange(s, dtype, l, me)
+                return exchange(s, dtype, &l, 0);
+            }
+            // No block size every rank is sure to share: one rank's splits may
+            // be even while another's are not, or given where another left
+            // them empty; so no size goes into the route, the fingerprint or
+            // the grid (a full chunk's), which must agree across ranks.
+            match route_of(s, Coll::AllToAll, None) {
+                Route::Custom => exchange(s, dtype, &l, 0),
+                Route::Vendor => vendor_exchange(s, dtype, l, me),
             }
         })
     }
@@ -699,9 +716,14 @@ impl<D: Device> Communicator<D> {
             }
         }
         let (dtype, on_host) = (input.dtype(), self.on_host());
-        self.submit(call, "gather", |s| match on_host {
-            true => exchange(s, dtype, &l),
-            false => vendor_exchange(s, dtype, l, me),
+        self.submit(call, "gather", |s| {
+            if on_host {
+                return exchange(s, dtype, &l, 0);
+            }
+            match route_of(s, Coll::Gather, Some(n * dtype.size())) {
+                Route::Custom => exchange(s, dtype, &l, n),
+                Route::Vendor => vendor_exchange(s, dtype, l, me),
+            }
         })
     }
 
@@ -735,9 +757,14 @@ impl<D: Device> Communicator<D> {
             }
         }
         let (dtype, on_host) = (output.dtype(), self.on_host());
-        self.submit(call, "scatter", |s| match on_host {
-            true => exchange(s, dtype, &l),
-            false => vendor_exchange(s, dtype, l, me),
+        self.submit(call, "scatter", |s| {
+            if on_host {
+                return exchange(s, dtype, &l, 0);
+            }
+            match route_of(s, Coll::Scatter, Some(n * dtype.size())) {
+                Route::Custom => exchange(s, dtype, &l, n),
+                Route::Vendor => vendor_exchange(s, dtype, l, me),
+            }
         })
     }
 
@@ -919,13 +946,43 @@ fn enqueue<D: Device>(s: &mut Submit<'_, D>, c: &CollectiveCall) -> Result<()> {
     )
 }
 
-/// The host exchange protocol (all-gather, gather, scatter, all-to-all).
-fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists) -> Result<()> {
+/// The route of a GPU call of `coll` (see [`route::decide`]; the host
+/// backend always runs the protocols).
+fn route_of<D: Device>(s: &Submit<'_, D>, coll: Coll, block_bytes: Option<usize>) -> Route {
+    let inner = s.inner;
+    if !inner.kernels {
+        // No workspace (a communicator between nodes, or more ranks than
+        // one node's kernels serve): only NCCL/RCCL can carry it.
+        return Route::Vendor;
+    }
+    let chosen = route::decide(
+        inner.opts.coll_route,
+        coll,
+        block_bytes,
+        inner.world,
+        s.res.vendor.available(),
+        inner.opts.deterministic,
+    );
+    crate::fc_log!(
+        tracing::Level::DEBUG,
+        "route: {coll:?} block {block_bytes:?} bytes, world {}, asked {} -> {chosen:?}",
+        inner.world,
+        inner.opts.coll_route
+    );
+    chosen
+}
+
+/// The exchange protocol (all-gather, gather, scatter, all-to-all):
+/// `fc_exchange`. `agreed`: the block (elements) every rank moves to every
+/// peer when the group agrees on one, else 0; it joins the fingerprint and
+/// sizes the GPU grid (a grid must be the same on every rank).
+fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize) -> Result<()> {
+    let l = unalias(s, dtype, l, None)?;
     let mut c = CollectiveCall::new(
         KernelKind::Exchange,
         dtype,
         ReduceOp::Sum,
-        0,
+        agreed,
         DevicePtr::NULL,
         DevicePtr::NULL,
     );
@@ -933,7 +990,71 @@ fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists) -> Result
     enqueue(s, &c)
 }
 
-/// The host reduce-to protocol (reduce-scatter, reduce).
+/// Send blocks a receive block (or the reduce-to's output) overlaps, other
+/// than in the protocol's safe way, go through the staging buffer first.
+///
+/// The kernels overwrite piece `b` of chunk `c` of a receive block (or of the
+/// output) only after block `b` pushed the same piece of the same pair's send
+/// block, so a receive block that *is* its own pair's send block (all-to-all
+/// in place with equal splits; an all-gather whose input is its own part; a
+/// reduce-to whose output is its own send block) is safe. Any other overlap
+/// (lists whose tensors alias another peer's) could be overwritten before it
+/// is pushed: those sends are copied to the staging buffer first. Our own
+/// receive block, when it is our own send block, is never written (the
+/// kernel skips that copy). GPUs only: the host reference keeps reading the
+/// caller's memory as it always did.
+fn unalias<D: Device>(
+    s: &mut Submit<'_, D>,
+    dtype: DType,
+    l: &Lists,
+    output: Option<(usize, DevicePtr)>,
+) -> Result<Lists> {
+    if s.inner.device.facts().backend == BackendKind::Host {
+        return Ok(*l);
+    }
+    let es = dtype.size() as u64;
+    let span = |(n, p): (usize, DevicePtr)| (p.0, p.0 + n as u64 * es);
+    let meet = |a: (usize, DevicePtr), b: (usize, DevicePtr)| {
+        let ((a0, a1), (b0, b1)) = (span(a), span(b));
+        a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1
+    };
+    let me = s.inner.rank;
+    let aliased = l.sends.iter().enumerate().any(|(q, send)| {
+        let Some(send) = *send else { return false };
+        match output {
+            // Reduce-to: the output is written, once, with every source's piece.
+            Some(out) => meet(send, out) && !(q == me && send == out),
+            None => l
+                .recvs
+                .iter()
+                .enumerate()
+                .filter(|&(r, _)| !(r == me && l.sends[me] == l.recvs[me]))
+                .any(|(r, recv)| recv.is_some_and(|recv| meet(send, recv) && !(q == r && send == recv))),
+        }
+    });
+    if !aliased {
+        return Ok(*l);
+    }
+    let blocks: Vec<usize> = l.sends.iter().map(|e| e.map_or(0, |(n, _)| n * dtype.size())).collect();
+    let mut at = Vec::with_capacity(blocks.len());
+    let mut end = 0usize;
+    for &b in &blocks {
+        at.push(end);
+        end = (end + b).next_multiple_of(256);
+    }
+    let base = staging_at(s, end.max(1))?;
+    let mut staged = *l;
+    for (q, e) in l.sends.iter().enumerate() {
+        if let Some((n, from)) = *e {
+            let to = base.offset(at[q]);
+            s.inner.device.copy_device(to, from, n * dtype.size(), s.stream)?;
+            staged.sends[q] = Some((n, to));
+        }
+    }
+    Ok(staged)
+}
+
+/// The reduce-to protocol (reduce-scatter, reduce): `fc_reduce_to_<dtype>_<op>`.
 #[allow(clippy::too_many_arguments)]
 fn reduce_to<D: Device>(
     s: &mut Submit<'_, D>,
@@ -945,6 +1066,8 @@ fn reduce_to<D: Device>(
     output: DevicePtr,
     l: &Lists,
 ) -> Result<()> {
+    let receives = l.recvs.iter().any(|r| r.is_some_and(|(m, _)| m > 0));
+    let l = unalias(s, dtype, l, receives.then_some((n, output)))?;
     let mut c = CollectiveCall::new(KernelKind::ReduceTo, dtype, op, n, DevicePtr::NULL, output);
     c.per_peer = l.table(0);
     c.scalar = scalar;

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use super::route::CollRoute;
 use crate::algo::AlgoChoice;
 use crate::codec::Quantization;
 use crate::error::{Error, Result};
@@ -17,6 +18,12 @@ pub struct CommOptions {
     pub deterministic: bool,
     /// Force an algorithm (`FERROCOMM_ALGO=auto|oneshot|twoshot|oneshot-ll|oneshot-push|twoshot-push|nccl`).
     pub algo: AlgoChoice,
+    /// Where all-gather, gather, scatter, all-to-all(-v), reduce-scatter and
+    /// reduce run on GPUs: ferrocomm's kernels or NCCL/RCCL
+    /// (`FERROCOMM_COLL_ROUTE=auto|custom|vendor`, default auto; every rank
+    /// must ask for the same). Without the library the kernels run whatever
+    /// is asked; see `comm::route`.
+    pub coll_route: CollRoute,
     /// Bytes per workspace data slot; payloads above it are chunked
     /// (`FERROCOMM_SLOT_BYTES`). `None` takes the backend's default: 32 MiB on
     /// GPUs (measured on H200: large two-shot pushes reach NCCL's bandwidth only
@@ -44,6 +51,7 @@ impl Default for CommOptions {
             timeout: Duration::from_secs(600),
             deterministic: true,
             algo: AlgoChoice::Auto,
+            coll_route: CollRoute::Auto,
             slot_bytes: None,
             quantization: Quantization::None,
             name: None,
@@ -96,6 +104,9 @@ impl CommOptions {
         if let Some(v) = env_var("FERROCOMM_ALGO") {
             o.algo = v.parse()?;
         }
+        if let Some(v) = env_var("FERROCOMM_COLL_ROUTE") {
+            o.coll_route = v.parse()?;
+        }
         if let Some(v) = env_var("FERROCOMM_SLOT_BYTES") {
             o.slot_bytes = Some(
                 v.trim()
@@ -123,6 +134,11 @@ impl CommOptions {
 
     pub fn with_algo(mut self, algo: AlgoChoice) -> Self {
         self.algo = algo;
+        self
+    }
+
+    pub fn with_coll_route(mut self, route: CollRoute) -> Self {
+        self.coll_route = route;
         self
     }
 

@@ -1,0 +1,302 @@
+// Runs fc_exchange and fc_reduce_to (kernels-cuda/collectives.cu) on the CPU
+// over the emulated prelude (emu_prelude.h): W ranks of several blocks of
+// several threads, each rank's launches back to back with no host sync
+// between them (so chunks, parities and epochs of consecutive launches
+// overlap across ranks as on GPUs), small slots so every call has several
+// chunks, odd counts and unaligned addresses, in place, all-to-all-v with
+// zeros, premul_sum, and a count mismatch. Results are compared with a
+// sequential reference (the reduction rule of docs/protocol.md).
+#include "emu_prelude.h"
+#include "../../kernels-cuda/common.cuh"
+#include "../../kernels-cuda/collectives.cu"
+
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+// src/algo/layout.rs (asserted there: aux right after the flags).
+constexpr fc_u64 FP_OFFSET = 256;
+constexpr fc_u64 FLAGS_OFFSET = FP_OFFSET + 2ull * FC_MAX_BLOCKS * FC_MAX_RANKS * 8;
+constexpr fc_u64 DATA_OFFSET = 131072;
+
+typedef void (*Kernel)(const FcParams&);
+
+static void launch(Kernel k, const FcParams& p, int nb, int nt) {
+    std::vector<std::unique_ptr<EmuBlock>> blocks;
+    for (int b = 0; b < nb; ++b) blocks.emplace_back(new EmuBlock(nt));
+    std::vector<std::thread> ts;
+    for (int b = 0; b < nb; ++b)
+        for (int t = 0; t < nt; ++t)
+            ts.emplace_back([&, b, t] {
+                emu = EmuThread{(fc_u32)t, (fc_u32)nt, (fc_u32)b, (fc_u32)nb, blocks[b].get(), 0};
+                k(p);
+            });
+    for (auto& t : ts) t.join();
+}
+
+static unsigned char* alloc(size_t bytes) {
+    void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+    std::memset(p, 0, (bytes + 4095) / 4096 * 4096);
+    return (unsigned char*)p;
+}
+
+struct Launch {
+    Kernel k;
+    FcParams p;
+    int nb;
+};
+
+struct Check {
+    std::string what;
+    const unsigned char* got;
+    std::vector<unsigned char> want;
+};
+
+struct Group {
+    int world;
+    fc_u64 slot;
+    std::vector<unsigned char*> ws;
+    std::vector<fc_u32*> err;
+    std::vector<std::vector<Launch>> launches; // per rank, in order
+    std::vector<Check> checks;
+
+    Group(int w, fc_u64 slot_bytes) : world(w), slot(slot_bytes) {
+        for (int r = 0; r < w; ++r) {
+            ws.push_back(alloc(DATA_OFFSET + 4 * slot + 65536));
+            err.push_back((fc_u32*)alloc(64));
+        }
+        launches.resize(w);
+    }
+    FcParams params(int rank, fc_u32 dtype, fc_u32 op, fc_u64 count, fc_u64 fp) {
+        FcParams p;
+        std::memset(&p, 0, sizeof p);
+        for (int r = 0; r < world; ++r) p.peer_ws[r] = (fc_u64)ws[r];
+        p.error_flags = (fc_u64)err[rank];
+        p.count = count;
+        p.fingerprint = fp;
+        p.timeout_ns = 20ull * 1000 * 1000 * 1000;
+        p.fp_offset = FP_OFFSET;
+        p.flags_offset = FLAGS_OFFSET;
+        p.data_offset = DATA_OFFSET;
+        p.slot_bytes = slot;
+        p.rank = rank;
+        p.world = world;
+        p.dtype = dtype;
+        p.op = op;
+        return p;
+    }
+    void run(int nt) {
+        std::vector<std::thread> ranks;
+        for (int r = 0; r < world; ++r)
+            ranks.emplace_back([this, r, nt] {
+                for (auto& l : launches[r]) launch(l.k, l.p, l.nb, nt);
+            });
+        for (auto& t : ranks) t.join();
+    }
+};
+
+static std::mt19937_64 rng(12345);
+static size_t rnd(size_t n) { return (size_t)(rng() % n); }
+
+static void fill(unsigned char* p, size_t bytes, int es) {
+    for (size_t i = 0; i < bytes; ++i) p[i] = (unsigned char)rng();
+    if (es == 2) // finite f16 and bf16 (NaN payloads are not specified by the rule)
+        for (size_t i = 1; i < bytes; i += 2) p[i] &= 0xbf;
+    if (es == 4) // finite floats (and fine as i32)
+        for (size_t i = 0; i + 4 <= bytes; i += 4) {
+            float f = (float)((int)(rng() % 2001) - 1000) / 64.0f + (float)(rng() % 1000) * 1e-5f;
+            std::memcpy(p + i, &f, 4);
+        }
+}
+
+static void set(FcParams& p, int row, int q, fc_u64 v) { p.per_peer[row][q] = v; }
+
+// ---- exchange: per-peer counts c[s][d] (elements), each rank's blocks at
+// given byte offsets in its own send and receive buffers ----
+static void exchange_case(Group& g, const char* what, fc_u32 dtype, int es, std::vector<std::vector<size_t>> c,
+                          bool in_place, int nb, fc_u64 fp) {
+    const int W = g.world;
+    std::vector<unsigned char*> send(W), recv(W);
+    std::vector<std::vector<size_t>> soff(W, std::vector<size_t>(W)), roff(W, std::vector<size_t>(W));
+    for (int r = 0; r < W; ++r) {
+        size_t total_s = 0, total_r = 0;
+        for (int q = 0; q < W; ++q) total_s += c[r][q] * es, total_r += c[q][r] * es;
+        const size_t mis = in_place ? 0 : rnd(4) * (es == 1 ? 1 : es) + (es == 1 ? rnd(3) : 0);
+        send[r] = alloc(total_s + 64) + mis;
+        fill(send[r], total_s, es);
+        recv[r] = in_place ? send[r] : alloc(total_r + 64) + (mis + 4 * es) % 16;
+        size_t a = 0, b = 0;
+        for (int q = 0; q < W; ++q) {
+            soff[r][q] = a, a += c[r][q] * es;
+            roff[r][q] = b, b += c[q][r] * es;
+        }
+    }
+    std::vector<std::vector<unsigned char>> want(W);
+    for (int r = 0; r < W; ++r) {
+        size_t total_r = 0;
+        for (int q = 0; q < W; ++q) total_r += c[q][r] * es;
+        want[r].resize(total_r);
+        for (int s = 0; s < W; ++s) std::memcpy(want[r].data() + roff[r][s], send[s] + soff[s][r], c[s][r] * es);
+    }
+    for (int r = 0; r < W; ++r) {
+        FcParams p = g.params(r, dtype, FC_OP_SUM, 0, fp);
+        for (int q = 0; q < W; ++q) {
+            set(p, 0, q, c[r][q]);
+            set(p, 1, q, (fc_u64)(send[r] + soff[r][q]));
+            set(p, 2, q, c[q][r]);
+            set(p, 3, q, (fc_u64)(recv[r] + roff[r][q]));
+        }
+        g.launches[r].push_back({fc::exchange, p, nb});
+        g.checks.push_back({std::string(what) + " rank " + std::to_string(r), recv[r], want[r]});
+    }
+}
+
+template <class T>
+static float to_f(T x) { return (float)x; }
+
+// ---- reduce-to: every rank sends block q (n elements) to rank q
+// (reduce-scatter), or block root to the root (reduce) ----
+template <class T, int OP>
+static void reduce_case(Group& g, const char* what, fc_u32 dtype, size_t n, int root, bool in_place, size_t out_mis,
+                        int nb, fc_u64 fp) {
+    const int W = g.world;
+    const int es = sizeof(typename T::S);
+    typedef typename T::S S;
+    std::vector<unsigned char*> in(W), out(W);
+    std::vector<float> factor(W);
+    for (int r = 0; r < W; ++r) {
+        in[r] = alloc(W * n * es + 64) + (in_place ? 0 : es * rnd(4));
+        fill(in[r], W * n * es, es);
+        out[r] = in_place ? in[r] + (root < 0 ? r : root) * n * es : alloc(n * es + 64) + out_mis;
+        factor[r] = 0.5f + 0.25f * r;
+    }
+    auto elem = [&](int s, int blk, size_t i) {
+        S x;
+        std::memcpy(&x, in[s] + (blk * n + i) * es, es);
+        return T::to_acc(x);
+    };
+    for (int d = 0; d < W; ++d) {
+        if (root >= 0 && d != root) continue;
+        std::vector<unsigned char> want(n * es);
+        for (size_t i = 0; i < n; ++i) {
+            typename T::Acc a = elem(0, d, i);
+            if (OP == FC_OP_PREMUL) a = fc::premul_scale(a, factor[0]);
+            for (int s = 1; s < W; ++s) {
+                typename T::Acc x = elem(s, d, i);
+                if (OP == FC_OP_PREMUL) x = fc::premul_scale(x, factor[s]);
+                a = fc::Op<OP>::apply(a, x);
+            }
+            if (OP == FC_OP_AVG) a = fc::finish<OP>(a, fc::make_avg(W));
+            const S y = T::from_acc(a);
+            std::memcpy(want.data() + i * es, &y, es);
+        }
+        g.checks.push_back({std::string(what) + " rank " + std::to_string(d), out[d], want});
+    }
+    for (int r = 0; r < W; ++r) {
+        FcParams p = g.params(r, dtype, OP, n, fp);
+        p.output = (fc_u64)out[r];
+        if (OP == FC_OP_PREMUL) p.scalar = fc_f32_as_u32(factor[r]);
+        for (int q = 0; q < W; ++q) {
+            if (root >= 0 && q != root) continue;
+            set(p, 0, q, n);
+            set(p, 1, q, (fc_u64)(in[r] + (root < 0 ? q : root) * n * es));
+        }
+        if (root < 0 || r == root)
+            for (int s = 0; s < W; ++s) {
+                set(p, 2, s, n);
+                set(p, 3, s, (fc_u64)out[r]);
+            }
+        g.launches[r].push_back({fc::reduce_to<T, OP>, p, nb});
+    }
+}
+
+static int verify(Group& g) {
+    int bad = 0;
+    for (auto& c : g.checks) {
+        size_t first = c.want.size();
+        for (size_t i = 0; i < c.want.size(); ++i)
+            if (c.got[i] != c.want[i]) {
+                first = i;
+                break;
+            }
+        if (first < c.want.size()) {
+            std::printf("FAIL %s: first differing byte %zu of %zu (got %02x %02x, want %02x %02x)\n", c.what.c_str(),
+                        first, c.want.size(), c.got[first & ~1], c.got[first | 1], c.want[first & ~1],
+                        c.want[first | 1]);
+            ++bad;
+        }
+    }
+    for (int r = 0; r < g.world; ++r)
+        if (g.err[r][0] != 0) {
+            std::printf("FAIL rank %d error words %u %u %u %u\n", r, g.err[r][0], g.err[r][1], g.err[r][2],
+                        g.err[r][3]);
+            ++bad;
+        }
+    return bad;
+}
+
+int main(int argc, char** argv) {
+    if (argc > 1) rng.seed(std::strtoull(argv[1], nullptr, 10));
+    int bad = 0;
+    for (int W : {2, 3, 4}) {
+        Group g(W, 8192); // inboxes of (8192 / W) & ~63 bytes: several chunks a call
+        const int nb = W == 3 ? 3 : 2, nt = 32;
+        // All-to-all-v, f32 elements, random splits with zeros, unaligned buffers.
+        std::vector<std::vector<size_t>> c(W, std::vector<size_t>(W));
+        for (auto& row : c)
+            for (auto& x : row) x = rnd(3) == 0 ? 0 : rnd(1500);
+        exchange_case(g, "all_to_all_v f32", FC_DTYPE_F32, 4, c, false, nb, 1);
+        // Bytes (u8), odd counts and byte offsets.
+        for (auto& row : c)
+            for (auto& x : row) x = rnd(5000);
+        exchange_case(g, "all_to_all_v u8", 5, 1, c, false, nb, 2);
+        // In place, equal splits (i32).
+        for (auto& row : c)
+            for (auto& x : row) x = 777;
+        exchange_case(g, "all_to_all in place i32", FC_DTYPE_I32, 4, c, true, nb, 3);
+        // All-gather (f16 payload moved as bytes): everyone sends n to everyone.
+        for (auto& row : c)
+            for (auto& x : row) x = 1001;
+        exchange_case(g, "all_gather f16", FC_DTYPE_F16, 2, c, false, nb, 4);
+        // Gather to rank 1 (f64-sized elements).
+        for (int s = 0; s < W; ++s)
+            for (int d = 0; d < W; ++d) c[s][d] = d == 1 ? 333 : 0;
+        exchange_case(g, "gather f64", 7, 8, c, false, nb, 5);
+        // Nothing at all (one chunk, nothing moved).
+        for (auto& row : c)
+            for (auto& x : row) x = 0;
+        exchange_case(g, "empty", FC_DTYPE_F32, 4, c, false, nb, 6);
+
+        reduce_case<fc::TF32, FC_OP_SUM>(g, "reduce_scatter f32 sum", FC_DTYPE_F32, 1999, -1, false, 0, nb, 7);
+        reduce_case<fc::TF32, FC_OP_AVG>(g, "reduce_scatter f32 avg in place", FC_DTYPE_F32, 1003, -1, true, 0, nb, 8);
+        reduce_case<fc::TBF16, FC_OP_SUM>(g, "reduce_scatter bf16 sum", FC_DTYPE_BF16, 2501, -1, false, 2, nb, 9);
+        reduce_case<fc::TF16, FC_OP_MAX>(g, "reduce_scatter f16 max", FC_DTYPE_F16, 999, -1, false, 6, nb, 10);
+        reduce_case<fc::TI32, FC_OP_SUM>(g, "reduce i32 sum to 0 in place", FC_DTYPE_I32, 3000, 0, true, 0, nb, 11);
+        reduce_case<fc::TF32, FC_OP_PREMUL>(g, "reduce_scatter f32 premul", FC_DTYPE_F32, 1500, -1, false, 8, nb, 12);
+        reduce_case<fc::TF32, FC_OP_SUM>(g, "reduce f32 to last, output not element aligned", FC_DTYPE_F32, 2222,
+                                          W - 1, false, 2, nb, 13);
+        g.run(nt);
+        const int b = verify(g);
+        std::printf("world %d: %zu checks, %d failed\n", W, g.checks.size(), b);
+        bad += b;
+    }
+    {
+        // A count mismatch: rank 0 expects 10 elements from rank 1, which sends 12.
+        Group g(2, 8192);
+        std::vector<std::vector<size_t>> c = {{5, 10}, {12, 5}};
+        exchange_case(g, "mismatch", FC_DTYPE_F32, 4, c, false, 2, 1);
+        g.launches[0][0].p.per_peer[2][1] = 10;
+        for (auto& l : g.launches) l[0].p.timeout_ns = 200ull * 1000 * 1000;
+        g.run(32);
+        const bool ok = g.err[0][0] == FC_ERR_CODE_MISMATCH && g.err[0][2] == 2;
+        std::printf("mismatch: rank 0 error words %u %u %u %u (%s)\n", g.err[0][0], g.err[0][1], g.err[0][2],
+                    g.err[0][3], ok ? "ok" : "FAIL");
+        bad += !ok;
+    }
+    std::printf("%s\n", bad ? "FAILED" : "all ok");
+    return bad ? 1 : 0;
+}
