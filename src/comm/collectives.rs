@@ -30,27 +30,29 @@ const SEND_ADDR: usize = 1;
 const RECV_COUNT: usize = 2;
 const RECV_ADDR: usize = 3;
 
-/// Per-peer send and receive lists of one exchange.
-#[derive(Clone, Copy)]
+/// Per-peer send and receive lists of one exchange, one entry per rank (a
+/// world above [`MAX_RANKS`] has them too: NCCL/RCCL carries it).
+#[derive(Clone)]
 struct Lists {
-    sends: [Option<(usize, DevicePtr)>; MAX_RANKS],
-    recvs: [Option<(usize, DevicePtr)>; MAX_RANKS],
+    sends: Vec<Option<(usize, DevicePtr)>>,
+    recvs: Vec<Option<(usize, DevicePtr)>>,
 }
 
 impl Lists {
-    fn new() -> Self {
+    fn new(world: usize) -> Self {
         Lists {
-            sends: [None; MAX_RANKS],
-            recvs: [None; MAX_RANKS],
+            sends: vec![None; world],
+            recvs: vec![None; world],
         }
     }
 
     /// The host protocols' table: counts and addresses; `absent` marks a peer
     /// with nothing listed (0 for exchanges, u64::MAX for send/recv batches,
     /// where a message of 0 elements still counts).
+    /// Only kernels read it, and they serve worlds up to [`MAX_RANKS`].
     fn table(&self, absent: u64) -> [[u64; MAX_RANKS]; 4] {
         let mut t = [[0u64; MAX_RANKS]; 4];
-        for (q, (send, recv)) in self.sends.iter().zip(&self.recvs).enumerate() {
+        for (q, (send, recv)) in self.sends.iter().zip(&self.recvs).enumerate().take(MAX_RANKS) {
             let (sc, sa) = send.map_or((absent, 0), |(c, p)| (c as u64, p.0));
             let (rc, ra) = recv.map_or((absent, 0), |(c, p)| (c as u64, p.0));
             t[SEND_COUNT][q] = sc;
@@ -311,7 +313,7 @@ impl<D: Device> Communicator<D> {
                 }
                 _ if on_host => {
                     // Odd byte counts: the root sends to everyone.
-                    let mut l = Lists::new();
+                    let mut l = Lists::new(s.inner.world);
                     if s.inner.rank == root {
                         for q in 0..s.inner.world {
                             l.sends[q] = Some((count, input.ptr()));
@@ -358,7 +360,7 @@ impl<D: Device> Communicator<D> {
                 return run_vendor(s, dtype, op);
             }
             // Only the root receives (and writes `t`); the others only send.
-            let mut l = Lists::new();
+            let mut l = Lists::new(s.inner.world);
             l.sends[root] = Some((count, t.ptr()));
             if s.inner.rank == root {
                 for q in 0..s.inner.world {
@@ -427,7 +429,7 @@ impl<D: Device> Communicator<D> {
         let on_host = self.on_host();
         self.submit(call, "all_gather", |s| {
             let me = s.inner.rank;
-            let mut l = Lists::new();
+            let mut l = Lists::new(s.inner.world);
             for (q, out) in outs.iter().enumerate() {
                 l.sends[q] = Some((n, input.ptr()));
                 l.recvs[q] = Some((n, *out));
@@ -527,7 +529,7 @@ impl<D: Device> Communicator<D> {
         let ins: Vec<DevicePtr> = inputs.iter().map(Tensor::ptr).collect();
         let on_host = self.on_host();
         self.submit(call, "reduce_scatter", |s| {
-            let mut l = Lists::new();
+            let mut l = Lists::new(s.inner.world);
             for (q, inp) in ins.iter().enumerate() {
                 l.sends[q] = Some((n, *inp));
                 l.recvs[q] = Some((n, output.ptr()));
@@ -663,7 +665,7 @@ impl<D: Device> Communicator<D> {
                 outputs[me].count()
             )));
         }
-        let mut l = Lists::new();
+        let mut l = Lists::new(self.size());
         for q in 0..self.size() {
             l.sends[q] = Some((inputs[q].count(), inputs[q].ptr()));
             l.recvs[q] = Some((outputs[q].count(), outputs[q].ptr()));
@@ -694,7 +696,7 @@ impl<D: Device> Communicator<D> {
         let me = self.rank();
         let world = self.size();
         let n = input.count();
-        let mut l = Lists::new();
+        let mut l = Lists::new(world);
         l.sends[root] = Some((n, input.ptr()));
         if me == root {
             if outputs.len() != world {
@@ -735,7 +737,7 @@ impl<D: Device> Communicator<D> {
         let me = self.rank();
         let world = self.size();
         let n = output.count();
-        let mut l = Lists::new();
+        let mut l = Lists::new(world);
         l.recvs[root] = Some((n, output.ptr()));
         if me == root {
             if inputs.len() != world {
@@ -819,8 +821,8 @@ impl<D: Device> Communicator<D> {
         // Rounds: the k-th message with a peer goes in round k, so one
         // launch carries at most one send and one receive per peer.
         let mut rounds: Vec<Lists> = Vec::new();
-        let mut seen_send = [0usize; MAX_RANKS];
-        let mut seen_recv = [0usize; MAX_RANKS];
+        let mut seen_send = vec![0usize; self.size()];
+        let mut seen_recv = vec![0usize; self.size()];
         for op in ops {
             let (list_send, peer, t) = match op {
                 P2p::Send(t, p) => (true, *p, t),
@@ -835,7 +837,7 @@ impl<D: Device> Communicator<D> {
                 &mut seen_recv[peer]
             };
             if rounds.len() <= *k {
-                rounds.push(Lists::new());
+                rounds.push(Lists::new(self.size()));
             }
             let slot = (t.count(), t.ptr());
             if list_send {
@@ -1010,7 +1012,7 @@ fn unalias<D: Device>(
     output: Option<(usize, DevicePtr)>,
 ) -> Result<Lists> {
     if s.inner.device.facts().backend == BackendKind::Host {
-        return Ok(*l);
+        return Ok(l.clone());
     }
     let es = dtype.size() as u64;
     let span = |(n, p): (usize, DevicePtr)| (p.0, p.0 + n as u64 * es);
@@ -1033,7 +1035,7 @@ fn unalias<D: Device>(
         }
     });
     if !aliased {
-        return Ok(*l);
+        return Ok(l.clone());
     }
     let blocks: Vec<usize> = l.sends.iter().map(|e| e.map_or(0, |(n, _)| n * dtype.size())).collect();
     let mut at = Vec::with_capacity(blocks.len());
@@ -1043,7 +1045,7 @@ fn unalias<D: Device>(
         end = (end + b).next_multiple_of(256);
     }
     let base = staging_at(s, end.max(1))?;
-    let mut staged = *l;
+    let mut staged = l.clone();
     for (q, e) in l.sends.iter().enumerate() {
         if let Some((n, from)) = *e {
             let to = base.offset(at[q]);

@@ -69,6 +69,17 @@ impl<D: Device> Communicator<D> {
     /// it (`Device::export_range` says why not otherwise).
     pub fn register(&self, t: Tensor) -> Result<Registration> {
         let inner = &*self.inner;
+        if !inner.kernels {
+            // Registration maps peers' memory for ferrocomm's kernels; across
+            // nodes nothing is mapped, and NCCL/RCCL uses the tensor in place.
+            return Err(Error::Unsupported(format!(
+                "register on communicator {}: it spans {} ({} ranks) and has no kernels to serve; its calls use \
+                 the tensor in place already",
+                inner.name,
+                inner.topology.describe(),
+                inner.world
+            )));
+        }
         let bytes = t.bytes()?;
         inner.device.check_memory(t.ptr(), bytes)?;
         let (rank, world, timeout) = (inner.rank, inner.world, inner.opts.timeout);
