@@ -103,11 +103,12 @@ if [[ " $STEPS " == *" layered "* ]] && command -v torchrun >/dev/null && [ "$NG
     # Pseudo-nodes of one GPU each (FERROCOMM_LOCAL_SIZE=1): every
     # communicator spans nodes, so all-reduce, all-gather and reduce-scatter
     # run in two levels (NCCL between the "nodes") and the rest through
-    # NCCL; the bench checks every result, then the conformance suite runs.
+    # NCCL; the bench checks every result. (The conformance suite forces
+    # kernel algorithms and compares them bitwise, which a communicator
+    # without kernels does not have; tests/layered_host.rs covers the
+    # levels' semantics.)
     step layered_bench env FERROCOMM_LOCAL_SIZE=1 "$BIN/ferrocomm-bench" --backend cuda --world 2 --coll all --algo auto \
         --dtype bf16 --min-bytes 4K --max-bytes 16M --iters 5 --warmup 2
-    step layered_conformance env FERROCOMM_LOCAL_SIZE=1 torchrun --nproc_per_node=2 --no-python "$BIN/ferrocomm-worker" \
-        conformance --backend cuda --timeout-secs 120
 fi
 
 if [[ " $STEPS " == *" example "* ]] && command -v torchrun >/dev/null && [ "$NGPU" -ge 2 ] && [ -x "$BIN/engine_cudarc" ]; then

@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 /// [`CommOptions::coll_route`](super::CommOptions::coll_route)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CollRoute {
-    /// ferrocomm's kernels up to [`CUSTOM_MAX_BLOCK_BYTES`], NCCL/RCCL above
+    /// ferrocomm's kernels from [`CUSTOM_MIN_BLOCK_BYTES`], NCCL/RCCL below
     /// (and for reductions in deterministic mode, always the kernels).
     #[default]
     Auto,
@@ -85,14 +85,29 @@ pub(crate) enum Route {
     Vendor,
 }
 
-/// Largest per-peer block (bytes) `auto` sends to ferrocomm's kernels; NCCL/RCCL
-/// takes larger ones.
+/// Smallest per-peer block (bytes) `auto` sends to ferrocomm's kernels when
+/// NCCL/RCCL is there and may take the call; smaller ones go to the library.
 ///
-/// TODO(measure): not measured yet. The kernels have not run on a GPU when
-/// this was written, so `auto` takes them for every size; the lead sets this
-/// (per collective if need be) from the first GPU measurements against
-/// NCCL/RCCL.
-pub(crate) const CUSTOM_MAX_BLOCK_BYTES: usize = usize::MAX;
+/// Measured on 2x H200 (NV18), bf16, CUDA-graph replay, world 2,
+/// `ferrocomm-bench --coll all --algo auto,nccl --graph` (bench/2026-11-23-h200x2/run8),
+/// kernels / NCCL called directly, us, by the bench's size (all-gather's
+/// output, reduce-scatter's input: two blocks; reduce's buffer: one block):
+///
+/// ```text
+///            4K      64K     256K    512K    1M      4M      16M     64M
+/// all-gather 6.6/5.5 8.2/6.5 8.4/7.1 8.6/8.1 9.4/10.7 14.3/25.5 35.5/44.9 120.5/122.8
+/// red-scat.  6.5/5.5 7.9/6.3 8.2/6.9 8.3/7.8 8.7/9.9  13.6/23.5 34.8/50.9 117.8/163.3
+/// reduce     6.0/4.8 7.1/5.3 7.3/6.3 7.7/7.8 8.6/10.7 17.3/22.0 51.4/56.1 193.7/195.5
+/// ```
+///
+/// The kernels' push, flag and copy-out cost about 1 us more than NCCL's
+/// small-message path, and win from a 512 KiB block on. Gather and scatter
+/// run the same exchange and take the all-gather's threshold; worlds above 2
+/// were not measured and take world 2's. All-to-alls carry no agreed size
+/// (see [`decide`]) and always take the kernels: they measured 1.2 us slower
+/// at 4-8 KiB, level at 16-64 KiB, up to 4 us faster at 128 KiB-16 MiB and
+/// 6-8% slower at 32-64 MiB.
+pub(crate) const CUSTOM_MIN_BLOCK_BYTES: usize = 512 << 10;
 
 /// The route of one call of `coll` on a GPU communicator of `world` ranks.
 ///
@@ -102,7 +117,9 @@ pub(crate) const CUSTOM_MAX_BLOCK_BYTES: usize = usize::MAX;
 ///   (one rank's splits may be even while another's are not): `auto` then
 ///   takes the kernels, the one route that needs no agreed size.
 /// - `vendor`: the build has NCCL/RCCL and the library loaded.
-/// - `deterministic`: [`CommOptions::deterministic`](super::CommOptions::deterministic).
+/// - `deterministic`: [`CommOptions::deterministic`](super::CommOptions::deterministic):
+///   reductions then always take the kernels (NCCL's bits differ from the
+///   reference), at the small-message cost measured above.
 ///
 /// World 1 and worlds above [`MAX_RANKS`] keep their earlier paths
 /// ([`Route::Vendor`]); otherwise the kernels are the only route without the
@@ -116,7 +133,7 @@ pub(crate) fn decide(
     deterministic: bool,
 ) -> Route {
     decide_at(
-        CUSTOM_MAX_BLOCK_BYTES,
+        CUSTOM_MIN_BLOCK_BYTES,
         asked,
         coll,
         block_bytes,
@@ -126,9 +143,9 @@ pub(crate) fn decide(
     )
 }
 
-/// [`decide`] with `auto`'s limit as an argument (tests).
+/// [`decide`] with `auto`'s threshold as an argument (tests).
 fn decide_at(
-    limit: usize,
+    min: usize,
     asked: CollRoute,
     coll: Coll,
     block_bytes: Option<usize>,
@@ -147,7 +164,7 @@ fn decide_at(
         CollRoute::Vendor => Route::Vendor,
         CollRoute::Auto if deterministic && coll.reduces() => Route::Custom,
         CollRoute::Auto => match block_bytes {
-            Some(b) if b > limit => Route::Vendor,
+            Some(b) if b < min => Route::Vendor,
             _ => Route::Custom,
         },
     }
@@ -187,19 +204,25 @@ mod tests {
                         }
                         assert_eq!(decide(CollRoute::Custom, coll, bytes, world, true, det), Route::Custom);
                         assert_eq!(decide(CollRoute::Vendor, coll, bytes, world, true, det), Route::Vendor);
-                        // Auto: the kernels at every size until measured.
-                        assert_eq!(decide(CollRoute::Auto, coll, bytes, world, true, det), Route::Custom);
+                        // Auto: the kernels from the measured block size, and
+                        // without an agreed size, and for reductions that
+                        // must be deterministic.
+                        let want = match bytes {
+                            Some(b) if b < CUSTOM_MIN_BLOCK_BYTES && !(det && coll.reduces()) => Route::Vendor,
+                            _ => Route::Custom,
+                        };
+                        assert_eq!(decide(CollRoute::Auto, coll, bytes, world, true, det), want);
                     }
                 }
             }
-            // A limit (once measured): larger agreed blocks go to the library,
+            // The threshold: smaller agreed blocks go to the library,
             // unknown sizes and deterministic reductions stay on the kernels.
             let at = |bytes, det| decide_at(4096, CollRoute::Auto, coll, bytes, 4, true, det);
             assert_eq!(at(Some(4096), false), Route::Custom);
-            assert_eq!(at(Some(4097), false), Route::Vendor);
+            assert_eq!(at(Some(4095), false), Route::Vendor);
             assert_eq!(at(None, false), Route::Custom);
             let det = if coll.reduces() { Route::Custom } else { Route::Vendor };
-            assert_eq!(at(Some(4097), true), det);
+            assert_eq!(at(Some(4095), true), det);
             // World 1 and worlds the kernels do not serve keep their paths.
             for world in [1, MAX_RANKS + 1, 64] {
                 for vendor in [false, true] {
