@@ -5,6 +5,7 @@
 mod call;
 mod collectives;
 mod communicator;
+mod fused;
 mod mapping;
 mod options;
 mod registry;
@@ -13,9 +14,11 @@ mod topology;
 mod vendor;
 mod work;
 
+pub use crate::algo::fused::FusionPattern;
 pub use call::{Call, Factor, Reduction};
 pub use collectives::P2p;
 pub use communicator::Communicator;
+pub use fused::Fusion;
 pub use mapping::{Axis, Coords, Mapping};
 pub use options::CommOptions;
 pub use registry::Registration;
