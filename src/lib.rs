@@ -39,6 +39,9 @@ pub mod log;
 #[doc(hidden)]
 pub mod testing;
 
-pub use comm::{Axis, Call, CommOptions, Communicator, Mapping, P2p, Reduction, Registration, Tensor, Topology, Work};
+pub use comm::{
+    Axis, Call, CommOptions, Communicator, Fusion, FusionPattern, Mapping, P2p, Reduction, Registration, Tensor,
+    Topology, Work,
+};
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};
