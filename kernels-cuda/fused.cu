@@ -109,11 +109,19 @@ FC_DEVICE fc_u32 fu_quant(float v, float scale) {
     return PAT == FU_PAT_RMS_I8TOK ? fu_int8(q) : fu_e4m3(q);
 }
 
-// Store 8 quantized bytes (one per element of a pack) at an 8-byte aligned address.
-FC_DEVICE void fu_store8(char* at, const fc_u32 (&q)[8]) {
+// Quantize a pack and store its 8 bytes (element k at byte k) at an 8-byte
+// aligned address.
+template <int PAT>
+FC_DEVICE void fu_store_quant(char* at, const float (&y)[8], float scale) {
+    fc_u32 lo = 0, hi = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        lo |= fu_quant<PAT>(y[k], scale) << (8 * k);
+        hi |= fu_quant<PAT>(y[k + 4], scale) << (8 * k);
+    }
     fc_u32* w = reinterpret_cast<fc_u32*>(at);
-    fc_store(w, q[0] | (q[1] << 8) | (q[2] << 16) | (q[3] << 24));
-    fc_store(w + 1, q[4] | (q[5] << 8) | (q[6] << 16) | (q[7] << 24));
+    fc_store(w, lo);
+    fc_store(w + 1, hi);
 }
 
 // Sum of one pack over the sources at `at + r * stride`, r = 0..world-1, in
@@ -237,10 +245,7 @@ FC_DEVICE void fused_rows(const FcParams& p, const char* region, fc_u64 stride, 
                 const fc_vec16 n = fu_norm_pack<T>(resid_out + rb + off, weight + off, rstd, y);
                 if (norm_out != nullptr) fc_store16(norm_out + rb + off, n);
                 if (PAT == FU_PAT_RMS_FP8) {
-                    fc_u32 q[8];
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) q[k] = fu_quant<PAT>(y[k], scale);
-                    fu_store8(quant_out + g * hidden + i * 8u, q);
+                    fu_store_quant<PAT>(quant_out + g * hidden + i * 8u, y, scale);
                 } else if (PAT == FU_PAT_RMS_FP8TOK || PAT == FU_PAT_RMS_I8TOK) {
 #pragma unroll
                     for (int k = 0; k < 8; ++k) amax = fc_fmax(amax, fu_fabs(y[k]));
@@ -260,10 +265,7 @@ FC_DEVICE void fused_rows(const FcParams& p, const char* region, fc_u64 stride, 
                 const fc_u64 off = i * 16u;
                 float y[8];
                 fu_norm_pack<T>(resid_out + rb + off, weight + off, rstd, y);
-                fc_u32 q[8];
-#pragma unroll
-                for (int k = 0; k < 8; ++k) q[k] = fu_quant<PAT>(y[k], scale);
-                fu_store8(quant_out + g * hidden + i * 8u, q);
+                fu_store_quant<PAT>(quant_out + g * hidden + i * 8u, y, scale);
             }
         }
     }
@@ -316,6 +318,57 @@ FC_DEVICE void fused_oneshot(const FcParams& p) {
     complete(own, e0 + (fc_u32)(nchunk - 1));
 }
 
+// Rows piece b (of `per` rows) of segment d (of `seg` rows) of a chunk of n rows.
+FC_DEVICE Range fu_piece(fc_u64 n, fc_u64 seg, fc_u64 per, fc_u32 d, fc_u32 b) {
+    Range r;
+    const fc_u64 start = min_u64((fc_u64)d * seg, n);
+    const fc_u64 len = min_u64(seg, n - start);
+    r.lo = start + min_u64((fc_u64)b * per, len);
+    r.hi = start + min_u64((fc_u64)b * per + per, len);
+    return r;
+}
+
+// S2 of the two-shot: bytes [lo, hi) (whole packs) of our segment, reduced
+// in rank order from our inboxes (source r at src + r * stride) and rounded
+// (NaN canonical, as every fused store), go to offset `off` of every rank's
+// workspace (ourselves included).
+template <class T>
+FC_DEVICE void fu_reduce_push(const FcParams& p, const char* src, fc_u64 stride, fc_u64 off, fc_u64 lo, fc_u64 hi) {
+    const fc_u32 world = p.world;
+    const fc_u32 nt = fc_block_threads();
+    for (fc_u64 at = lo + (fc_u64)fc_thread_id() * 16u; at < hi; at += (fc_u64)nt * 16u) {
+        float a[8];
+        fu_reduce_pack<T>(src + at, stride, world, a);
+        const fc_vec16 v = fu_pack<T>(a);
+        for (fc_u32 q = 0; q < world; ++q) fc_store16(fc_ptr<char>(p.peer_ws[q] + off + at), v);
+    }
+}
+
+// S1 of the two-shot for the chunk of n rows at row `first` (epoch, parity):
+// own rows piece b of every segment d into inbox [rank] of rank d, then
+// arrive phase 0. (A function, not a lambda: captured references would put
+// the captured locals in scratch memory on AMD.)
+template <int ES>
+FC_DEVICE void fu_twoshot_stage1(const FcParams& p, fc_u32 epoch, fc_u64 first, fc_u64 n, fc_u64 hidden,
+                                 fc_u64 stride, fc_u64 per, bool in_aligned) {
+    const fc_u32 parity = epoch & 1;
+    const fc_u32 b = fc_block_id();
+    const fc_u32 world = p.world;
+    const fc_u32 rank = p.rank;
+    const fc_u64 row_bytes = hidden * ES;
+    const fc_u64 seg = div_ceil(n, world);
+    const fc_u64 region = region_offset(p, parity);
+    const char* input = fc_ptr<const char>(p.input + first * row_bytes);
+    for (fc_u32 k = 0; k < world; ++k) {
+        const fc_u32 d = (rank + 1 + k + b) % world;
+        const Range r = fu_piece(n, seg, per, d, b);
+        // Row j of the chunk lands at inbox + (j - d*seg)*row_bytes.
+        char* inbox = fc_ptr<char>(p.peer_ws[d] + region + (fc_u64)rank * stride - (fc_u64)d * seg * row_bytes);
+        copy_range<ES, FC_COPY_UNROLL>(inbox, input, r.lo * hidden, r.hi * hidden, in_aligned);
+    }
+    arrive(p, epoch, parity, 0, b);
+}
+
 // Two-shot fused (whole call, push): reduce-scatter by rows, then every rank
 // applies the epilogue to every row from the gathered all-reduced rows. The
 // all-reduce is twoshot_push's by whole rows: a full chunk is world
@@ -355,35 +408,7 @@ FC_DEVICE void fused_twoshot(const FcParams& p) {
     const fc_u64 per = div_ceil(nchunk > 1 ? cap : div_ceil(tokens, world), nb);
     const bool in_aligned = aligned16(p.input);
 
-    // Rows piece b of segment d of a chunk of n rows, seg rows a segment.
-    auto rows = [&](fc_u64 n, fc_u64 seg, fc_u32 d) {
-        Range r;
-        const fc_u64 start = min_u64((fc_u64)d * seg, n);
-        const fc_u64 len = min_u64(seg, n - start);
-        r.lo = start + min_u64((fc_u64)b * per, len);
-        r.hi = start + min_u64((fc_u64)b * per + per, len);
-        return r;
-    };
-
-    auto stage1 = [&](fc_u64 c) {
-        const fc_u32 epoch = e0 + (fc_u32)c;
-        const fc_u32 parity = epoch & 1;
-        const fc_u64 first = c * chunk;
-        const fc_u64 n = min_u64(chunk, tokens - first);
-        const fc_u64 seg = div_ceil(n, world);
-        const fc_u64 region = region_offset(p, parity);
-        const char* input = fc_ptr<const char>(p.input + first * row_bytes);
-        for (fc_u32 k = 0; k < world; ++k) {
-            const fc_u32 d = (rank + 1 + k + b) % world;
-            const Range r = rows(n, seg, d);
-            // Row j of the chunk lands at inbox + (j - d*seg)*row_bytes.
-            char* inbox = fc_ptr<char>(p.peer_ws[d] + region + (fc_u64)rank * stride - (fc_u64)d * seg * row_bytes);
-            copy_range<ES, FC_COPY_UNROLL>(inbox, input, r.lo * hidden, r.hi * hidden, in_aligned);
-        }
-        arrive(p, epoch, parity, 0, b);
-    };
-
-    stage1(0);
+    fu_twoshot_stage1<ES>(p, e0, 0, min_u64(chunk, tokens), hidden, stride, per, in_aligned);
     for (fc_u64 c = 0; c < nchunk; ++c) {
         const fc_u32 epoch = e0 + (fc_u32)c;
         const fc_u32 parity = epoch & 1;
@@ -394,19 +419,21 @@ FC_DEVICE void fused_twoshot(const FcParams& p) {
         const fc_u64 result = region + p.slot_bytes;
 
         if (!wait_phase(p, own, epoch, parity, 0, b)) return;
-        const Range mine = rows(n, seg, rank);
+        const Range mine = fu_piece(n, seg, per, rank, b);
         const fc_u64 base = (fc_u64)rank * seg * row_bytes;
-        const StrideSrc src = {p.peer_ws[rank] + region - base, stride};
-        const fc_u64 off = result + (fc_u64)rank * stride - base;
-        const PushDst dst = {&p, own + off, off};
-        reduce_range<T, FC_OP_SUM, true>(p, src, dst, mine.lo * hidden, mine.hi * hidden, true);
+        fu_reduce_push<T>(p, own + (region - base), stride, result + (fc_u64)rank * stride - base, mine.lo * row_bytes,
+                          mine.hi * row_bytes);
         arrive(p, epoch, parity, 1, b);
-        if (c + 1 < nchunk) stage1(c + 1);
+        if (c + 1 < nchunk) {
+            const fc_u64 next = first + chunk;
+            fu_twoshot_stage1<ES>(p, epoch + 1, next, min_u64(chunk, tokens - next), hidden, stride, per, in_aligned);
+        }
         if (!wait_phase(p, own, epoch, parity, 1, b)) return;
 
+#pragma unroll 1
         for (fc_u32 d = 0; d < world; ++d) {
-            const Range r = rows(n, seg, d);
-            const char* at = own + result + (fc_u64)d * stride - (fc_u64)d * seg * row_bytes;
+            const Range r = fu_piece(n, seg, per, d, b);
+            const char* at = own + (result + (fc_u64)d * stride - (fc_u64)d * seg * row_bytes);
             fused_rows<T, PAT>(p, at, 0, 1u, first, r.lo, r.hi);
         }
     }
