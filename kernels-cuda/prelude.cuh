@@ -323,6 +323,12 @@ FC_DEVICE float fc_frcp(float x) {
     asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(x));
     return r;
 }
+// Correctly rounded f32 square root, whatever --prec-sqrt says (fused.cu).
+FC_DEVICE float fc_fsqrt(float x) {
+    float r;
+    asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
 // Round to the nearest integer, ties to even (rintf).
 FC_DEVICE float fc_rintf(float x) {
     float r;

@@ -447,6 +447,10 @@ FC_DEVICE float fc_fdiv(float a, float b) {
 }
 // Correctly rounded f32 reciprocal (1.0f / x).
 FC_DEVICE float fc_frcp(float x) { return fc_fdiv(1.0f, x); }
+// Correctly rounded f32 square root (fused.cu): llvm.sqrt.f32 with no
+// !fpmath metadata, which HIP's default -fhip-fp32-correctly-rounded-divide-sqrt
+// keeps, is expanded to a correctly rounded sequence.
+FC_DEVICE float fc_fsqrt(float x) { return __builtin_sqrtf(x); }
 // Round to the nearest integer, ties to even (v_rndne_f32).
 FC_DEVICE float fc_rintf(float x) { return __builtin_rintf(x); }
 

@@ -41,8 +41,8 @@ pub mod log;
 pub mod testing;
 
 pub use comm::{
-    Axis, Call, CollRoute, CommOptions, Communicator, Mapping, MixedComm, MixedMode, MixedOp, P2p, Reduction,
-    Registration, Tensor, Topology, TuneReport, TuneSource, Work,
+    Axis, Call, CollRoute, CommOptions, Communicator, Fusion, FusionPattern, Mapping, MixedComm, MixedMode, MixedOp,
+    P2p, Reduction, Registration, Tensor, Topology, TuneReport, TuneSource, Work,
 };
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};

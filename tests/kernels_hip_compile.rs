@@ -37,13 +37,14 @@ const PRELUDE: &str = include_str!("../kernels-hip/prelude.hip.h");
 const CUDA_PRELUDE: &str = include_str!("../kernels-cuda/prelude.cuh");
 const SHARED_BODY: &str = include_str!("../kernels-cuda/collectives.cu");
 /// Every vendor-neutral file the modules are assembled from.
-const SHARED_FILES: [(&str, &str); 3] = [
+const SHARED_FILES: [(&str, &str); 4] = [
     ("kernels-cuda/common.cuh", include_str!("../kernels-cuda/common.cuh")),
     ("kernels-cuda/collectives.cu", SHARED_BODY),
     (
         "kernels-cuda/quickreduce.cu",
         include_str!("../kernels-cuda/quickreduce.cu"),
     ),
+    ("kernels-cuda/fused.cu", include_str!("../kernels-cuda/fused.cu")),
 ];
 
 /// Threads per block the backend compiles for (`ferrocomm::algo::BLOCK_THREADS`).

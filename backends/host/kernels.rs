@@ -10,12 +10,13 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 
 use super::collectives;
+use super::fused;
 use super::futex;
 use super::quickreduce;
 use super::reduce::{Lanes, Reduction, Tiles};
 use crate::algo::kernels::{
     collective_kernel_names, kernel_name, qr_encode_name, quick_reduce_kernel_names, quick_reduce_name, KernelKind,
-    COLLECTIVES, QR_CODECS, QR_DTYPES, QUICK_REDUCE,
+    COLLECTIVES, FUSED, QR_CODECS, QR_DTYPES, QUICK_REDUCE,
 };
 use crate::algo::layout::{
     aux_offset, ll_parity_bytes, ll_stride, push_oneshot_stride, push_twoshot_stride, segment_elems, AUX_FACTOR,
@@ -45,6 +46,12 @@ pub(super) enum HostKernel {
     ReduceTo { dtype: DType, op: ReduceOp },
     /// `fc_sendrecv`: a batch of sends and receives (no epoch).
     SendRecv,
+    /// `fc_fused_<kind>_<pattern>_<dtype>`: a fused all-reduce epilogue.
+    Fused {
+        kind: crate::algo::fused::FusedKind,
+        pattern: crate::algo::fused::FusionPattern,
+        dtype: DType,
+    },
 }
 
 impl HostKernel {
@@ -81,6 +88,9 @@ impl HostKernel {
                     _ => {}
                 },
                 HostKernel::SendRecv => collectives::send_recv(p),
+                HostKernel::Fused { kind, pattern, dtype } => {
+                    launch(p, |l| fused::run(l, kind, pattern, dtype == DType::BF16))
+                }
                 HostKernel::QrEncode { codec, dtype } => match dtype {
                     DType::BF16 => quickreduce::encode_run::<bf16>(p, codec),
                     _ => quickreduce::encode_run::<f16>(p, codec),
@@ -153,6 +163,12 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
             }
         }
         debug_assert!(quick_reduce_kernel_names().iter().all(|n| map.contains_key(n)));
+    } else if module == FUSED.name {
+        for name in crate::algo::fused::fused_kernel_names() {
+            if let Some((kind, pattern, dtype)) = crate::algo::fused::parse_fused(&name) {
+                map.insert(name, HostKernel::Fused { kind, pattern, dtype });
+            }
+        }
     } else {
         return Err(Error::invalid(format!("the host backend has no module named {module}")));
     }
@@ -411,7 +427,7 @@ impl Launch<'_> {
 /// it used, or `None` after a failure (the epoch then stays unpublished).
 ///
 /// # Safety: see [`HostKernel::call`].
-unsafe fn launch(p: &KernelParams, body: impl FnOnce(&Launch) -> Option<u32>) {
+pub(super) unsafe fn launch(p: &KernelParams, body: impl FnOnce(&Launch) -> Option<u32>) {
     let own = p.peer_ws[p.rank as usize];
     // SAFETY: control words sit at the start of our own workspace.
     let (epoch_word, done_word) = unsafe { (atomic_u32(own), atomic_u32(own.offset(4))) };

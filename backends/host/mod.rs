@@ -8,6 +8,7 @@
 //! functions in [`kernels`] that follow `docs/protocol.md` exactly.
 
 mod collectives;
+mod fused;
 mod futex;
 mod kernels;
 mod memory;

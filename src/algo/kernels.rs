@@ -45,8 +45,18 @@ pub const QUICK_REDUCE: ModuleSource = ModuleSource {
     entry: quick_reduce_entry,
 };
 
+/// Fused all-reduce epilogues (residual add, RMSNorm, quantization;
+/// `src/algo/fused.rs`). A module of its own, compiled on first use.
+pub const FUSED: ModuleSource = ModuleSource {
+    name: "fused",
+    cuda: module_text!("../../kernels-cuda/prelude.cuh", "../../kernels-cuda/fused.cu"),
+    hip: module_text!("../../kernels-hip/prelude.hip.h", "../../kernels-cuda/fused.cu"),
+    kernels: super::fused::fused_kernel_names,
+    entry: super::fused::fused_entry,
+};
+
 /// Every module, for compile checks.
-pub const ALL_MODULES: &[ModuleSource] = &[COLLECTIVES, QUICK_REDUCE];
+pub const ALL_MODULES: &[ModuleSource] = &[COLLECTIVES, QUICK_REDUCE, FUSED];
 
 /// The device-code element type of a reducible dtype (`common.cuh`).
 fn device_type(dtype: DType) -> Option<&'static str> {
@@ -315,6 +325,7 @@ pub fn quick_reduce_kernel_names() -> Vec<String> {
 pub fn all_kernel_names() -> Vec<String> {
     let mut names = collective_kernel_names();
     names.extend(quick_reduce_kernel_names());
+    names.extend(super::fused::fused_kernel_names());
     names
 }
 

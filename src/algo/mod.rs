@@ -3,6 +3,7 @@
 //! table that picks one per call.
 
 mod dispatch;
+pub mod fused;
 mod grid;
 pub mod kernels;
 mod launch;

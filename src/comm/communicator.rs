@@ -52,6 +52,8 @@ pub(crate) struct Resources<D: Device> {
     /// Loaded at creation when the caller opted in to quick-reduce, else on
     /// the first quick-reduce call.
     pub(crate) qr_module: Option<D::Module>,
+    /// Fused all-reduce epilogues (`comm::fused`), loaded on the first fused call.
+    pub(crate) fused_module: Option<D::Module>,
     pub(crate) scratch: D::Buffer,
     pub(crate) vendor: Vendor,
     pub(crate) registry: Registry<D>,
@@ -396,6 +398,7 @@ impl<D: Device> Communicator<D> {
                         ws,
                         module,
                         qr_module,
+                        fused_module: None,
                         scratch,
                         vendor,
                         registry: Registry::default(),
@@ -535,6 +538,9 @@ impl<D: Device> Communicator<D> {
         self.inner.device.prepare(&res.module, &[])?;
         if let Some(qr) = &res.qr_module {
             self.inner.device.prepare(qr, &[])?;
+        }
+        if let Some(fused) = &res.fused_module {
+            self.inner.device.prepare(fused, &[])?;
         }
         Ok(())
     }

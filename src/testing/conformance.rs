@@ -134,6 +134,8 @@ pub fn run_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &Sui
     lap("graph replays");
     s.quick_reduce()?;
     lap("quick-reduce");
+    s.fused()?;
+    lap("fused epilogues");
     comm.barrier(&Call::new())?.wait(Some(cfg.timeout))?;
     s.report.collectives += 1;
     s.compare_across_ranks(store)?;
@@ -198,7 +200,7 @@ pub fn run_graph_replays<D: Device>(comm: &Communicator<D>, cfg: &SuiteConfig) -
 }
 
 impl<'a, D: Device> Suite<'a, D> {
-    fn new(comm: &'a Communicator<D>, cfg: &'a SuiteConfig) -> Self {
+    pub(super) fn new(comm: &'a Communicator<D>, cfg: &'a SuiteConfig) -> Self {
         Suite {
             comm,
             cfg,
@@ -668,6 +670,32 @@ macro_rules! conformance_tests {
             $(#[$attr])*
             fn quick_reduce_chunked_world_4() {
                 run_chunked(4)
+            }
+
+            /// Fused epilogues over several workspace chunks (128 KiB slots).
+            fn run_fused_chunked(world: usize) {
+                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
+                $crate::testing::conformance::run_thread_suite(
+                    stringify!($backend),
+                    world,
+                    $skip(world),
+                    &$make,
+                    |o| o.with_slot_bytes(128 << 10),
+                    |comm, _, cfg| $crate::testing::fused::run_fused_chunked(comm, cfg),
+                    &cfg,
+                    1,
+                );
+            }
+
+            #[test]
+            $(#[$attr])*
+            fn fused_chunked_world_2() {
+                run_fused_chunked(2)
+            }
+            #[test]
+            $(#[$attr])*
+            fn fused_chunked_world_3() {
+                run_fused_chunked(3)
             }
 
             #[test]

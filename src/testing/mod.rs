@@ -5,6 +5,7 @@
 mod collectives;
 pub mod conformance;
 pub mod data;
+pub mod fused;
 pub mod harness;
 pub mod launch;
 pub mod quick_reduce;

@@ -19,6 +19,7 @@
 //! comparable on such data (`#wrong` shows `-`).
 
 mod colls;
+mod fused;
 mod plot;
 
 use std::fmt::Write as _;
@@ -56,6 +57,7 @@ const USAGE: &str =
                        [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|oneshot-push|twoshot-push|oneshot-ll|nccl|all]
                        [--graph] [--graph-only] [--eager-only] [--json FILE] [--plot FILE.svg] [--timeout-secs S]
                        [--quantization int4,int6,int8,fp8]
+                       [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok|all [--tokens 1,32,128,2048] [--hidden 4096]]
 sizes take K, M, G suffixes (powers of 1024); --iters and --warmup default to 20 and 5 on GPUs, 5 and 1 on the host";
 
 #[derive(Clone, Debug)]
@@ -78,6 +80,11 @@ struct Args {
     timeout: Duration,
     /// Quick-reduce codecs to add rows for (Gaussian data, relative error).
     quantization: Vec<Quantization>,
+    /// `--fused`: time the fused all-reduce epilogues of these patterns
+    /// (rows of `hidden`, `tokens` each) instead of the collectives.
+    fused: Option<Vec<ferrocomm::FusionPattern>>,
+    tokens: Vec<usize>,
+    hidden: usize,
 }
 
 impl Args {
@@ -134,6 +141,9 @@ fn parse_args() -> Result<Args> {
         plot: None,
         timeout: Duration::from_secs(60),
         quantization: Vec::new(),
+        fused: None,
+        tokens: vec![1, 32, 128, 2048],
+        hidden: 4096,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -170,6 +180,18 @@ fn parse_args() -> Result<Args> {
                     .map(str::parse)
                     .filter(|q| q.as_ref().map_or(true, |q| *q != Quantization::None))
                     .collect::<Result<_>>()?
+            }
+            "--fused" => a.fused = Some(fused::parse_patterns(&value()?)?),
+            "--tokens" => {
+                a.tokens = value()?
+                    .split(',')
+                    .map(|t| t.trim().parse().map_err(|_| Error::invalid("--tokens takes numbers")))
+                    .collect::<Result<_>>()?
+            }
+            "--hidden" => {
+                a.hidden = value()?
+                    .parse()
+                    .map_err(|_| Error::invalid("--hidden takes a number"))?
             }
             "--json" => a.json = Some(PathBuf::from(value()?)),
             "--plot" => a.plot = Some(PathBuf::from(value()?)),
@@ -359,6 +381,10 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     }
     let backend = dev.facts().backend;
     let comm = Communicator::new(dev, store.clone(), rank, world, opts)?;
+    if let Some(patterns) = &a.fused {
+        // --algo auto, oneshot-push or twoshot-push pick the fused family.
+        return fused::bench_fused(&comm, a, patterns);
+    }
     let quantized = !a.quantization.is_empty();
     let mut subjects: Vec<(String, Subject)> = Vec::new();
     for algo in &a.algos {

@@ -1,0 +1,306 @@
+//! The host twin of `kernels-cuda/fused.cu`: the one-shot fused all-reduce
+//! epilogue with the epoch protocol of the push one-shot (chunks of whole
+//! rows, one epoch each, a grid of one block), and per row exactly the GPU's
+//! fp32 order (docs/protocol.md, "Fused epilogues"): 32 lane partials of the
+//! sum of squares over 8-element packs, a fixed butterfly, correctly rounded
+//! division and square root.
+
+use half::{bf16, f16};
+
+use super::kernels::{copy_bytes, Launch};
+use crate::algo::fused::{
+    fp8_min_scale, int8_min_scale, FusedKind, FusionPattern, FP8_MAX, INT8_MAX, PTR_ALLREDUCE_OUT, PTR_NORM_OUT,
+    PTR_QUANT_OUT, PTR_RESIDUAL_IN, PTR_RESIDUAL_OUT, PTR_SCALE, PTR_WEIGHT, ROW_PTRS, ROW_SCALARS, SCALAR_EPS,
+    SCALAR_HIDDEN, SCALAR_TOKENS,
+};
+use crate::algo::layout::{push_oneshot_stride, push_twoshot_stride};
+use crate::codec::{Fp8Flavor, Half16};
+use crate::device::DevicePtr;
+
+/// Lanes of the sum-of-squares partials (a GPU row group).
+const LANES: usize = 32;
+
+/// The one-shot fused kernel. Returns the last epoch (as `kernels::launch` wants).
+///
+/// # Safety
+/// `l.p` describes live workspaces and live tensors of the shapes its
+/// fused arguments give (the communicator validated them): the input,
+/// residuals and normed output `tokens x hidden`, the weight `hidden`, the
+/// quantized output `tokens x hidden` bytes, the scale one or `tokens` f32.
+pub(super) unsafe fn run(l: &Launch, kind: FusedKind, pattern: FusionPattern, bf: bool) -> Option<u32> {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match (kind, bf) {
+            (FusedKind::OneShot, true) => oneshot::<bf16>(l, pattern),
+            (FusedKind::OneShot, false) => oneshot::<f16>(l, pattern),
+            (FusedKind::TwoShot, true) => twoshot::<bf16>(l, pattern),
+            (FusedKind::TwoShot, false) => twoshot::<f16>(l, pattern),
+        }
+    }
+}
+
+/// # Safety: see [`run`].
+unsafe fn oneshot<T: Half16>(l: &Launch, pattern: FusionPattern) -> Option<u32> {
+    let p = l.p;
+    let hidden = p.per_peer[ROW_SCALARS][SCALAR_HIDDEN] as usize;
+    let tokens = p.per_peer[ROW_SCALARS][SCALAR_TOKENS] as usize;
+    let me = l.me();
+    let world = l.world();
+    let row_bytes = hidden * 2;
+    let stride = push_oneshot_stride(l.slot_bytes(), world);
+    let cap = stride / row_bytes;
+    if cap == 0 || tokens == 0 {
+        // The communicator launches neither (it validates that a row fits).
+        return None;
+    }
+    let nchunk = tokens.div_ceil(cap);
+    for c in 0..nchunk {
+        let l = l.chunk(c);
+        let first = c * cap;
+        let n = cap.min(tokens - first);
+        let input = p.input.offset(first * row_bytes);
+        // Staggered, as the GPU blocks are: peers first, ourselves last.
+        for k in 1..=world {
+            let q = (me + k) % world;
+            // SAFETY: n rows fit a sub-buffer (n <= cap); the input holds them.
+            unsafe { copy_bytes(l.region(q).offset(me * stride), input, n * row_bytes) };
+        }
+        l.arrive(0);
+        if !l.wait(0) {
+            return None;
+        }
+        let region = l.region(me);
+        for row in 0..n {
+            let srcs: Vec<DevicePtr> = (0..world)
+                .map(|s| region.offset(s * stride + row * row_bytes))
+                .collect();
+            // SAFETY: every source row lies in our region; the tensors hold row first + row.
+            unsafe { epilogue_row::<T>(l.p, pattern, &srcs, first + row, hidden) };
+        }
+    }
+    Some(l.epoch.wrapping_add(nchunk as u32 - 1))
+}
+
+/// Two-shot, push, by whole rows (as `fused_twoshot`): chunks of `world`
+/// segments of at most one inbox of rows each; segment `d` of a chunk of
+/// `n` rows is rows `[d*seg, min((d+1)*seg, n))`, `seg = ceil(n / world)`;
+/// its row `j` sits at `(j - d*seg) * row_bytes` of inbox `[src]` of rank
+/// `d`, and of every rank's result slot at `d * stride`. Per chunk `c`:
+/// S1(c) our rows of segment `d` into rank `d`'s inbox `[rank]`, arrive 0;
+/// W0(c); S2(c) reduce our segment from our inboxes into every rank's result
+/// slot, arrive 1; S1(c + 1); W1(c); S3(c) the epilogue of every row from
+/// our own result slot. Returns the last epoch.
+///
+/// # Safety: see [`run`].
+unsafe fn twoshot<T: Half16>(l: &Launch, pattern: FusionPattern) -> Option<u32> {
+    let p = l.p;
+    let hidden = p.per_peer[ROW_SCALARS][SCALAR_HIDDEN] as usize;
+    let tokens = p.per_peer[ROW_SCALARS][SCALAR_TOKENS] as usize;
+    let me = l.me();
+    let world = l.world();
+    let row_bytes = hidden * 2;
+    let stride = push_twoshot_stride(l.slot_bytes(), world);
+    let cap = stride / row_bytes;
+    if cap == 0 || tokens == 0 {
+        return None;
+    }
+    let chunk = cap * world;
+    let nchunk = tokens.div_ceil(chunk);
+    // (first row, rows, segment rows) of chunk c.
+    let geometry = |c: usize| {
+        let first = c * chunk;
+        let n = chunk.min(tokens - first);
+        (first, n, n.div_ceil(world))
+    };
+    // (first row, rows) of segment d.
+    let seg_rows = |n: usize, seg: usize, d: usize| {
+        let a = (d * seg).min(n);
+        (a, (a + seg).min(n) - a)
+    };
+    let stage1 = |c: usize| {
+        let l = l.chunk(c);
+        let (first, n, seg) = geometry(c);
+        for k in 1..=world {
+            let d = (me + k) % world;
+            let (a, len) = seg_rows(n, seg, d);
+            let src = p.input.offset((first + a) * row_bytes);
+            // SAFETY: a segment fits an inbox; the input holds the chunk.
+            unsafe { copy_bytes(l.region(d).offset(me * stride), src, len * row_bytes) };
+        }
+        l.arrive(0);
+    };
+    stage1(0);
+    for c in 0..nchunk {
+        let l = l.chunk(c);
+        let (first, n, seg) = geometry(c);
+        let result = |r: usize| l.region(r).offset(l.slot_bytes());
+        if !l.wait(0) {
+            return None;
+        }
+        // S2: our segment, reduced in rank order, into every result slot.
+        let (a, len) = seg_rows(n, seg, me);
+        let inbox = l.region(me);
+        for j in 0..len * hidden {
+            // SAFETY: element j of the segment lies in every inbox and result slot.
+            unsafe {
+                let mut acc = read::<T>(inbox.0, j).to_f32();
+                for s in 1..world {
+                    acc += read::<T>(inbox.offset(s * stride).0, j).to_f32();
+                }
+                let v: T = round(acc);
+                for q in 0..world {
+                    write(result(q).offset(me * stride).0, j, v);
+                }
+            }
+        }
+        l.arrive(1);
+        if c + 1 < nchunk {
+            stage1(c + 1);
+        }
+        if !l.wait(1) {
+            return None;
+        }
+        // S3: every row's epilogue from our own result slot (one source).
+        for d in 0..world {
+            let (a, len) = seg_rows(n, seg, d);
+            for row in a..a + len {
+                let src = result(me).offset(d * stride + (row - d * seg) * row_bytes);
+                // SAFETY: the row lies in our result slot; the tensors hold row first + row.
+                unsafe { epilogue_row::<T>(p, pattern, &[src], first + row, hidden) };
+            }
+        }
+        let _ = a;
+    }
+    Some(l.epoch.wrapping_add(nchunk as u32 - 1))
+}
+
+/// Round to `T` (nearest even), NaN to the canonical NaN (as `fu_pack`).
+fn round<T: Half16>(x: f32) -> T {
+    if x.is_nan() {
+        T::from_bits(T::NAN_BITS)
+    } else {
+        T::from_f32(x)
+    }
+}
+
+/// Quantize one value: `v / scale` correctly rounded, then FP8 e4m3fn
+/// (nearest even, saturated, NaN 0x7f) or INT8 (nearest even, clamped to
+/// +-127, NaN 0).
+fn quantize(pattern: FusionPattern, v: f32, scale: f32) -> u8 {
+    let q = v / scale;
+    match pattern {
+        FusionPattern::ResidualRmsNormInt8PerToken => {
+            if q.is_nan() {
+                0
+            } else {
+                q.round_ties_even().clamp(-INT8_MAX, INT8_MAX) as i8 as u8
+            }
+        }
+        _ => Fp8Flavor::E4m3Fn.encode(q),
+    }
+}
+
+/// # Safety: raw reads and writes at the addresses the caller vouches for.
+unsafe fn read<T: Half16>(at: u64, i: usize) -> T {
+    // SAFETY: guaranteed by the caller.
+    unsafe { T::from_bits((at as *const u16).add(i).read_unaligned()) }
+}
+unsafe fn write<T: Half16>(at: u64, i: usize, v: T) {
+    // SAFETY: guaranteed by the caller.
+    unsafe { (at as *mut u16).add(i).write_unaligned(v.to_bits()) }
+}
+
+/// The epilogue of global row `g`, whose sources (every rank's row, rank
+/// order) are `srcs`.
+///
+/// # Safety: see [`oneshot`]; every `srcs` row holds `hidden` elements.
+unsafe fn epilogue_row<T: Half16>(
+    p: &crate::device::KernelParams,
+    pattern: FusionPattern,
+    srcs: &[DevicePtr],
+    g: usize,
+    hidden: usize,
+) {
+    let ptr = p.per_peer[ROW_PTRS];
+    let eps = f32::from_bits(p.per_peer[ROW_SCALARS][SCALAR_EPS] as u32);
+    let base = g * hidden;
+    // SAFETY (every access below): the tensors hold row g (caller).
+    unsafe {
+        // Pass 1: all-reduce (rank order), residual add, lane partials.
+        let mut lanes = [0f32; LANES];
+        for j in 0..hidden {
+            let mut a = read::<T>(srcs[0].0, j).to_f32();
+            for s in &srcs[1..] {
+                a += read::<T>(s.0, j).to_f32();
+            }
+            let ar: T = round(a);
+            if ptr[PTR_ALLREDUCE_OUT] != 0 {
+                write(ptr[PTR_ALLREDUCE_OUT], base + j, ar);
+            }
+            let res: T = round(ar.to_f32() + read::<T>(ptr[PTR_RESIDUAL_IN], base + j).to_f32());
+            write(ptr[PTR_RESIDUAL_OUT], base + j, res);
+            // Pack j / 8 belongs to lane (j / 8) % 32, elements in order.
+            let x = res.to_f32();
+            let lane = &mut lanes[(j / 8) % LANES];
+            *lane += x * x;
+        }
+        if !pattern.norms() {
+            return;
+        }
+        let ss = butterfly(lanes, |a, b| a + b);
+        let rstd = 1.0f32 / ((ss / hidden as f32) + eps).sqrt();
+        let normed = |j: usize| -> T {
+            let x = read::<T>(ptr[PTR_RESIDUAL_OUT], base + j).to_f32();
+            let w = read::<T>(ptr[PTR_WEIGHT], j).to_f32();
+            round(x * rstd * w)
+        };
+        let quant = ptr[PTR_QUANT_OUT] as *mut u8;
+        let scale_at = ptr[PTR_SCALE] as *mut f32;
+        // Pass 2: the normed row, static quantization, the absolute maximum.
+        let mut amax = 0f32;
+        let static_scale = match pattern {
+            FusionPattern::ResidualRmsNormFp8 => scale_at.read_unaligned(),
+            _ => 1.0,
+        };
+        for j in 0..hidden {
+            let y = normed(j);
+            if ptr[PTR_NORM_OUT] != 0 {
+                write(ptr[PTR_NORM_OUT], base + j, y);
+            }
+            match pattern {
+                FusionPattern::ResidualRmsNormFp8 => {
+                    *quant.add(base + j) = quantize(pattern, y.to_f32(), static_scale);
+                }
+                // f32::max drops a NaN operand, as fmaxf does.
+                _ => amax = amax.max(y.to_f32().abs()),
+            }
+        }
+        if !pattern.per_token() {
+            return;
+        }
+        // The GPU's lane maxima combine in any order to the same value.
+        let (qmax, min_scale) = match pattern {
+            FusionPattern::ResidualRmsNormInt8PerToken => (INT8_MAX, int8_min_scale()),
+            _ => (FP8_MAX, fp8_min_scale()),
+        };
+        let scale = (amax / qmax).max(min_scale);
+        scale_at.add(g).write_unaligned(scale);
+        for j in 0..hidden {
+            *quant.add(base + j) = quantize(pattern, normed(j).to_f32(), scale);
+        }
+    }
+}
+
+/// The 32-lane butterfly of the GPU group: lane `l` combines lane `l ^ m`
+/// for m = 16, 8, 4, 2, 1; every lane ends with the same value.
+fn butterfly(mut v: [f32; LANES], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut m = LANES / 2;
+    while m >= 1 {
+        let prev = v;
+        for (l, x) in v.iter_mut().enumerate() {
+            *x = f(prev[l], prev[l ^ m]);
+        }
+        m /= 2;
+    }
+    v[0]
+}

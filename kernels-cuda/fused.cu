@@ -1,0 +1,447 @@
+// ferrocomm fused all-reduce epilogues: all-reduce + residual add (+ RMSNorm
+// (+ FP8 / INT8 quantization)) in one kernel, for the end of a
+// tensor-parallel transformer layer.
+//
+// Vendor neutral (see common.cuh): the HIP module reuses this file unchanged
+// (kernels-hip/fused.hip). The math is defined in docs/protocol.md ("Fused
+// epilogues"); the host twin (backends/host/fused.rs) and the unfused
+// reference (src/testing/fused.rs) follow the same fp32 order, so results
+// are bitwise equal on every backend and rank. The module NVRTC compiles is
+// prelude.cuh + common.cuh + this file (src/algo/kernels.rs, FUSED); the
+// include below only serves standalone compiles.
+
+#ifndef FC_COMMON_INCLUDED
+#include "common.cuh"
+#endif
+
+// Patterns (src/algo/fused.rs, FusionPattern::code).
+#define FU_PAT_RES 0
+#define FU_PAT_RMS 1
+#define FU_PAT_RMS_FP8 2
+#define FU_PAT_RMS_FP8TOK 3
+#define FU_PAT_RMS_I8TOK 4
+
+// The fused arguments in FcParams::per_peer (src/algo/fused.rs ROW_* etc.).
+#define FU_ROW_PTRS 0
+#define FU_PTR_RESIDUAL_IN 0
+#define FU_PTR_RESIDUAL_OUT 1
+#define FU_PTR_WEIGHT 2
+#define FU_PTR_NORM_OUT 3
+#define FU_PTR_QUANT_OUT 4
+#define FU_PTR_SCALE 5
+#define FU_PTR_ALLREDUCE_OUT 6
+#define FU_ROW_SCALARS 1
+#define FU_SCALAR_HIDDEN 0
+#define FU_SCALAR_EPS 1
+#define FU_SCALAR_TOKENS 2
+
+// Lanes that share one row: the sum of squares is 32 lane partials combined
+// by a fixed butterfly, whatever the vendor's warp size (on wave64 a wave
+// holds two groups; the xor masks below 32 never cross them).
+#define FU_GROUP 32u
+
+namespace fc {
+
+FC_DEVICE bool fu_isnan(float x) { return (fc_f32_as_u32(x) & 0x7fffffffu) > 0x7f800000u; }
+FC_DEVICE float fu_fabs(float x) { return fc_u32_as_f32(fc_f32_as_u32(x) & 0x7fffffffu); }
+
+// The canonical quiet NaN of the 16-bit type: every NaN a fused kernel
+// stores is this one, so results do not depend on how a vendor propagates
+// NaN payloads through adds and conversions.
+FC_DEVICE fc_u32 fu_nan_bits(TF16) { return 0x7e00u; }
+FC_DEVICE fc_u32 fu_nan_bits(TBF16) { return 0x7fc0u; }
+
+// Round 8 f32 values to T (nearest even), NaN to the canonical NaN.
+template <class T>
+FC_DEVICE fc_vec16 fu_pack(const float (&a)[8]) {
+    fc_vec16 v = T::pack(a);
+    const fc_u32 nan = fu_nan_bits(T());
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        fc_u32 w = v.w[k];
+        if (fu_isnan(a[2 * k])) w = (w & 0xffff0000u) | nan;
+        if (fu_isnan(a[2 * k + 1])) w = (w & 0x0000ffffu) | (nan << 16);
+        v.w[k] = w;
+    }
+    return v;
+}
+
+// FP8 e4m3fn: round to nearest even, saturate to +-448, NaN -> 0x7f (the
+// host's codec::Fp8Flavor::E4m3Fn.encode). Software only, so the bits do
+// not depend on a hardware conversion's NaN rule.
+FC_DEVICE fc_u32 fu_e4m3(float v) {
+    const fc_u32 u = fc_f32_as_u32(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fu;
+    const float a = fc_u32_as_f32(u & 0x7fffffffu);
+    const int e = (int)((u >> 23) & 0xffu) - 127; // floor(log2 a) for normal a
+    fc_u32 code;
+    if (a >= 448.0f) {
+        code = 0x7eu;
+    } else if (e < -6) {
+        // Subnormal (and zero): steps of 2^-9; 8 steps is the smallest normal.
+        code = (fc_u32)fc_rintf(fc_fmul(a, 512.0f));
+    } else {
+        // Normal: a * 2^(3-e) is in [8, 16); 16 carries into the exponent.
+        fc_u32 m = (fc_u32)fc_rintf(fc_fmul(a, fc_u32_as_f32((fc_u32)(127 + 3 - e) << 23)));
+        fc_u32 ef = (fc_u32)(e + 7);
+        if (m == 16u) {
+            m = 8u;
+            ef += 1u;
+        }
+        code = (ef << 3) | (m - 8u);
+    }
+    if ((u >> 31) != 0) code |= 0x80u;
+    return code;
+}
+
+// INT8: round to nearest even, clamp to +-127, NaN -> 0.
+FC_DEVICE fc_u32 fu_int8(float q) {
+    if (fu_isnan(q)) return 0u;
+    float r = fc_rintf(q);
+    if (r > 127.0f) r = 127.0f;
+    if (r < -127.0f) r = -127.0f;
+    return ((fc_u32)(fc_i32)r) & 0xffu;
+}
+
+template <int PAT>
+FC_DEVICE fc_u32 fu_quant(float v, float scale) {
+    const float q = fc_fdiv(v, scale);
+    return PAT == FU_PAT_RMS_I8TOK ? fu_int8(q) : fu_e4m3(q);
+}
+
+// Quantize a pack and store its 8 bytes (element k at byte k) at an 8-byte
+// aligned address.
+template <int PAT>
+FC_DEVICE void fu_store_quant(char* at, const float (&y)[8], float scale) {
+    fc_u32 lo = 0, hi = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        lo |= fu_quant<PAT>(y[k], scale) << (8 * k);
+        hi |= fu_quant<PAT>(y[k + 4], scale) << (8 * k);
+    }
+    fc_u32* w = reinterpret_cast<fc_u32*>(at);
+    fc_store(w, lo);
+    fc_store(w + 1, hi);
+}
+
+// Sum of one pack over the sources at `at + r * stride`, r = 0..world-1, in
+// rank order (the reduction rule), every rank's load in flight first.
+template <class T>
+FC_DEVICE void fu_reduce_pack(const char* at, fc_u64 stride, fc_u32 world, float (&a)[8]) {
+    fc_vec16 v[FC_MAX_RANKS];
+#pragma unroll
+    for (int r = 0; r < (int)FC_MAX_RANKS; ++r)
+        if ((fc_u32)r < world) v[r] = fc_load16(at + (fc_u64)r * stride);
+    T::unpack(v[0], a);
+#pragma unroll
+    for (int r = 1; r < (int)FC_MAX_RANKS; ++r) {
+        if ((fc_u32)r >= world) break;
+        float x[8];
+        T::unpack(v[r], x);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) a[k] = fc_fadd(a[k], x[k]);
+    }
+}
+
+// x * rstd * w for one pack of residual_out, rounded to T (the normed
+// output), and its values as f32 again (what quantization sees).
+template <class T>
+FC_DEVICE fc_vec16 fu_norm_pack(const char* res, const char* weight, float rstd, float (&y)[8]) {
+    float x[8], w[8];
+    T::unpack(fc_load16(res), x);
+    T::unpack(fc_load16(weight), w);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) y[k] = fc_fmul(fc_fmul(x[k], rstd), w[k]);
+    const fc_vec16 n = fu_pack<T>(y);
+    T::unpack(n, y);
+    return n;
+}
+
+// The 32-lane butterfly: after it every lane of the group holds the same
+// value, combined in a fixed order (lane l adds lane l ^ m for m = 16, 8,
+// 4, 2, 1; the add commutes, so partners agree bit for bit).
+FC_DEVICE float fu_group_sum(float v) {
+#pragma unroll
+    for (fc_u32 m = FU_GROUP / 2; m >= 1; m >>= 1) v = fc_fadd(v, fc_u32_as_f32(fc_shfl_xor(fc_f32_as_u32(v), m)));
+    return v;
+}
+FC_DEVICE float fu_group_max(float v) {
+#pragma unroll
+    for (fc_u32 m = FU_GROUP / 2; m >= 1; m >>= 1) v = fc_fmax(v, fc_u32_as_f32(fc_shfl_xor(fc_f32_as_u32(v), m)));
+    return v;
+}
+
+// The epilogue of rows [rlo, rhi) of the chunk whose first row is `first`
+// (global), reduced from `world` sources in our own workspace (row j of
+// source r at region + r * stride + j * row_bytes; the two-shot passes one
+// source, the already reduced rows, whose "sum" is the identity). One group of 32 lanes per row; lane
+// l takes the row's 8-element packs l, l + 32, ... in every pass, so it
+// re-reads only what it wrote itself. The row loop runs the same number of
+// times in every group (inactive groups join the shuffles), so every lane
+// of a warp or wave reaches every shuffle.
+template <class T, int PAT>
+FC_DEVICE void fused_rows(const FcParams& p, const char* region, fc_u64 stride, fc_u32 world, fc_u64 first,
+                          fc_u64 rlo, fc_u64 rhi) {
+    const fc_u32 lane = fc_thread_id() % FU_GROUP;
+    const fc_u32 group = fc_thread_id() / FU_GROUP;
+    const fc_u32 ngroups = fc_block_threads() / FU_GROUP;
+    const fc_u64 hidden = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_HIDDEN];
+    const float eps = fc_u32_as_f32((fc_u32)p.per_peer[FU_ROW_SCALARS][FU_SCALAR_EPS]);
+    const fc_u64 packs = hidden / 8;
+    const fc_u64 row_bytes = hidden * sizeof(typename T::S);
+    const fc_u64* ptr = p.per_peer[FU_ROW_PTRS];
+    const char* resid_in = fc_ptr<const char>(ptr[FU_PTR_RESIDUAL_IN]);
+    char* resid_out = fc_ptr<char>(ptr[FU_PTR_RESIDUAL_OUT]);
+    const char* weight = fc_ptr<const char>(ptr[FU_PTR_WEIGHT]);
+    char* norm_out = fc_ptr<char>(ptr[FU_PTR_NORM_OUT]);
+    char* quant_out = fc_ptr<char>(ptr[FU_PTR_QUANT_OUT]);
+    char* ar_out = fc_ptr<char>(ptr[FU_PTR_ALLREDUCE_OUT]);
+
+    for (fc_u64 base = rlo; base < rhi; base += ngroups) {
+        const fc_u64 row = base + group;
+        const bool active = row < rhi;
+        const fc_u64 g = first + row; // the row in the caller's tensors
+        const fc_u64 rb = g * row_bytes;
+
+        // Pass 1: all-reduce, residual add, lane partial of the sum of squares.
+        float ss = 0.0f;
+        if (active) {
+            const char* src = region + row * row_bytes;
+            for (fc_u64 i = lane; i < packs; i += FU_GROUP) {
+                const fc_u64 off = i * 16u;
+                float a[8], r[8];
+                fu_reduce_pack<T>(src + off, stride, world, a);
+                const fc_vec16 arp = fu_pack<T>(a);
+                if (ar_out != nullptr) fc_store16(ar_out + rb + off, arp);
+                T::unpack(arp, a);
+                T::unpack(fc_load16(resid_in + rb + off), r);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) r[k] = fc_fadd(a[k], r[k]);
+                const fc_vec16 resp = fu_pack<T>(r);
+                fc_store16(resid_out + rb + off, resp);
+                if (PAT != FU_PAT_RES) {
+                    T::unpack(resp, r);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) ss = fc_fadd(ss, fc_fmul(r[k], r[k]));
+                }
+            }
+        }
+        if (PAT == FU_PAT_RES) continue;
+
+        // rstd = 1 / sqrt(sum / hidden + eps), correctly rounded steps.
+        ss = fu_group_sum(ss);
+        const float mean = fc_fdiv(ss, (float)hidden);
+        const float rstd = fc_fdiv(1.0f, fc_fsqrt(fc_fadd(mean, eps)));
+
+        // Pass 2: the normed row; static FP8 quantizes here, per-token
+        // patterns take the row's absolute maximum.
+        float scale = 1.0f;
+        if (PAT == FU_PAT_RMS_FP8) scale = fc_load(fc_ptr<const float>(ptr[FU_PTR_SCALE]));
+        float amax = 0.0f;
+        if (active) {
+            for (fc_u64 i = lane; i < packs; i += FU_GROUP) {
+                const fc_u64 off = i * 16u;
+                float y[8];
+                const fc_vec16 n = fu_norm_pack<T>(resid_out + rb + off, weight + off, rstd, y);
+                if (norm_out != nullptr) fc_store16(norm_out + rb + off, n);
+                if (PAT == FU_PAT_RMS_FP8) {
+                    fu_store_quant<PAT>(quant_out + g * hidden + i * 8u, y, scale);
+                } else if (PAT == FU_PAT_RMS_FP8TOK || PAT == FU_PAT_RMS_I8TOK) {
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) amax = fc_fmax(amax, fu_fabs(y[k]));
+                }
+            }
+        }
+        if (PAT != FU_PAT_RMS_FP8TOK && PAT != FU_PAT_RMS_I8TOK) continue;
+
+        // Per-token scale = max(amax / QMAX, 1 / (QMAX * 512)); pass 3
+        // recomputes the normed values (same bits) and quantizes them.
+        amax = fu_group_max(amax);
+        const float qmax = PAT == FU_PAT_RMS_I8TOK ? 127.0f : 448.0f;
+        scale = fc_fmax(fc_fdiv(amax, qmax), fc_fdiv(1.0f, fc_fmul(qmax, 512.0f)));
+        if (active) {
+            if (lane == 0) fc_store(fc_ptr<float>(ptr[FU_PTR_SCALE]) + g, scale);
+            for (fc_u64 i = lane; i < packs; i += FU_GROUP) {
+                const fc_u64 off = i * 16u;
+                float y[8];
+                fu_norm_pack<T>(resid_out + rb + off, weight + off, rstd, y);
+                fu_store_quant<PAT>(quant_out + g * hidden + i * 8u, y, scale);
+            }
+        }
+    }
+}
+
+// One-shot fused (whole call, push): chunks of `cap` whole rows, one push
+// one-shot sub-buffer each (cap = stride / row_bytes), chunk c with epoch
+// E + c. Block b owns rows [b*per, (b+1)*per) of every chunk (per of a full
+// chunk when there are several, so it touches the same workspace bytes in
+// every chunk, as oneshot_push). Per chunk: copy own rows into sub-buffer
+// [rank] of every rank's region (peers staggered by block, ourselves last);
+// arrive/wait phase 0; fused_rows from our own region (local reads).
+template <class T, int PAT>
+FC_DEVICE void fused_oneshot(const FcParams& p) {
+    const int ES = sizeof(typename T::S);
+    char* own = fc_ptr<char>(p.peer_ws[p.rank]);
+    const fc_u32 e0 = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
+    const fc_u32 b = fc_block_id();
+    const fc_u32 nb = fc_grid_blocks();
+    const fc_u32 world = p.world;
+    const fc_u64 hidden = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_HIDDEN];
+    const fc_u64 tokens = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_TOKENS];
+    const fc_u64 row_bytes = hidden * ES;
+    const fc_u64 stride = push1_stride(p);
+    const fc_u64 cap = stride / row_bytes; // >= 1: the host refuses rows that do not fit
+    const fc_u64 nchunk = div_ceil(tokens, cap);
+    const fc_u64 per = div_ceil(nchunk > 1 ? cap : tokens, nb);
+    const bool in_aligned = aligned16(p.input);
+
+    for (fc_u64 c = 0; c < nchunk; ++c) {
+        const fc_u32 epoch = e0 + (fc_u32)c;
+        const fc_u32 parity = epoch & 1;
+        const fc_u64 first = c * cap;
+        const fc_u64 n = min_u64(cap, tokens - first);
+        const fc_u64 rlo = min_u64((fc_u64)b * per, n);
+        const fc_u64 rhi = min_u64(rlo + per, n);
+        const fc_u64 region = region_offset(p, parity);
+        const fc_u64 mine = region + (fc_u64)p.rank * stride;
+        const char* input = fc_ptr<const char>(p.input + first * row_bytes);
+
+        for (fc_u32 k = 0; k + 1 < world; ++k) {
+            const fc_u32 q = (p.rank + 1 + (k + b) % (world - 1)) % world;
+            copy_range<ES, FC_COPY_UNROLL>(fc_ptr<char>(p.peer_ws[q] + mine), input, rlo * hidden, rhi * hidden,
+                                           in_aligned);
+        }
+        copy_range<ES, FC_COPY_UNROLL>(own + mine, input, rlo * hidden, rhi * hidden, in_aligned);
+        if (!arrive_wait(p, own, epoch, parity, 0, b)) return;
+        fused_rows<T, PAT>(p, own + region, stride, world, first, rlo, rhi);
+    }
+    complete(own, e0 + (fc_u32)(nchunk - 1));
+}
+
+// Rows piece b (of `per` rows) of segment d (of `seg` rows) of a chunk of n rows.
+FC_DEVICE Range fu_piece(fc_u64 n, fc_u64 seg, fc_u64 per, fc_u32 d, fc_u32 b) {
+    Range r;
+    const fc_u64 start = min_u64((fc_u64)d * seg, n);
+    const fc_u64 len = min_u64(seg, n - start);
+    r.lo = start + min_u64((fc_u64)b * per, len);
+    r.hi = start + min_u64((fc_u64)b * per + per, len);
+    return r;
+}
+
+// S2 of the two-shot: bytes [lo, hi) (whole packs) of our segment, reduced
+// in rank order from our inboxes (source r at src + r * stride) and rounded
+// (NaN canonical, as every fused store), go to offset `off` of every rank's
+// workspace (ourselves included).
+template <class T>
+FC_DEVICE void fu_reduce_push(const FcParams& p, const char* src, fc_u64 stride, fc_u64 off, fc_u64 lo, fc_u64 hi) {
+    const fc_u32 world = p.world;
+    const fc_u32 nt = fc_block_threads();
+    for (fc_u64 at = lo + (fc_u64)fc_thread_id() * 16u; at < hi; at += (fc_u64)nt * 16u) {
+        float a[8];
+        fu_reduce_pack<T>(src + at, stride, world, a);
+        const fc_vec16 v = fu_pack<T>(a);
+        for (fc_u32 q = 0; q < world; ++q) fc_store16(fc_ptr<char>(p.peer_ws[q] + off + at), v);
+    }
+}
+
+// S1 of the two-shot for the chunk of n rows at row `first` (epoch, parity):
+// own rows piece b of every segment d into inbox [rank] of rank d, then
+// arrive phase 0. (A function, not a lambda: captured references would put
+// the captured locals in scratch memory on AMD.)
+template <int ES>
+FC_DEVICE void fu_twoshot_stage1(const FcParams& p, fc_u32 epoch, fc_u64 first, fc_u64 n, fc_u64 hidden,
+                                 fc_u64 stride, fc_u64 per, bool in_aligned) {
+    const fc_u32 parity = epoch & 1;
+    const fc_u32 b = fc_block_id();
+    const fc_u32 world = p.world;
+    const fc_u32 rank = p.rank;
+    const fc_u64 row_bytes = hidden * ES;
+    const fc_u64 seg = div_ceil(n, world);
+    const fc_u64 region = region_offset(p, parity);
+    const char* input = fc_ptr<const char>(p.input + first * row_bytes);
+    for (fc_u32 k = 0; k < world; ++k) {
+        const fc_u32 d = (rank + 1 + k + b) % world;
+        const Range r = fu_piece(n, seg, per, d, b);
+        // Row j of the chunk lands at inbox + (j - d*seg)*row_bytes.
+        char* inbox = fc_ptr<char>(p.peer_ws[d] + region + (fc_u64)rank * stride - (fc_u64)d * seg * row_bytes);
+        copy_range<ES, FC_COPY_UNROLL>(inbox, input, r.lo * hidden, r.hi * hidden, in_aligned);
+    }
+    arrive(p, epoch, parity, 0, b);
+}
+
+// Two-shot fused (whole call, push): reduce-scatter by rows, then every rank
+// applies the epilogue to every row from the gathered all-reduced rows. The
+// all-reduce is twoshot_push's by whole rows: a full chunk is world
+// segments of `cap` rows (cap = inbox stride / row_bytes); chunk c's segment
+// d is rows [d*seg, min((d+1)*seg, n)), seg = ceil(n / world), and block b
+// owns rows piece b (of `per` rows) of every segment. Row j of segment d sits
+// at inbox [src] + (j - d*seg)*row_bytes of rank d, and at result +
+// d*stride + (j - d*seg)*row_bytes of every rank. Per chunk c:
+//   S1(c): for every rank d (staggered by block), copy own rows piece b of
+//          segment d into inbox [rank] of rank d; arrive phase 0.
+//   W0(c): wait phase 0. S2(c): reduce own segment's piece b from own
+//          inboxes 0..world-1 (rank order) into every rank's result slot
+//          (ourselves included); arrive phase 1.
+//   S1(c+1) (if any), then W1(c): wait phase 1. S3(c): the epilogue of
+//          every segment's piece b from our own result slot (local reads;
+//          the all-reduced rows are the only source, so their sum is the
+//          identity), with our own residual, weight and outputs.
+// Every rank computes the epilogue of every row, with its own residual_in:
+// the results are those of the one-shot, row for row. The reuse argument is
+// twoshot_push's: S2(c) writes result slots last read by S3(c-2).
+template <class T, int PAT>
+FC_DEVICE void fused_twoshot(const FcParams& p) {
+    const int ES = sizeof(typename T::S);
+    char* own = fc_ptr<char>(p.peer_ws[p.rank]);
+    const fc_u32 e0 = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
+    const fc_u32 b = fc_block_id();
+    const fc_u32 nb = fc_grid_blocks();
+    const fc_u32 world = p.world;
+    const fc_u32 rank = p.rank;
+    const fc_u64 hidden = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_HIDDEN];
+    const fc_u64 tokens = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_TOKENS];
+    const fc_u64 row_bytes = hidden * ES;
+    const fc_u64 stride = push2_stride(p);
+    const fc_u64 cap = stride / row_bytes; // rows of one segment; >= 1 (validated)
+    const fc_u64 chunk = cap * world;
+    const fc_u64 nchunk = div_ceil(tokens, chunk);
+    const fc_u64 per = div_ceil(nchunk > 1 ? cap : div_ceil(tokens, world), nb);
+    const bool in_aligned = aligned16(p.input);
+
+    fu_twoshot_stage1<ES>(p, e0, 0, min_u64(chunk, tokens), hidden, stride, per, in_aligned);
+    for (fc_u64 c = 0; c < nchunk; ++c) {
+        const fc_u32 epoch = e0 + (fc_u32)c;
+        const fc_u32 parity = epoch & 1;
+        const fc_u64 first = c * chunk;
+        const fc_u64 n = min_u64(chunk, tokens - first);
+        const fc_u64 seg = div_ceil(n, world);
+        const fc_u64 region = region_offset(p, parity);
+        const fc_u64 result = region + p.slot_bytes;
+
+        if (!wait_phase(p, own, epoch, parity, 0, b)) return;
+        const Range mine = fu_piece(n, seg, per, rank, b);
+        const fc_u64 base = (fc_u64)rank * seg * row_bytes;
+        fu_reduce_push<T>(p, own + (region - base), stride, result + (fc_u64)rank * stride - base, mine.lo * row_bytes,
+                          mine.hi * row_bytes);
+        arrive(p, epoch, parity, 1, b);
+        if (c + 1 < nchunk) {
+            const fc_u64 next = first + chunk;
+            fu_twoshot_stage1<ES>(p, epoch + 1, next, min_u64(chunk, tokens - next), hidden, stride, per, in_aligned);
+        }
+        if (!wait_phase(p, own, epoch, parity, 1, b)) return;
+
+#pragma unroll 1
+        for (fc_u32 d = 0; d < world; ++d) {
+            const Range r = fu_piece(n, seg, per, d, b);
+            const char* at = own + (result + (fc_u64)d * stride - (fc_u64)d * seg * row_bytes);
+            fused_rows<T, PAT>(p, at, 0, 1u, first, r.lo, r.hi);
+        }
+    }
+    complete(own, e0 + (fc_u32)(nchunk - 1));
+}
+
+} // namespace fc
+
+// ===========================================================================
+// Entry points are generated by ferrocomm::algo::fused (fused_entry), one
+// FC_KERNEL per name: fc_fused_<kind>_<pattern>_<dtype>.

@@ -1,0 +1,16 @@
+// ferrocomm fused all-reduce epilogues for ROCm: the HIP prelude, then the
+// algorithm body shared with CUDA, unchanged (see README.md in this directory).
+//
+// The module hipRTC compiles at run time is the same text, assembled in
+// src/algo/kernels.rs (FUSED: prelude.hip.h + "\n" + kernels-cuda/common.cuh + "\n" +
+// kernels-cuda/fused.cu); this file only serves standalone compiles:
+//
+//   clang++-19 -x hip --cuda-device-only --no-gpu-bundle-output -nogpuinc -nogpulib \
+//       --offload-arch=gfx942 -O3 -std=c++17 -ffp-contract=off \
+//       -DFC_MAX_BLOCK_THREADS=512 -c kernels-hip/fused.hip -o fused-gfx942.hsaco
+//
+// The prelude defines FC_PRELUDE_INCLUDED, so the body's own
+// `#include "prelude.cuh"` (for standalone CUDA compiles) is skipped.
+
+#include "prelude.hip.h"
+#include "../kernels-cuda/fused.cu"

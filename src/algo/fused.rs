@@ -1,0 +1,403 @@
+//! Fused all-reduce epilogues (issue 12): all-reduce, residual add, RMSNorm
+//! and quantization in one kernel, for the end of a tensor-parallel layer.
+//!
+//! This file holds the kernel side of it that is not the device code: the
+//! patterns, entry-point names and definitions of the `fused` module
+//! (`kernels-cuda/fused.cu`), how the fused arguments travel in
+//! [`KernelParams`] (in its spare `per_peer` rows, so the 448-byte ABI is
+//! unchanged), chunking by whole rows, and the launch. The math is defined
+//! in docs/protocol.md ("Fused epilogues"); `backends/host/fused.rs` is the
+//! host twin and `testing::fused` the unfused reference.
+
+use std::fmt;
+use std::time::Duration;
+
+use super::grid::GridTable;
+use super::kernels::KernelKind;
+use super::layout::{push_oneshot_stride, push_twoshot_stride, DATA_OFFSET, FLAGS_OFFSET, FP_OFFSET};
+use super::workspace::Workspace;
+use crate::device::{Device, DevicePtr, HostFlags, KernelParams, MAX_RANKS};
+use crate::dtype::DType;
+use crate::error::Result;
+
+/// What follows the all-reduce (in the spirit of FlashInfer's
+/// `AllReduceFusionPattern`). Every pattern adds the residual first:
+/// `residual_out = round(ar + residual_in)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FusionPattern {
+    /// All-reduce + residual add: `residual_out` only.
+    ResidualAdd,
+    /// Then RMSNorm of `residual_out`'s rows times `weight`: `norm_out`.
+    ResidualRmsNorm,
+    /// Then RMSNorm, quantized to FP8 e4m3 (OCP "fn", max 448) with a
+    /// per-tensor scale read from `scale` (one f32 in device memory):
+    /// `quant_out` (and `norm_out` when given).
+    ResidualRmsNormFp8,
+    /// Then RMSNorm, FP8 e4m3 with a per-token scale computed from the row's
+    /// absolute maximum and written to `scale` (one f32 per token).
+    ResidualRmsNormFp8PerToken,
+    /// Then RMSNorm, INT8 with a per-token scale (written to `scale`).
+    ResidualRmsNormInt8PerToken,
+}
+
+impl FusionPattern {
+    pub const ALL: [FusionPattern; 5] = [
+        FusionPattern::ResidualAdd,
+        FusionPattern::ResidualRmsNorm,
+        FusionPattern::ResidualRmsNormFp8,
+        FusionPattern::ResidualRmsNormFp8PerToken,
+        FusionPattern::ResidualRmsNormInt8PerToken,
+    ];
+
+    /// The short name used in kernel names and messages.
+    pub const fn name(self) -> &'static str {
+        match self {
+            FusionPattern::ResidualAdd => "res",
+            FusionPattern::ResidualRmsNorm => "rms",
+            FusionPattern::ResidualRmsNormFp8 => "rms_fp8",
+            FusionPattern::ResidualRmsNormFp8PerToken => "rms_fp8tok",
+            FusionPattern::ResidualRmsNormInt8PerToken => "rms_i8tok",
+        }
+    }
+
+    /// The device-code constant (`FU_PAT_*` in `fused.cu`).
+    pub const fn code(self) -> u32 {
+        self as u32
+    }
+
+    /// Whether the pattern normalizes (needs `weight` and `eps`).
+    pub const fn norms(self) -> bool {
+        !matches!(self, FusionPattern::ResidualAdd)
+    }
+
+    /// The quantized output's dtype, if the pattern quantizes.
+    pub const fn quant_dtype(self) -> Option<DType> {
+        match self {
+            FusionPattern::ResidualRmsNormFp8 | FusionPattern::ResidualRmsNormFp8PerToken => Some(DType::F8E4M3),
+            FusionPattern::ResidualRmsNormInt8PerToken => Some(DType::I8),
+            _ => None,
+        }
+    }
+
+    /// Whether the scale is computed per token (an output of `tokens` f32)
+    /// rather than given (an input of one f32).
+    pub const fn per_token(self) -> bool {
+        matches!(
+            self,
+            FusionPattern::ResidualRmsNormFp8PerToken | FusionPattern::ResidualRmsNormInt8PerToken
+        )
+    }
+}
+
+impl fmt::Display for FusionPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The dtypes the fused kernels take (input, residuals, weight, normed output).
+pub const FUSED_DTYPES: [DType; 2] = [DType::F16, DType::BF16];
+
+/// Largest hidden size accepted. Nothing in the kernels depends on it (a
+/// row is walked in 8-element packs by 32 lanes); it bounds the rows a
+/// workspace chunk must hold whole.
+pub const FUSED_MAX_HIDDEN: usize = 65536;
+
+/// Largest magnitude of the FP8 e4m3fn format.
+pub const FP8_MAX: f32 = 448.0;
+/// Largest INT8 code used (symmetric: -127..=127).
+pub const INT8_MAX: f32 = 127.0;
+/// `scale = max(amax / QMAX, min_scale)`, `min_scale = 1 / (QMAX * 512)`
+/// (vLLM's floor for dynamic scales; a zero row gets a tiny, finite scale).
+/// These are the f32 values of the correctly rounded divisions.
+pub fn fp8_min_scale() -> f32 {
+    1.0 / (FP8_MAX * 512.0)
+}
+pub fn int8_min_scale() -> f32 {
+    1.0 / (INT8_MAX * 512.0)
+}
+
+/// The fused kernel families.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FusedKind {
+    /// Push each rank's rows into every rank's workspace (as the push
+    /// one-shot all-reduce), then every rank reduces whole rows locally in
+    /// rank order and applies the epilogue: one 32-lane group per row.
+    OneShot,
+    /// The push two-shot all-reduce by whole rows (reduce-scatter to the
+    /// rows' owners, all-gather of the reduced rows into every rank's
+    /// workspace), then every rank applies the epilogue to every row, with
+    /// its own residual, weight and outputs: the one-shot's results with
+    /// 2(n-1)/n of the input on the links instead of (n-1).
+    TwoShot,
+}
+
+impl FusedKind {
+    pub const ALL: [FusedKind; 2] = [FusedKind::OneShot, FusedKind::TwoShot];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            FusedKind::OneShot => "oneshot",
+            FusedKind::TwoShot => "twoshot",
+        }
+    }
+}
+
+/// Payloads (tokens x hidden x element size, bytes) from which dispatch
+/// takes the two-shot, at world 2 and at larger worlds.
+// TODO(measure): not measured on a GPU yet. First guesses: the all-reduce
+// crossovers of the push one-shot and two-shot (dispatch.rs, 4x H200: 4 MiB
+// at world 2, ~1 MiB at world 4), which the fused kernels inherit since the
+// epilogue costs the same local traffic in both.
+pub const FUSED_TWOSHOT_MIN_BYTES: [usize; 2] = [4 << 20, 1 << 20];
+
+/// The fused kernel dispatch picks for `tokens` rows of `bytes` in all at
+/// `world` ranks: the two-shot from [`FUSED_TWOSHOT_MIN_BYTES`] up, when
+/// every rank owns at least one row.
+pub fn choose_fused(bytes: usize, tokens: usize, world: usize) -> FusedKind {
+    let min = FUSED_TWOSHOT_MIN_BYTES[(world > 2) as usize];
+    if world > 1 && tokens >= world && bytes >= min {
+        FusedKind::TwoShot
+    } else {
+        FusedKind::OneShot
+    }
+}
+
+/// `fc_fused_<kind>_<pattern>_<dtype>`.
+pub fn fused_kernel_name(kind: FusedKind, pattern: FusionPattern, dtype: DType) -> String {
+    format!("fc_fused_{}_{}_{}", kind.name(), pattern.name(), dtype.name())
+}
+
+/// Every entry point of the `fused` module.
+pub fn fused_kernel_names() -> Vec<String> {
+    let mut names = Vec::new();
+    for kind in FusedKind::ALL {
+        for pattern in FusionPattern::ALL {
+            for dtype in FUSED_DTYPES {
+                names.push(fused_kernel_name(kind, pattern, dtype));
+            }
+        }
+    }
+    names
+}
+
+/// The (kind, pattern, dtype) a fused entry-point name stands for.
+pub fn parse_fused(name: &str) -> Option<(FusedKind, FusionPattern, DType)> {
+    for kind in FusedKind::ALL {
+        for pattern in FusionPattern::ALL {
+            for dtype in FUSED_DTYPES {
+                if fused_kernel_name(kind, pattern, dtype) == name {
+                    return Some((kind, pattern, dtype));
+                }
+            }
+        }
+    }
+    None
+}
+
+/// The C++ definition of one entry point of the `fused` module.
+pub fn fused_entry(name: &str) -> Option<String> {
+    let (kind, pattern, dtype) = parse_fused(name)?;
+    let ty = match dtype {
+        DType::F16 => "fc::TF16",
+        DType::BF16 => "fc::TBF16",
+        _ => return None,
+    };
+    let call = match kind {
+        FusedKind::OneShot => format!("fc::fused_oneshot<{ty}, {}>(p)", pattern.code()),
+        FusedKind::TwoShot => format!("fc::fused_twoshot<{ty}, {}>(p)", pattern.code()),
+    };
+    Some(format!("FC_KERNEL({name}) {{ {call}; }}\n"))
+}
+
+// ---------------------------------------------------------------- params
+
+/// Where the fused arguments travel in [`KernelParams::per_peer`] (by
+/// value, so graph replays see the captured call's): row [`ROW_PTRS`] holds
+/// addresses (0 = absent), row [`ROW_SCALARS`] sizes and bits. `fused.cu`
+/// has the same indices (`FU_*`).
+pub const ROW_PTRS: usize = 0;
+pub const PTR_RESIDUAL_IN: usize = 0;
+pub const PTR_RESIDUAL_OUT: usize = 1;
+pub const PTR_WEIGHT: usize = 2;
+pub const PTR_NORM_OUT: usize = 3;
+pub const PTR_QUANT_OUT: usize = 4;
+pub const PTR_SCALE: usize = 5;
+pub const PTR_ALLREDUCE_OUT: usize = 6;
+pub const ROW_SCALARS: usize = 1;
+/// Elements of a row.
+pub const SCALAR_HIDDEN: usize = 0;
+/// `eps`, as f32 bits.
+pub const SCALAR_EPS: usize = 1;
+/// Rows of the whole call (the scale index of a row is its global row).
+pub const SCALAR_TOKENS: usize = 2;
+
+/// One fused call, as every rank issues it.
+#[derive(Debug, Clone, Copy)]
+pub struct FusedCall {
+    pub kind: FusedKind,
+    pub pattern: FusionPattern,
+    pub dtype: DType,
+    pub tokens: usize,
+    pub hidden: usize,
+    pub eps: f32,
+    pub input: DevicePtr,
+    /// Addresses by `PTR_*` index (0 = absent).
+    pub ptrs: [u64; MAX_RANKS],
+}
+
+/// Whole rows one chunk of the one-shot holds: a push one-shot sub-buffer
+/// (`(2 * slot_bytes / world) & ~63` bytes) over the row's bytes. 0 when a
+/// row does not fit (validation refuses such calls).
+pub fn fused_rows_per_chunk(slot_bytes: usize, world: usize, hidden: usize, elem: usize) -> usize {
+    push_oneshot_stride(slot_bytes, world.max(1)) / (hidden * elem).max(1)
+}
+
+/// Whole rows of one segment of a two-shot chunk (a chunk is `world`
+/// segments): a push two-shot inbox (`(slot_bytes / world) & ~63` bytes)
+/// over the row's bytes. 0 when a row does not fit.
+pub fn fused_segment_rows(slot_bytes: usize, world: usize, hidden: usize, elem: usize) -> usize {
+    push_twoshot_stride(slot_bytes, world.max(1)) / (hidden * elem).max(1)
+}
+
+/// 64-bit FNV-1a over what every rank must agree on.
+pub fn fused_fingerprint(c: &FusedCall) -> u64 {
+    let words = [
+        0x000f_05ed_u64, // distinguishes fused launches from every CollectiveCall
+        c.kind as u64,
+        c.pattern as u64,
+        c.dtype as u64,
+        c.tokens as u64,
+        c.hidden as u64,
+        c.eps.to_bits() as u64,
+    ];
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for w in words {
+        for b in w.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+impl FusedCall {
+    /// The parameter block of this call's one launch (it loops over chunks
+    /// of whole rows itself, one epoch each, as the push one-shot does).
+    pub fn params<D: Device>(
+        &self,
+        ws: &Workspace<D>,
+        flags: &D::Flags,
+        rank: usize,
+        timeout: Duration,
+    ) -> KernelParams {
+        let mut per_peer = [[0u64; MAX_RANKS]; 4];
+        per_peer[ROW_PTRS] = self.ptrs;
+        per_peer[ROW_SCALARS][SCALAR_HIDDEN] = self.hidden as u64;
+        per_peer[ROW_SCALARS][SCALAR_EPS] = self.eps.to_bits() as u64;
+        per_peer[ROW_SCALARS][SCALAR_TOKENS] = self.tokens as u64;
+        KernelParams {
+            peer_ws: ws.peer_ptrs(),
+            input: self.input,
+            output: DevicePtr(self.ptrs[PTR_RESIDUAL_OUT]),
+            error_flags: flags.device_ptr(),
+            count: (self.tokens * self.hidden) as u64,
+            fingerprint: fused_fingerprint(self),
+            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            fp_offset: FP_OFFSET as u64,
+            flags_offset: FLAGS_OFFSET as u64,
+            data_offset: DATA_OFFSET as u64,
+            slot_bytes: ws.slot_bytes() as u64,
+            rank: rank as u32,
+            world: ws.world() as u32,
+            dtype: self.dtype as u32,
+            per_peer,
+            ..KernelParams::default()
+        }
+    }
+
+    /// Enqueue the call's one launch on `stream`. The grid is sized for one
+    /// chunk's bytes by the push one-shot's rule, and never has more blocks
+    /// than the chunk has rows (a block owns whole rows).
+    #[allow(clippy::too_many_arguments)]
+    pub fn enqueue<D: Device>(
+        &self,
+        dev: &D,
+        module: &D::Module,
+        grids: &GridTable,
+        ws: &Workspace<D>,
+        flags: &D::Flags,
+        rank: usize,
+        timeout: Duration,
+        stream: &D::Stream,
+    ) -> Result<()> {
+        let elem = self.dtype.size();
+        let (slot, world) = (ws.slot_bytes(), ws.world());
+        // Rows one block may own in a chunk: all of them (one-shot), or
+        // those of one segment (two-shot, whose chunk is `world` segments:
+        // sized by the chunk's bytes, as the push two-shot all-reduce).
+        let (rows, segments, kind) = match self.kind {
+            FusedKind::OneShot => (
+                fused_rows_per_chunk(slot, world, self.hidden, elem).min(self.tokens),
+                1,
+                KernelKind::OneShotPush,
+            ),
+            FusedKind::TwoShot => (
+                fused_segment_rows(slot, world, self.hidden, elem).min(self.tokens.div_ceil(world)),
+                world,
+                KernelKind::TwoShotPush,
+            ),
+        };
+        let rows = rows.max(1);
+        let mut grid = grids.grid(kind, segments * rows * self.hidden * elem);
+        grid.grid = grid.grid.min(rows as u32).max(1);
+        let params = self.params(ws, flags, rank, timeout);
+        let name = fused_kernel_name(self.kind, self.pattern, self.dtype);
+        dev.launch(module, &name, grid, &params, stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_entries_call_the_template() {
+        let names = fused_kernel_names();
+        assert_eq!(
+            names.len(),
+            FusedKind::ALL.len() * FusionPattern::ALL.len() * FUSED_DTYPES.len()
+        );
+        for n in &names {
+            let e = fused_entry(n).unwrap();
+            assert!(e.starts_with(&format!("FC_KERNEL({n}) ")), "{e}");
+        }
+        assert_eq!(
+            fused_entry("fc_fused_oneshot_rms_fp8tok_bf16").unwrap(),
+            "FC_KERNEL(fc_fused_oneshot_rms_fp8tok_bf16) { fc::fused_oneshot<fc::TBF16, 3>(p); }\n"
+        );
+        assert!(fused_entry("fc_fused_oneshot_rms_f32").is_none());
+    }
+
+    #[test]
+    fn min_scales_are_the_rounded_quotients() {
+        assert_eq!(fp8_min_scale(), 1.0f32 / 229_376.0);
+        assert_eq!(int8_min_scale(), 1.0f32 / 65_024.0);
+    }
+
+    #[test]
+    fn dispatch_takes_the_two_shot_for_large_payloads_only() {
+        assert_eq!(choose_fused(1 << 20, 128, 2), FusedKind::OneShot);
+        assert_eq!(choose_fused(16 << 20, 2048, 2), FusedKind::TwoShot);
+        assert_eq!(choose_fused(16 << 20, 2048, 1), FusedKind::OneShot);
+        assert_eq!(choose_fused(16 << 20, 3, 4), FusedKind::OneShot);
+        assert_eq!(choose_fused(1 << 20, 128, 4), FusedKind::TwoShot);
+    }
+
+    #[test]
+    fn rows_per_chunk() {
+        // 8 MiB slots, world 8: 2 MiB sub-buffers hold 64 rows of 16384 bf16.
+        assert_eq!(fused_rows_per_chunk(8 << 20, 8, 16384, 2), 64);
+        assert_eq!(fused_rows_per_chunk(1 << 16, 8, 16384, 2), 0);
+    }
+}
