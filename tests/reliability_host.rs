@@ -46,8 +46,11 @@ fn cycle(world: usize, cycles: usize) {
     }
 }
 
-/// All in one test so no other test's fds or threads blur the counts.
+/// All in one test, and serial with the others of this binary, so no other
+/// test's fds or threads blur the counts (a parallel test closing a store
+/// socket once made the count drop by one).
 #[test]
+#[serial_test::serial]
 fn create_destroy_cycles_leak_nothing() {
     cycle(2, 5); // warm up lazily created process state (the store's threads, etc.)
     let (fds, maps, tasks) = (open_fds(), shared_mappings(), threads());
@@ -123,6 +126,7 @@ fn bad_arguments_are_rejected_without_side_effects() {
 /// `split`: each rank joins the group of its parity; the groups work on
 /// their own, and a rank that names no group it belongs to gets `None`.
 #[test]
+#[serial_test::serial]
 fn split_gives_working_sub_communicators() {
     let results = run_thread_ranks(4, |rank, world, store| {
         let comm = Communicator::new(HostDevice::new(rank)?, store, rank, world, CommOptions::default())?;
@@ -156,6 +160,7 @@ fn split_gives_working_sub_communicators() {
 /// Registration: every rank maps every peer's buffer; a peer's tensor can
 /// be copied from directly.
 #[test]
+#[serial_test::serial]
 fn registered_buffers_are_reachable_from_peers() {
     let results = run_thread_ranks(3, |rank, world, store| {
         let comm = Communicator::new(HostDevice::new(rank)?, store, rank, world, CommOptions::default())?;
@@ -192,6 +197,7 @@ fn registered_buffers_are_reachable_from_peers() {
 }
 
 #[test]
+#[serial_test::serial]
 fn world_too_large_or_bad_rank_is_an_error() {
     let store: std::sync::Arc<dyn ferrocomm::bootstrap::Store> = ferrocomm::bootstrap::InProcStore::new();
     let e = Communicator::new(HostDevice::new(0).unwrap(), store.clone(), 3, 2, CommOptions::default()).err();

@@ -213,6 +213,62 @@ class Communicator:
             stream=s,
         )
 
+    def all_reduce_fused(
+        self,
+        input: Any,
+        residual: Any,
+        weight: Any = None,
+        eps: float = 1e-6,
+        *,
+        pattern: Optional[str] = None,
+        residual_out: Any = None,
+        norm_out: Any = None,
+        quant_out: Any = None,
+        scale: Any = None,
+        allreduce_out: Any = None,
+        async_op: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """All-reduce (sum) of ``input`` (tokens x hidden, float16 or
+        bfloat16) fused with its epilogue, in one kernel (FlashInfer's
+        ``allreduce_fusion`` patterns):
+
+        - ``residual_out = allreduce(input) + residual`` (``residual_out``
+          defaults to ``residual``: updated in place);
+        - with ``weight``: ``norm_out = rms_norm(residual_out) * weight``
+          (``norm_out`` may not be ``input``, which the kernel still reads);
+        - with ``quant_out`` and ``scale``: the normed rows quantized, FP8
+          e4m3 (``scale`` one float32 given, or one per token written) or
+          INT8 per token.
+
+        ``pattern`` (default from what is given): ``residual_add``,
+        ``residual_rms_norm``, ``residual_rms_norm_fp8``,
+        ``residual_rms_norm_fp8_per_token``,
+        ``residual_rms_norm_int8_per_token``. ``allreduce_out`` also keeps
+        the all-reduced, un-normed rows. Bitwise the same on every rank
+        (docs/protocol.md, "Fused epilogues")."""
+        input, residual = prepare(input), prepare(residual)
+        residual_out = residual if residual_out is None else prepare(residual_out)
+        if pattern is None:
+            pattern = "residual_add" if weight is None else "residual_rms_norm"
+            if quant_out is not None:
+                raise InvalidArgument("quant_out needs an explicit pattern (which quantization and which scale)")
+        if weight is not None and norm_out is None and quant_out is None:
+            raise InvalidArgument("all_reduce_fused: with weight, give norm_out (or quant_out) for the normed rows")
+        shape = getattr(input, "shape", None)
+        if not shape:
+            raise InvalidArgument("all_reduce_fused: input must have a shape (tokens x hidden)")
+        hidden = int(shape[-1])
+        c, s = self._route(input, stream)
+        opt = lambda t: None if t is None else prepare(t)  # noqa: E731
+        return c.all_reduce_fused(
+            input, residual, residual_out, pattern, hidden, opt(weight), float(eps), opt(norm_out), opt(quant_out),
+            opt(scale), opt(allreduce_out), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints),
+            stream=s,
+        )
+
     def broadcast(
         self,
         tensor: Any,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Tuple
 
 from ._comm import Communicator
 from ._errors import FerrocommError, Unsupported
@@ -31,13 +31,6 @@ from ._errors import FerrocommError, Unsupported
 __all__ = ["CustomAllreduce"]
 
 logger = logging.getLogger(__name__)
-
-# The issue the fused epilogues are tracked under (ARCHITECTURE.md, "The next layers", item 5).
-FUSION_ISSUE = (
-    "fused all-reduce + residual add + RMSNorm is not in ferrocomm's Rust core yet "
-    "(ARCHITECTURE.md, 'The next layers', item 5: Fusions); use custom_all_reduce() then the norm"
-)
-
 
 class CustomAllreduce:
     """vLLM's custom all-reduce, served by ferrocomm.
@@ -144,10 +137,24 @@ class CustomAllreduce:
         finally:
             self._IS_CAPTURING = False
 
-    def fused_all_reduce_rms_norm(self, input: Any, residual: Any, weight: Any, eps: float) -> Any:
-        """All-reduce + residual add + RMSNorm in one kernel: the hook where
-        the fused epilogue will plug in. Not faked meanwhile."""
-        raise Unsupported(FUSION_ISSUE)
+    def fused_all_reduce_rms_norm(
+        self, input: Any, residual: Any, weight: Any, eps: float, *, norm_out: Any = None
+    ) -> Tuple[Any, Any]:
+        """All-reduce + residual add + RMSNorm in one kernel, as vLLM's
+        ``tensor_model_parallel_all_reduce`` followed by
+        ``fused_add_rms_norm`` computes them: ``residual`` becomes
+        ``allreduce(input) + residual`` (in place), and the normed rows
+        ``rms_norm(residual) * weight`` come back (in ``norm_out``, a new
+        tensor when None). ``input``: tokens x hidden, float16/bfloat16 on
+        this device. Works eagerly and inside :meth:`capture`."""
+        import torch
+
+        if self.disabled or self.comm is None:
+            raise Unsupported("ferrocomm custom all-reduce is disabled on this group")
+        if norm_out is None:
+            norm_out = torch.empty_like(input)
+        self.comm.all_reduce_fused(input, residual, weight, eps, norm_out=norm_out)
+        return norm_out, residual
 
     def close(self) -> None:
         """Release the communicator (when this object created it)."""

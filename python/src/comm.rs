@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use ferrocomm::bootstrap::{rendezvous_from_env, EnvRendezvous, Store};
 use ferrocomm::device::Device;
-use ferrocomm::{Call, CommOptions, Error, P2p, ReduceOp, Reduction, Registration, Tensor};
+use ferrocomm::{Call, CommOptions, Error, Fusion, FusionPattern, P2p, ReduceOp, Reduction, Registration, Tensor};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt};
 
@@ -26,6 +26,26 @@ use crate::dlpack::{self, Imported, Owner, KDL_CUDA, KDL_CUDA_MANAGED, KDL_ROCM}
 use crate::errors::{detached, run, run_interruptible, to_pyerr, Failure};
 use crate::store::PyStore;
 use crate::work::{lock, Outstanding, Pending, PyWork};
+
+/// A fused pattern by name: FlashInfer-style long names or ferrocomm's
+/// short ones.
+fn fusion_pattern(name: &str) -> PyResult<FusionPattern> {
+    let key = name.trim().to_ascii_lowercase().replace('-', "_");
+    let p = match key.as_str() {
+        "residual_add" | "res" => FusionPattern::ResidualAdd,
+        "residual_rms_norm" | "rms" => FusionPattern::ResidualRmsNorm,
+        "residual_rms_norm_fp8" | "residual_rms_norm_quant_fp8" | "rms_fp8" => FusionPattern::ResidualRmsNormFp8,
+        "residual_rms_norm_fp8_per_token" | "rms_fp8tok" => FusionPattern::ResidualRmsNormFp8PerToken,
+        "residual_rms_norm_int8_per_token" | "rms_i8tok" => FusionPattern::ResidualRmsNormInt8PerToken,
+        _ => {
+            return Err(to_pyerr(Error::invalid(format!(
+                "unknown fusion pattern {name:?}: residual_add, residual_rms_norm, residual_rms_norm_fp8, \
+                 residual_rms_norm_fp8_per_token or residual_rms_norm_int8_per_token"
+            ))))
+        }
+    };
+    Ok(p)
+}
 
 /// Seconds from Python as a `Duration`: positive and finite.
 pub fn duration(secs: f64) -> PyResult<Duration> {
@@ -521,6 +541,65 @@ impl PyComm {
         let red = batch.reduction(op, factor)?;
         launch!(self, py, batch, opts, "all_reduce", |c, call| c
             .all_reduce_into(inp, out, red, &call))
+    }
+
+    /// All-reduce (sum) of `input` (tokens x `hidden`, f16/bf16) fused with
+    /// a residual add, an RMSNorm and a quantized output, as `pattern`
+    /// says (`Communicator::all_reduce_fused`; names in `fusion_pattern`).
+    #[pyo3(signature = (input, residual_in, residual_out, pattern, hidden, weight=None, eps=1e-6, norm_out=None,
+        quant_out=None, scale=None, allreduce_out=None, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_fused(
+        &self,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        residual_in: &Bound<'_, PyAny>,
+        residual_out: &Bound<'_, PyAny>,
+        pattern: &str,
+        hidden: usize,
+        weight: Option<&Bound<'_, PyAny>>,
+        eps: f32,
+        norm_out: Option<&Bound<'_, PyAny>>,
+        quant_out: Option<&Bound<'_, PyAny>>,
+        scale: Option<&Bound<'_, PyAny>>,
+        allreduce_out: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+        timeout: Option<f64>,
+        hints: Option<BTreeMap<String, String>>,
+        stream: Option<u64>,
+    ) -> PyResult<Option<PyWork>> {
+        let opts = Opts::new(async_op, timeout, hints, stream)?;
+        let pattern = fusion_pattern(pattern)?;
+        let mut batch = self.batch(stream);
+        let inp = batch.import(input, false, "all_reduce_fused input")?;
+        let rin = batch.import(residual_in, false, "all_reduce_fused residual_in")?;
+        let rout = batch.import(residual_out, true, "all_reduce_fused residual_out")?;
+        let mut fusion = Fusion::new(pattern, hidden, rin, rout);
+        if let Some(w) = weight {
+            fusion = fusion.with_norm(batch.import(w, false, "all_reduce_fused weight")?, eps);
+        }
+        if let Some(t) = norm_out {
+            fusion = fusion.with_norm_out(batch.import(t, true, "all_reduce_fused norm_out")?);
+        }
+        match (quant_out, scale) {
+            (Some(q), Some(sc)) => {
+                let q = batch.import(q, true, "all_reduce_fused quant_out")?;
+                let sc = batch.import(sc, true, "all_reduce_fused scale")?;
+                fusion = fusion.with_quant(q, sc);
+            }
+            (None, None) => {}
+            _ => {
+                return Err(to_pyerr(Error::invalid(
+                    "all_reduce_fused: quant_out and scale go together (the scale is read for a per-tensor FP8 \
+                     pattern, written for the per-token ones)",
+                )))
+            }
+        }
+        if let Some(t) = allreduce_out {
+            fusion = fusion.with_allreduce_out(batch.import(t, true, "all_reduce_fused allreduce_out")?);
+        }
+        launch!(self, py, batch, opts, "all_reduce_fused", |c, call| c
+            .all_reduce_fused(inp, &fusion, &call))
     }
 
     #[pyo3(signature = (tensor, root, *, async_op=false, timeout=None, hints=None, stream=None))]

@@ -325,12 +325,25 @@ def vllm_dropin() -> None:
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, sum(t.float() for t in ins).to(torch.bfloat16)), f"replay {it}"
-    try:
-        ca.fused_all_reduce_rms_norm(x, x, x[:4096], 1e-6)
-    except NotImplementedError as e:
-        assert isinstance(e, ferrocomm.Unsupported) and "Fusions" in str(e)
-    else:
-        raise AssertionError("the fused hook must raise until the fusion exists")
+    # Fused all-reduce + residual add + RMSNorm: the residual is bitwise
+    # ferrocomm's all-reduce plus the residual (one rounding each); the
+    # normed rows are within a few bf16 ulps of torch's unfused rms_norm.
+    tokens, hidden = 32, 4096
+    xin = normal(r, tokens * hidden, torch.bfloat16, 30).view(tokens, hidden)
+    res = normal(0, tokens * hidden, torch.bfloat16, 31).view(tokens, hidden)
+    w = normal(0, hidden, torch.bfloat16, 32)
+    ar = torch.empty_like(xin)
+    ca.comm.all_reduce_into(ar, xin)
+    want_res = (ar.float() + res.float()).to(torch.bfloat16)
+    want_norm = torch.nn.functional.rms_norm(want_res.float(), (hidden,), w.float(), 1e-6).to(torch.bfloat16)
+    normed, res_after = ca.fused_all_reduce_rms_norm(xin, res, w, 1e-6)
+    torch.cuda.synchronize()
+    assert res_after.data_ptr() == res.data_ptr(), "residual updated in place"
+    assert torch.equal(res, want_res), "fused residual differs from all_reduce + add"
+    err = (normed.float() - want_norm.float()).abs()
+    assert bool((err <= 4 * eps(torch.bfloat16) * want_norm.float().abs() + 1e-2).all()), f"max err {err.max()}"
+    equal_across_ranks(normed, "fused rms_norm")
+    print(f"fused all_reduce + add + rms_norm ok ({tokens} x {hidden})", flush=True)
     ca.close()
     dist.destroy_process_group()
 

@@ -202,6 +202,56 @@ def data_movement() -> None:
     comm.finalize()
 
 
+def rms_norm_reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """ferrocomm's RMSNorm order (docs/protocol.md, "Fused epilogues"): per
+    row, 32 f32 partials (pack i of 8 elements into partial i % 32, element
+    by element), a butterfly over the partials, rstd = 1/sqrt(ss/hidden +
+    eps), y = (x * rstd) * w, all in f32, rounded once to the dtype."""
+    tokens, hidden = x.shape
+    out = np.empty_like(x)
+    for t in range(tokens):
+        row = x[t].astype(np.float32)
+        p = np.zeros(32, dtype=np.float32)
+        for i in range(hidden // 8):
+            for e in row[8 * i : 8 * i + 8]:
+                p[i % 32] = np.float32(p[i % 32] + np.float32(e * e))
+        for m in (16, 8, 4, 2, 1):
+            p = np.array([np.float32(p[l] + p[l ^ m]) for l in range(32)], dtype=np.float32)
+        ss = p[0]
+        rstd = np.float32(1.0) / np.sqrt(np.float32(ss / np.float32(hidden)) + np.float32(eps))
+        out[t] = ((row * np.float32(rstd)) * w.astype(np.float32)).astype(x.dtype)
+    return out
+
+
+def fused() -> None:
+    """all_reduce_fused on NumPy float16 rows: residual add and RMSNorm,
+    bit for bit against the stated order."""
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    for tokens, hidden in [(1, 8), (5, 24), (3, 264)]:
+        n = tokens * hidden
+        ins = [gen(q, n, np.float16, 77, "normal").reshape(tokens, hidden) for q in range(W)]
+        res = gen(100, n, np.float16, 78, "normal").reshape(tokens, hidden)
+        w = gen(101, hidden, np.float16, 79, "normal")
+        ar = reference([x.reshape(-1) for x in ins], "sum").reshape(tokens, hidden)
+        want_res = (ar.astype(np.float32) + res.astype(np.float32)).astype(np.float16)
+        residual = res.copy()
+        comm.all_reduce_fused(ins[r].copy(), residual)
+        same(residual, want_res, f"fused residual_add {tokens}x{hidden}")
+        residual = res.copy()
+        normed = np.zeros_like(res)
+        comm.all_reduce_fused(ins[r].copy(), residual, w, 1e-6, norm_out=normed)
+        same(residual, want_res, f"fused residual {tokens}x{hidden}")
+        same(normed, rms_norm_reference(want_res, w, 1e-6), f"fused rms_norm {tokens}x{hidden}")
+    try:
+        comm.all_reduce_fused(ins[r].copy(), res.copy(), w, 1e-6)
+    except ferrocomm.InvalidArgument:
+        pass
+    else:
+        raise AssertionError("a norm without norm_out must be refused")
+    comm.finalize()
+
+
 def reductions_to() -> None:
     comm = comm_from_env(timeout=60)
     W, r = comm.size, comm.rank

@@ -15,6 +15,11 @@ def test_collectives(world, scenario):
     expect_ok(launch(world, scenario))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_fused_all_reduce_epilogues(world):
+    expect_ok(launch(world, "fused"))
+
+
 def test_split_and_lifecycle():
     expect_ok(launch(3, "split_and_lifecycle"))
 
