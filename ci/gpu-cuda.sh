@@ -4,7 +4,7 @@
 #
 #   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
 #   STEPS: tests coldstart torchrun layered example sanitizer bench collbench
-#          qrbench python baseline (default: all)
+#          fused qrbench python baseline (default: all)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a
 # shared host's GPUs down. Every test runs with FERROCOMM_REQUIRE_GPU=1, so a
@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(cd "${1:-.carry/bin}" && pwd)"
 shift || true
-STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench qrbench python baseline}"
+STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused qrbench python baseline}"
 # Logs go to one folder; with $OUT set (the lent machines bring back a
 # limited number of files) they are packed into $OUT/gpu-logs.tgz at the end,
 # beside summary.txt, also when the job is stopped.
@@ -87,6 +87,15 @@ if [[ " $STEPS " == *" coldstart "* ]]; then
         step coldstart_torchrun_warm env FERROCOMM_CACHE_DIR="$cold" torchrun --nproc_per_node=2 --no-python \
             "$BIN/ferrocomm-worker" coldstart --backend cuda
     fi
+    if command -v gdb >/dev/null; then
+        # The cold-start child (compiles still queued at exit) under gdb: a
+        # crash at exit leaves every thread's backtrace in the log.
+        gcold=/tmp/ferrocomm-cold-gdb
+        rm -rf "$gcold" && mkdir -p "$gcold" && chmod 700 "$gcold"
+        step coldstart_child_gdb env FERROCOMM_TEST_CHILD=child_cold_start FERROCOMM_CACHE_DIR="$gcold" \
+            gdb -batch -ex run -ex "thread apply all bt 12" --args "$BIN/conformance_cuda" child_cold_start --exact \
+            --include-ignored --nocapture --test-threads=1
+    fi
     grep -h "COLD START\|WARM START" "$LOG"/coldstart_*.log | tee -a "$LOG/summary.txt"
 fi
 
@@ -147,6 +156,19 @@ if [[ " $STEPS " == *" collbench "* ]]; then
     done
 fi
 
+if [[ " $STEPS " == *" fused "* ]]; then
+    # The fused all-reduce epilogues per pattern and shape (outputs checked
+    # bitwise against the unfused reference), eager and graph.
+    for w in 2 4; do
+        [ "$NGPU" -ge "$w" ] || continue
+        for h in 4096 8192; do
+            step "fused_w${w}_h$h" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --fused all --graph \
+                --algo auto,oneshot-push,twoshot-push \
+                --tokens 1,32,128,2048 --hidden "$h" --iters 20 --warmup 5 --json "$LOG/fused_w${w}_h$h.json"
+        done
+    done
+fi
+
 if [[ " $STEPS " == *" qrbench "* ]]; then
     # Quick-reduce per codec next to ferrocomm's two-shot and NCCL, Gaussian
     # data, relative error per row (issue 5's table).
@@ -175,6 +197,8 @@ if [[ " $STEPS " == *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/nu
         # Eager calls back to back: when the CPU cannot issue them as fast
         # as the GPU runs them, eager us/op minus graph us/op is the Python
         # + Rust cost of one call.
+        step python_bench_fused torchrun --nproc_per_node=2 python/bench/bench_torch.py --collectives none \
+            --min-bytes 4K --max-bytes 4K --fused --no-symm-mem
         step python_bench_eager torchrun --nproc_per_node=2 python/bench/bench_torch.py --collectives all_reduce \
             --min-bytes 4K --max-bytes 64K --eager --no-symm-mem --k 200
     fi

@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--eager", action="store_true", help="add eager (no graph) rows for ferrocomm and NCCL")
     ap.add_argument("--no-symm-mem", action="store_true")
+    ap.add_argument("--fused", action="store_true", help="add all-reduce + residual + RMSNorm rows (unfused vs fused)")
     ap.add_argument("--json", help="write the rows here (rank 0)")
     args = ap.parse_args()
 
@@ -164,17 +165,52 @@ def main() -> None:
             add("all_to_all", "nccl", nbytes, graph_time(lambda: dist.all_to_all_single(dst, src), k, reps))
         torch.cuda.empty_cache()
 
+    if args.fused:
+        # One transformer layer's end under tensor parallelism, per
+        # (hidden, tokens): NCCL all-reduce then `x + residual` and
+        # F.rms_norm (unfused, the anchor), ferrocomm's all-reduce then the
+        # same torch ops, and ferrocomm's fused kernel. bytes = the
+        # all-reduce's; "vs nccl" compares with the unfused NCCL row.
+        for hidden, tokens in [(4096, 1), (4096, 32), (4096, 128), (4096, 2048), (8192, 1), (8192, 128), (8192, 2048)]:
+            x = torch.randn(tokens, hidden, device="cuda").to(dtype)
+            res = torch.randn(tokens, hidden, device="cuda").to(dtype)
+            w = torch.randn(hidden, device="cuda").to(dtype)
+            normed = torch.empty_like(x)
+            ar = torch.empty_like(x)
+            nbytes = x.numel() * esize
+
+            def unfused_nccl():
+                ar.copy_(x)
+                dist.all_reduce(ar)
+                r2 = ar + res
+                res.copy_(r2)
+                normed.copy_(torch.nn.functional.rms_norm(r2, (hidden,), w, 1e-6))
+
+            def unfused_ferrocomm():
+                comm.all_reduce_into(ar, x)
+                r2 = ar + res
+                res.copy_(r2)
+                normed.copy_(torch.nn.functional.rms_norm(r2, (hidden,), w, 1e-6))
+
+            def fused():
+                comm.all_reduce_fused(x, res, w, 1e-6, norm_out=normed)
+
+            name = f"ar+rmsnorm h{hidden} t{tokens}"
+            add(name, "nccl", nbytes, graph_time(unfused_nccl, k, reps))
+            add(name, "ferrocomm-unfused", nbytes, graph_time(unfused_ferrocomm, k, reps))
+            add(name, "ferrocomm-fused", nbytes, graph_time(fused, k, reps))
+
     dist.barrier()
     if rank == 0:
         nccl = {(r["collective"], r["bytes"]): r["us"] for r in rows if r["impl"] == "nccl"}
         print(f"world {world}, {args.dtype}, CUDA graphs of {args.k} ops, median of {args.reps} replays; "
               f"ferrocomm {ferrocomm.__version__} ({comm.backend}, NCCL underneath: {comm.has_vendor_library}), "
               f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
-        print(f"{'collective':15s} {'bytes':>10s} {'impl':17s} {'us':>9s} {'busbw GB/s':>11s} {'vs nccl':>8s}")
+        print(f"{'collective':24s} {'bytes':>10s} {'impl':17s} {'us':>9s} {'busbw GB/s':>11s} {'vs nccl':>8s}")
         for r in rows:
             base = nccl.get((r["collective"], r["bytes"]))
             ratio = f"{r['us'] / base:7.2f}x" if base else ""
-            print(f"{r['collective']:15s} {r['bytes']:10d} {r['impl']:17s} {r['us']:9.2f} {r['busbw']:11.1f} {ratio:>8s}")
+            print(f"{r['collective']:24s} {r['bytes']:10d} {r['impl']:17s} {r['us']:9.2f} {r['busbw']:11.1f} {ratio:>8s}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(world=world, dtype=args.dtype, k=args.k, rows=rows), f, indent=1)
