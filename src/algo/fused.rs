@@ -145,10 +145,15 @@ impl FusedKind {
 
 /// Payloads (tokens x hidden x element size, bytes) from which dispatch
 /// takes the two-shot, at world 2 and at larger worlds.
-// TODO(measure): not measured on a GPU yet. First guesses: the all-reduce
-// crossovers of the push one-shot and two-shot (dispatch.rs, 4x H200: 4 MiB
-// at world 2, ~1 MiB at world 4), which the fused kernels inherit since the
-// epilogue costs the same local traffic in both.
+//
+// World 2, measured on 2x H200 (bf16, graph replay, us, one-shot / two-shot;
+// bench/2026-11-23-h200x2/run9/fused_w2_h4096.log, every pattern alike):
+// 1 MiB (128 x 4096) rms 22.7 / 34.8, 16 MiB (2048 x 4096) rms 112.4 / 97.6;
+// hidden 8192: 2 MiB (128 rows) one-shot ahead, 32 MiB two-shot ahead
+// (fused_w2_h8192.log). The 4 MiB threshold sits between. Worlds above 2
+// were not measured: 1 MiB follows the all-reduce crossover at world 4
+// (dispatch.rs), which the fused kernels inherit (the epilogue's local
+// traffic is the same in both).
 pub const FUSED_TWOSHOT_MIN_BYTES: [usize; 2] = [4 << 20, 1 << 20];
 
 /// The fused kernel dispatch picks for `tokens` rows of `bytes` in all at
