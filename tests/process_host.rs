@@ -109,3 +109,11 @@ fn use_after_finalize_is_an_error() {
     let outs = run(&["finalize"], 2, 60);
     assert_all_ok(&outs);
 }
+
+/// The smoke run the GPU scripts put under compute-sanitizer (one small,
+/// checked launch of every kernel family), here on the host's twins.
+#[test]
+fn smoke_of_every_kernel_family() {
+    let outs = run(&["smoke", "--timeout-secs", "60"], 2, 120);
+    assert_all_ok(&outs);
+}

@@ -371,6 +371,45 @@ impl<D: Device> Suite<'_, D> {
         Ok(())
     }
 
+    /// One small call of every data-moving kernel family (all-gather,
+    /// reduce-scatter, all-to-all, reduce, gather, scatter), each checked:
+    /// the smoke run the sanitizers watch (`run_smoke`).
+    pub(super) fn data_movers_smoke(&mut self) -> Result<()> {
+        let comm = self.comm;
+        let (rank, world) = (comm.rank(), comm.size());
+        let n = 4099;
+        let size = DType::F32.size();
+        // All-gather, out of place.
+        let blocks: Vec<Vec<u8>> = (0..world)
+            .map(|s| block_bytes(self.cfg.seed, s, 7001, n * size))
+            .collect();
+        let case = format!("smoke all_gather n={n} rank={rank}");
+        self.put(0, 0, &blocks[rank])?;
+        let inp = self.view(0, 0, DType::F32, n, false)?;
+        let out = self.view(1, 0, DType::F32, n * world, true)?;
+        comm.all_gather_single(out, inp, &Call::new())?
+            .wait(Some(self.cfg.timeout))
+            .map_err(|e| context(e, &case))?;
+        let got = self.get(1, 0, n * world * size)?;
+        self.check_bytes(&case, &got, &blocks.concat(), true);
+        // All-to-all, equal blocks.
+        let block = |s: usize, d: usize| block_bytes(self.cfg.seed, s, 7100 + d as u64, n * size);
+        let case = format!("smoke all_to_all n={n} rank={rank}");
+        let input: Vec<u8> = (0..world).flat_map(|d| block(rank, d)).collect();
+        self.put(0, 0, &input)?;
+        let inp = self.view(0, 0, DType::F32, n * world, false)?;
+        let out = self.view(1, 0, DType::F32, n * world, true)?;
+        comm.all_to_all_single(out, inp, &Call::new())?
+            .wait(Some(self.cfg.timeout))
+            .map_err(|e| context(e, &case))?;
+        let want: Vec<u8> = (0..world).flat_map(|s| block(s, rank)).collect();
+        let got = self.get(1, 0, n * world * size)?;
+        self.check_bytes(&case, &got, &want, false);
+        self.reduce_scatter_case::<f32>(ReduceOp::Sum, n, 0)?;
+        self.reduce_case::<f32>(ReduceOp::Sum, n, 0)?;
+        self.gathers_and_scatters()
+    }
+
     // ------------------------------------------------------- reduce-scatter
 
     fn reduce_scatters(&mut self) -> Result<()> {

@@ -142,7 +142,9 @@ pub fn run_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &Sui
     Ok(s.report)
 }
 
-/// One small launch of every kernel family and dtype (for sanitizers).
+/// One small launch of every kernel family and dtype (for sanitizers): the
+/// all-reduce kinds, broadcast, the data movers, the fused epilogues, graph
+/// replay, quick-reduce.
 pub fn run_smoke<D: Device>(comm: &Communicator<D>, cfg: &SuiteConfig) -> Result<SuiteReport> {
     let mut s = Suite::new(comm, cfg);
     for dtype in DType::REDUCIBLE {
@@ -151,6 +153,8 @@ pub fn run_smoke<D: Device>(comm: &Communicator<D>, cfg: &SuiteConfig) -> Result
         }
     }
     s.broadcasts()?;
+    s.data_movers_smoke()?;
+    s.fused_smoke()?;
     s.graph_replay()?;
     for codec in crate::algo::kernels::QR_CODECS {
         s.qr_case::<bf16>(codec, 4099, false, true)?;

@@ -263,6 +263,28 @@ impl<D: Device> Suite<'_, D> {
         self.fused_validation()
     }
 
+    /// One small, checked call of each fused kernel (every pattern, both
+    /// families, bf16): the sanitizers' smoke run (`run_smoke`).
+    pub(super) fn fused_smoke(&mut self) -> Result<()> {
+        for pattern in FusionPattern::ALL {
+            for kind in FusedKind::ALL {
+                let case = Case {
+                    kind,
+                    pattern,
+                    tokens: 7,
+                    hidden: 264,
+                    eps: 1e-6,
+                    in_place: false,
+                    with_allreduce_out: true,
+                    with_norm_out: pattern.norms(),
+                    special: false,
+                };
+                self.fused_case::<bf16>(&case)?;
+            }
+        }
+        Ok(())
+    }
+
     fn fused_case<S: FromF64 + Half16>(&mut self, c: &Case) -> Result<()> {
         let comm = self.comm;
         let (rank, world) = (comm.rank(), comm.size());

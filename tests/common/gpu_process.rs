@@ -53,6 +53,35 @@ impl Gpu {
         }
     }
 
+    /// Rank `victim` kills itself mid-loop of `coll` on ferrocomm's kernels
+    /// (`FERROCOMM_COLL_ROUTE=custom`, so small blocks do not go to NCCL);
+    /// the others must report it, naming it.
+    pub fn killed_rank_in(&self, world: usize, victim: usize, coll: &str) {
+        if self.skip(world).is_none() {
+            let victim_arg = victim.to_string();
+            let args = [
+                "kill",
+                "--backend",
+                self.backend,
+                "--victim",
+                &victim_arg,
+                "--coll",
+                coll,
+                "--timeout-secs",
+                "5",
+            ];
+            let outs = run_process_ranks(
+                &worker(),
+                &args,
+                world,
+                &[("FERROCOMM_COLL_ROUTE", "custom")],
+                Duration::from_secs(120),
+            )
+            .expect("launching ranks");
+            assert_victim_killed(&outs, victim);
+        }
+    }
+
     /// Rank `victim` kills itself mid-loop; the others must report it.
     pub fn killed_rank(&self, world: usize, victim: usize) {
         if self.skip(world).is_none() {
@@ -105,6 +134,16 @@ macro_rules! gpu_process_tests {
         #[ignore = "needs GPUs: ci/gpu-cuda.sh or ci/gpu-rocm.sh runs it with --include-ignored"]
         fn smoke_world_2() {
             $gpu.scenario("smoke", &["--timeout-secs", "120"], 2);
+        }
+
+        /// The exchange and reduce-to kernels: a dead peer is an error
+        /// naming it, within the deadline, for each of them.
+        #[test]
+        #[ignore = "needs GPUs: ci/gpu-cuda.sh or ci/gpu-rocm.sh runs it with --include-ignored"]
+        fn killed_rank_in_the_exchange_kernels_world_2() {
+            for coll in ["all_gather", "reduce_scatter", "all_to_all", "reduce"] {
+                $gpu.killed_rank_in(2, 1, coll);
+            }
         }
 
         #[test]
