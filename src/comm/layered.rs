@@ -110,6 +110,14 @@ impl<D: Device> Levels<D> {
         self.grid.is_some()
     }
 
+    /// The ranks of every node, when the nodes have equal sizes (the
+    /// callers route unequal ones to NCCL/RCCL before asking).
+    fn uniform_grid(&self) -> Result<&Vec<Vec<usize>>> {
+        self.grid
+            .as_ref()
+            .ok_or_else(|| Error::Unsupported("two levels need nodes of equal sizes".into()))
+    }
+
     pub(crate) fn finalize(&self) {
         let _ = self.intra.finalize();
         let _ = self.inter.finalize();
@@ -177,10 +185,7 @@ impl<D: Device> Levels<D> {
         input: Tensor,
         call: &Call<'_, D>,
     ) -> Result<Work<D>> {
-        let grid = self
-            .grid
-            .as_ref()
-            .ok_or_else(|| Error::Unsupported("nodes of unequal sizes".into()))?;
+        let grid = self.uniform_grid()?;
         let sc = Self::sub_call(call, own);
         let j = self.intra.rank();
         let column: Vec<Tensor> = grid.iter().map(|ranks| outputs[ranks[j]]).collect();
@@ -202,10 +207,7 @@ impl<D: Device> Levels<D> {
         red: Reduction,
         call: &Call<'_, D>,
     ) -> Result<Work<D>> {
-        let grid = self
-            .grid
-            .as_ref()
-            .ok_or_else(|| Error::Unsupported("nodes of unequal sizes".into()))?;
+        let grid = self.uniform_grid()?;
         let sc = Self::sub_call(call, own);
         if self.intra.size() == 1 {
             let column: Vec<Tensor> = grid.iter().map(|ranks| inputs[ranks[0]]).collect();

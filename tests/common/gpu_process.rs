@@ -57,36 +57,18 @@ impl Gpu {
     /// (`FERROCOMM_COLL_ROUTE=custom`, so small blocks do not go to NCCL);
     /// the others must report it, naming it.
     pub fn killed_rank_in(&self, world: usize, victim: usize, coll: &str) {
-        if self.skip(world).is_none() {
-            let victim_arg = victim.to_string();
-            let args = [
-                "kill",
-                "--backend",
-                self.backend,
-                "--victim",
-                &victim_arg,
-                "--coll",
-                coll,
-                "--timeout-secs",
-                "5",
-            ];
-            let outs = run_process_ranks(
-                &worker(),
-                &args,
-                world,
-                &[("FERROCOMM_COLL_ROUTE", "custom")],
-                Duration::from_secs(120),
-            )
-            .expect("launching ranks");
-            assert_victim_killed(&outs, victim);
-        }
+        self.killed(world, victim, &["--coll", coll], &[("FERROCOMM_COLL_ROUTE", "custom")]);
     }
 
     /// Rank `victim` kills itself mid-loop; the others must report it.
     pub fn killed_rank(&self, world: usize, victim: usize) {
+        self.killed(world, victim, &[], &[]);
+    }
+
+    fn killed(&self, world: usize, victim: usize, extra: &[&str], envs: &[(&str, &str)]) {
         if self.skip(world).is_none() {
             let victim_arg = victim.to_string();
-            let args = [
+            let mut args = vec![
                 "kill",
                 "--backend",
                 self.backend,
@@ -95,7 +77,10 @@ impl Gpu {
                 "--timeout-secs",
                 "5",
             ];
-            assert_victim_killed(&run(&args, world, 120), victim);
+            args.extend_from_slice(extra);
+            let outs =
+                run_process_ranks(&worker(), &args, world, envs, Duration::from_secs(120)).expect("launching ranks");
+            assert_victim_killed(&outs, victim);
         }
     }
 }
