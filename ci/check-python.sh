@@ -37,7 +37,7 @@ echo "--- pytest python/tests (CPU: host backend at worlds 1, 2 and 3)"
 (cd python/tests && "../../$VENV/bin/python" -m pytest -q -p no:cacheprovider .)
 
 echo "--- pip install ./python into a fresh venv, then the README's CPU example (two ranks, host backend)"
-FRESH="$CACHE/py-fresh"
+FRESH="$PWD/$CACHE/py-fresh"
 rm -rf "$FRESH"
 "$PY" -m venv "$FRESH"
 "$FRESH/bin/python" -m pip install --disable-pip-version-check --no-input --quiet numpy==2.4.6 ./python
