@@ -7,8 +7,6 @@
 //! time is measured: the anchors to compare with (NCCL all-reduce, then add
 //! and RMSNorm unfused) come from the torch baseline.
 
-use std::time::Instant;
-
 use ferrocomm::algo::fused::FusionPattern;
 use ferrocomm::algo::AlgoChoice;
 use ferrocomm::codec::Half16;
@@ -17,7 +15,7 @@ use ferrocomm::testing::data::{self, FromF64, Values};
 use ferrocomm::testing::fused::fused_reference;
 use ferrocomm::{Call, Communicator, DType, Error, Fusion, ReduceOp, Result, Tensor};
 
-use super::{median, Args, OPS_PER_SAMPLE};
+use super::{median, time_samples, Args, OPS_PER_SAMPLE};
 
 /// `--fused` patterns: names as `FusionPattern::name`, or `all`.
 pub fn parse_patterns(s: &str) -> Result<Vec<FusionPattern>> {
@@ -152,44 +150,7 @@ fn one<D: Device, S: FromF64 + Half16>(
         ferrocomm::device::BackendKind::Host => 1,
         _ => OPS_PER_SAMPLE,
     };
-    // The first call loads (GPUs: compiles) the module, outside any capture.
-    run()?;
-    dev.synchronize(&stream)?;
-    comm.prepare()?;
-    let graph = if mode == "graph" {
-        dev.begin_capture(&stream)?;
-        let captured = (0..ops).try_for_each(|_| run());
-        let g = dev.end_capture(&stream)?;
-        captured?;
-        Some(g)
-    } else {
-        None
-    };
-    let sample = || match &graph {
-        Some(g) => dev.launch_graph(g, &stream),
-        None => (0..ops).try_for_each(|_| run()),
-    };
-    for _ in 0..a.warmup_for(backend) {
-        sample()?;
-    }
-    dev.synchronize(&stream)?;
-    let iters = a.iters_for(backend);
-    let events: Vec<(D::Event, D::Event)> = (0..iters)
-        .map(|_| Ok((dev.create_event()?, dev.create_event()?)))
-        .collect::<Result<_>>()?;
-    let mut cpu = Vec::with_capacity(iters);
-    for (e0, e1) in &events {
-        dev.record(e0, &stream)?;
-        let t0 = Instant::now();
-        sample()?;
-        cpu.push(t0.elapsed().as_secs_f64() * 1e6 / ops as f64);
-        dev.record(e1, &stream)?;
-    }
-    dev.synchronize(&stream)?;
-    let mut times: Vec<f64> = events
-        .iter()
-        .map(|(e0, e1)| dev.elapsed_ms(e0, e1).map(|ms| ms as f64 * 1e3 / ops as f64))
-        .collect::<Result<_>>()?;
+    let (mut times, mut cpu) = time_samples(comm, a, mode, &stream, ops, |_| run())?;
 
     // The outputs of the last call against the unfused reference.
     let want = fused_reference(pattern, hidden, 1e-6, &inputs, &residual, &weight, STATIC_SCALE);

@@ -109,6 +109,62 @@ fn ops_per_sample(backend: BackendKind, bytes: usize) -> usize {
     }
 }
 
+/// Time `run` (call `i` of a sample, queued on `stream`) as every bench row
+/// does: one call first (it compiles or loads what it needs, outside any
+/// capture), `comm.prepare()`, a graph of `ops` calls when `mode` is
+/// "graph", warm-up samples, then `iters` samples of `ops` back-to-back
+/// calls (or one replay), each between two events. Device and CPU
+/// microseconds per call, one per sample.
+fn time_samples<D: Device>(
+    comm: &Communicator<D>,
+    a: &Args,
+    mode: &str,
+    stream: &D::Stream,
+    ops: usize,
+    run: impl Fn(usize) -> Result<()>,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let dev = comm.device();
+    let backend = dev.facts().backend;
+    run(0)?;
+    dev.synchronize(stream)?;
+    comm.prepare()?;
+    let graph = if mode == "graph" {
+        dev.begin_capture(stream)?;
+        let captured = (0..ops).try_for_each(&run);
+        let g = dev.end_capture(stream)?;
+        captured?;
+        Some(g)
+    } else {
+        None
+    };
+    let sample = || match &graph {
+        Some(g) => dev.launch_graph(g, stream),
+        None => (0..ops).try_for_each(&run),
+    };
+    for _ in 0..a.warmup_for(backend) {
+        sample()?;
+    }
+    dev.synchronize(stream)?;
+    let iters = a.iters_for(backend);
+    let events: Vec<(D::Event, D::Event)> = (0..iters)
+        .map(|_| Ok((dev.create_event()?, dev.create_event()?)))
+        .collect::<Result<_>>()?;
+    let mut cpu = Vec::with_capacity(iters);
+    for (e0, e1) in &events {
+        dev.record(e0, stream)?;
+        let t = Instant::now();
+        sample()?;
+        cpu.push(t.elapsed().as_secs_f64() * 1e6 / ops as f64);
+        dev.record(e1, stream)?;
+    }
+    dev.synchronize(stream)?;
+    let times = events
+        .iter()
+        .map(|(e0, e1)| dev.elapsed_ms(e0, e1).map(|ms| ms as f64 * 1e3 / ops as f64))
+        .collect::<Result<_>>()?;
+    Ok((times, cpu))
+}
+
 fn parse_size(s: &str) -> Result<usize> {
     let s = s.trim();
     let (num, mult) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
@@ -641,44 +697,7 @@ fn measure<D: Device>(
     // replay of a graph holding them), timed by events and divided: the same
     // shape as nccl-tests and the torch baseline.
     let ops = ops_per_sample(backend, case.bytes);
-    // The first call compiles (GPUs) or loads what it needs: before capture.
-    run(0)?;
-    dev.synchronize(&stream)?;
-    comm.prepare()?;
-    let graph = if mode == "graph" {
-        dev.begin_capture(&stream)?;
-        let captured = (0..ops).try_for_each(run);
-        let g = dev.end_capture(&stream)?;
-        captured?;
-        Some(g)
-    } else {
-        None
-    };
-    let sample = || match &graph {
-        Some(g) => dev.launch_graph(g, &stream),
-        None => (0..ops).try_for_each(run),
-    };
-    for _ in 0..a.warmup_for(backend) {
-        sample()?;
-    }
-    dev.synchronize(&stream)?;
-    let iters = a.iters_for(backend);
-    let events: Vec<(D::Event, D::Event)> = (0..iters)
-        .map(|_| Ok((dev.create_event()?, dev.create_event()?)))
-        .collect::<Result<_>>()?;
-    let mut cpu = Vec::with_capacity(iters);
-    for (e0, e1) in &events {
-        dev.record(e0, &stream)?;
-        let t = Instant::now();
-        sample()?;
-        cpu.push(t.elapsed().as_secs_f64() * 1e6 / ops as f64);
-        dev.record(e1, &stream)?;
-    }
-    dev.synchronize(&stream)?;
-    let mut times: Vec<f64> = events
-        .iter()
-        .map(|(e0, e1)| dev.elapsed_ms(e0, e1).map(|ms| ms as f64 * 1e3 / ops as f64))
-        .collect::<Result<_>>()?;
+    let (mut times, mut cpu) = time_samples(comm, a, mode, &stream, ops, run)?;
     // The output of one more run, from a poisoned buffer (or, for the
     // in-place reduce, from the input), for the checks.
     let check_len = if matches!(subject, Subject::Memcpy) {
