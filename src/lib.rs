@@ -7,7 +7,8 @@
 //! Layers, top to bottom (each calls only the one below):
 //! 1. [`comm`]: the [`Communicator`] and its [`Work`] handles;
 //! 2. [`algo`]: dispatch and the host-side protocols (workspace, epochs);
-//! 3. [`device`]: the device trait;
+//! 3. [`device`]: the device trait; [`heap`]: the symmetric heap and the
+//!    device API's context;
 //! 4. [`backends`]: host, cuda, hip (and `ccl`, the NCCL/RCCL table);
 //! 5. `kernels-cuda/`, `kernels-hip/`: device code, compiled at run time.
 //!
@@ -35,6 +36,7 @@ pub mod comm;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod heap;
 #[doc(hidden)]
 pub mod log;
 #[doc(hidden)]

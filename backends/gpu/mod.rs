@@ -509,6 +509,37 @@ impl<V: Vendor> Device for GpuDevice<V> {
         unsafe { V::launch(&self.ctx, f, config, &mut args, stream.raw) }
     }
 
+    fn launch_raw(
+        &self,
+        module: &GpuModule<V>,
+        kernel: &str,
+        config: LaunchConfig,
+        args: &[u8],
+        stream: &GpuStream<V>,
+    ) -> Result<()> {
+        config.check_within(kernel, MAX_BLOCKS, BLOCK_THREADS)?;
+        if args.len() > 4096 {
+            return Err(Error::invalid(format!(
+                "launch of {kernel}: {} bytes of arguments; kernels take at most 4096",
+                args.len()
+            )));
+        }
+        self.same_ctx("module", module.ctx())?;
+        self.enter(stream)?;
+        let f = module.function(kernel)?;
+        // 8-byte aligned (the struct's fields are), and zero-padded to at
+        // least a parameter block: the driver copies the parameter's size,
+        // and the test vendor table reads a whole KernelParams.
+        let mut words = vec![0u64; args.len().div_ceil(8).max(KERNEL_PARAMS_BYTES / 8)];
+        // SAFETY: `words` holds at least `args.len()` bytes; u64 has no invalid bit patterns.
+        unsafe { std::ptr::copy_nonoverlapping(args.as_ptr(), words.as_mut_ptr().cast::<u8>(), args.len()) };
+        let mut args = [words.as_mut_ptr().cast::<std::ffi::c_void>()];
+        // SAFETY: `f` is an entry point of a module loaded in this context;
+        // the caller vouches that its one parameter is `args`'s struct;
+        // `words` lives across the call, which copies it; the stream is ours.
+        unsafe { V::launch(&self.ctx, f, config, &mut args, stream.raw) }
+    }
+
     fn poll_interval(&self) -> Duration {
         Duration::from_micros(5)
     }

@@ -10,6 +10,7 @@
 mod collectives;
 mod fused;
 mod futex;
+pub(crate) mod heap_kernels;
 mod kernels;
 mod memory;
 mod quickreduce;
@@ -31,6 +32,8 @@ use crate::error::{Error, Result};
 /// A loaded host "module": the Rust kernels, by entry-point name.
 pub struct HostModule {
     kernels: HashMap<String, kernels::HostKernel>,
+    /// Heap kernels (`launch_raw`), by name.
+    raw: HashMap<&'static str, heap_kernels::RawKernel>,
 }
 
 /// One host rank's device.
@@ -185,8 +188,15 @@ impl Device for HostDevice {
     }
 
     fn load_module(&self, source: &ModuleSource) -> Result<HostModule> {
+        if let Some(raw) = heap_kernels::raw_kernels(source.name) {
+            return Ok(HostModule {
+                kernels: HashMap::new(),
+                raw,
+            });
+        }
         Ok(HostModule {
             kernels: kernels::module_kernels(source.name)?,
+            raw: HashMap::new(),
         })
     }
 
@@ -206,6 +216,25 @@ impl Device for HostDevice {
             // SAFETY: the algorithm layer built `params` from live workspaces and
             // buffers it keeps alive until the stream drains (docs/protocol.md).
             unsafe { k.call(&params) }
+        }))
+    }
+
+    fn launch_raw(
+        &self,
+        module: &HostModule,
+        kernel: &str,
+        _config: LaunchConfig,
+        args: &[u8],
+        stream: &HostStream,
+    ) -> Result<()> {
+        let Some(&k) = module.raw.get(kernel) else {
+            return Err(Error::invalid(format!("host module has no heap kernel named {kernel}")));
+        };
+        let args = args.to_vec();
+        stream.submit(Arc::new(move || {
+            // SAFETY: the host API built `args` as the kernel's struct from
+            // live buffers it keeps alive until the stream drains.
+            unsafe { k(&args) }
         }))
     }
 }

@@ -13,4 +13,5 @@ mod workspace;
 pub use dispatch::{AlgoChoice, Algorithm, DispatchTable, Step};
 pub use grid::{GridTable, BLOCK_THREADS};
 pub use launch::{chunk_elems, fingerprint, whole_call, CollectiveCall, KernelNames};
+pub(crate) use workspace::PeerMaps;
 pub use workspace::Workspace;

@@ -41,34 +41,7 @@ impl<D: Device> Workspace<D> {
             )));
         }
         let own = dev.alloc(layout::workspace_bytes(slot_bytes), MemKind::Shareable)?;
-        let exported = dev.export(&own)?;
-
-        // Small part through the store; fds (if the backend uses them) over a Unix socket.
-        let mut blob = (exported.size as u64).to_le_bytes().to_vec();
-        blob.push(exported.fd.is_some() as u8);
-        blob.extend_from_slice(&exported.bytes);
-        let blobs = store_all_gather(store, &format!("{key_prefix}/ws"), rank, world, &blob, timeout)?;
-        let mut fds = match &exported.fd {
-            Some(fd) => {
-                fd_exchange::exchange_fds(store, &format!("{key_prefix}/fd"), rank, world, &[fd.as_fd()], timeout)?
-            }
-            None => (0..world).map(|_| Vec::new()).collect(),
-        };
-        drop(exported);
-
-        let mut peers = Vec::with_capacity(world);
-        let mut ptrs = [DevicePtr::NULL; MAX_RANKS];
-        for (peer, blob) in blobs.iter().enumerate() {
-            if peer == rank {
-                peers.push(None);
-                ptrs[peer] = own.ptr();
-                continue;
-            }
-            let handle = decode_handle(peer, blob, &mut fds[peer])?;
-            let mapped = dev.import(handle)?;
-            ptrs[peer] = mapped.ptr();
-            peers.push(Some(mapped));
-        }
+        let PeerMaps { peers, ptrs } = PeerMaps::exchange(dev, store, key_prefix, "ws", &own, rank, world, timeout)?;
         Ok(Workspace {
             peers,
             own,
@@ -95,14 +68,73 @@ impl<D: Device> Workspace<D> {
     }
 }
 
+/// Every peer's mapping of one shareable buffer per rank: what the workspace
+/// and the symmetric heap (`crate::heap`) are built on.
+pub(crate) struct PeerMaps<D: Device> {
+    /// `[rank]` is `None`: our own buffer is not imported.
+    pub(crate) peers: Vec<Option<D::PeerBuffer>>,
+    /// Every rank's buffer as mapped here; `[rank]` is our own.
+    pub(crate) ptrs: [DevicePtr; MAX_RANKS],
+}
+
+impl<D: Device> PeerMaps<D> {
+    /// Export `own`, swap handles through `store` under `key_prefix/what`,
+    /// and import every peer's. Collective over the `world` ranks.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn exchange(
+        dev: &D,
+        store: &dyn Store,
+        key_prefix: &str,
+        what: &str,
+        own: &D::Buffer,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let exported = dev.export(own)?;
+        // Small part through the store; fds (if the backend uses them) over a Unix socket.
+        let mut blob = (exported.size as u64).to_le_bytes().to_vec();
+        blob.push(exported.fd.is_some() as u8);
+        blob.extend_from_slice(&exported.bytes);
+        let blobs = store_all_gather(store, &format!("{key_prefix}/{what}"), rank, world, &blob, timeout)?;
+        let mut fds = match &exported.fd {
+            Some(fd) => fd_exchange::exchange_fds(
+                store,
+                &format!("{key_prefix}/{what}-fd"),
+                rank,
+                world,
+                &[fd.as_fd()],
+                timeout,
+            )?,
+            None => (0..world).map(|_| Vec::new()).collect(),
+        };
+        drop(exported);
+
+        let mut peers = Vec::with_capacity(world);
+        let mut ptrs = [DevicePtr::NULL; MAX_RANKS];
+        for (peer, blob) in blobs.iter().enumerate() {
+            if peer == rank {
+                peers.push(None);
+                ptrs[peer] = own.ptr();
+                continue;
+            }
+            let handle = decode_handle(peer, blob, &mut fds[peer])?;
+            let mapped = dev.import(handle)?;
+            ptrs[peer] = mapped.ptr();
+            peers.push(Some(mapped));
+        }
+        Ok(PeerMaps { peers, ptrs })
+    }
+}
+
 fn decode_handle(peer: usize, blob: &[u8], fds: &mut Vec<std::os::fd::OwnedFd>) -> Result<ExportedHandle> {
-    let bad = || Error::Store(format!("malformed workspace handle from rank {peer}"));
+    let bad = || Error::Store(format!("malformed buffer handle from rank {peer}"));
     let size = u64::from_le_bytes(blob.get(..8).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
     let has_fd = *blob.get(8).ok_or_else(bad)? != 0;
     let fd = if has_fd {
         Some(
             fds.pop()
-                .ok_or_else(|| Error::Store(format!("rank {peer} sent no workspace fd")))?,
+                .ok_or_else(|| Error::Store(format!("rank {peer} sent no buffer fd")))?,
         )
     } else {
         None

@@ -57,6 +57,10 @@ pub(crate) struct Resources<D: Device> {
     pub(crate) scratch: D::Buffer,
     pub(crate) vendor: Vendor,
     pub(crate) registry: Registry<D>,
+    /// The symmetric heap (`crate::heap`), reserved on first use.
+    pub(crate) heap: Option<crate::heap::Heap<D>>,
+    /// Modules of heap kernels (windows, EP), by name, loaded on first use.
+    pub(crate) heap_modules: Vec<(&'static str, D::Module)>,
     /// Contiguous staging for a list reduce-scatter handed to NCCL (grown on demand).
     pub(crate) staging: Option<D::Buffer>,
 }
@@ -132,8 +136,13 @@ impl<D: Device> Inner<D> {
             ERR_CODE_NONE => None,
             ERR_CODE_TIMEOUT => {
                 let mask = self.flags.load(1);
+                let what = if epoch == crate::heap::ERR_EPOCH_DEVICE_API {
+                    format!("peers in a device-API wait (signal or barrier) on rank {}", self.rank)
+                } else {
+                    format!("peers in collective launch #{epoch} on rank {}", self.rank)
+                };
                 Some(Error::Timeout {
-                    what: format!("peers in collective launch #{epoch} on rank {}", self.rank),
+                    what,
                     after: self.opts.timeout,
                     missing: (0..MAX_RANKS).filter(|r| mask & (1 << r) != 0).collect(),
                 })
@@ -402,6 +411,8 @@ impl<D: Device> Communicator<D> {
                         scratch,
                         vendor,
                         registry: Registry::default(),
+                        heap: None,
+                        heap_modules: Vec::new(),
                         staging: None,
                     }),
                     last: None,
@@ -541,6 +552,9 @@ impl<D: Device> Communicator<D> {
         }
         if let Some(fused) = &res.fused_module {
             self.inner.device.prepare(fused, &[])?;
+        }
+        for (_, m) in &res.heap_modules {
+            self.inner.device.prepare(m, &[])?;
         }
         Ok(())
     }

@@ -43,6 +43,12 @@ pub struct CommOptions {
     /// cached on disk (`FERROCOMM_AUTOTUNE=0|1`). `None`: on for GPUs, off
     /// on the host backend.
     pub autotune: Option<bool>,
+    /// Bytes of each rank's symmetric heap (`FERROCOMM_HEAP_BYTES`; every
+    /// rank must set the same). `None` takes the backend's default: 1 GiB on
+    /// GPUs (NVSHMEM's default; EP dispatch/combine at hidden 7168 and 4096
+    /// tokens per rank needs about 240 MiB per peer), 64 MiB on the host. The
+    /// heap is reserved on its first use, not at creation.
+    pub heap_bytes: Option<usize>,
 }
 
 impl Default for CommOptions {
@@ -57,6 +63,7 @@ impl Default for CommOptions {
             name: None,
             local_size: None,
             autotune: None,
+            heap_bytes: None,
         }
     }
 }
@@ -80,6 +87,14 @@ impl CommOptions {
         self.slot_bytes.unwrap_or(match backend {
             crate::device::BackendKind::Host => 8 << 20,
             _ => 32 << 20,
+        })
+    }
+
+    /// The symmetric heap's size in force on a backend.
+    pub fn heap_bytes_for(&self, backend: crate::device::BackendKind) -> usize {
+        self.heap_bytes.unwrap_or(match backend {
+            crate::device::BackendKind::Host => 64 << 20,
+            _ => 1 << 30,
         })
     }
 
@@ -112,6 +127,13 @@ impl CommOptions {
                 v.trim()
                     .parse()
                     .map_err(|_| Error::invalid(format!("FERROCOMM_SLOT_BYTES={v:?} is not a byte count")))?,
+            );
+        }
+        if let Some(v) = env_var("FERROCOMM_HEAP_BYTES") {
+            o.heap_bytes = Some(
+                v.trim()
+                    .parse()
+                    .map_err(|_| Error::invalid(format!("FERROCOMM_HEAP_BYTES={v:?} is not a byte count")))?,
             );
         }
         if let Some(v) = env_var("FERROCOMM_QUICK_REDUCE") {
@@ -166,6 +188,12 @@ impl CommOptions {
     /// Whether autotune runs on `backend`.
     pub fn autotune_for(&self, backend: crate::device::BackendKind) -> bool {
         self.autotune.unwrap_or(backend != crate::device::BackendKind::Host)
+    }
+
+    /// A symmetric heap of `bytes` per rank (see [`CommOptions::heap_bytes`]).
+    pub fn with_heap_bytes(mut self, bytes: usize) -> Self {
+        self.heap_bytes = Some(bytes);
+        self
     }
 
     /// Pseudo-nodes of `ranks` consecutive ranks (see [`CommOptions::local_size`]).

@@ -319,6 +319,21 @@ pub trait Device: Send + Sync + Sized + 'static {
         stream: &Self::Stream,
     ) -> Result<()>;
 
+    /// Launch `kernel`, whose one by-value parameter is a struct with the
+    /// bytes `args` (heap kernels: their argument structs start with the
+    /// device API's context, `crate::heap::DevCtx`). GPU backends hand the
+    /// bytes to the driver as they are; the host backend runs the Rust twin
+    /// registered under the kernel's name. The caller vouches that `args`
+    /// is what the kernel's parameter type expects.
+    fn launch_raw(
+        &self,
+        module: &Self::Module,
+        kernel: &str,
+        config: LaunchConfig,
+        args: &[u8],
+        stream: &Self::Stream,
+    ) -> Result<()>;
+
     /// Another handle to the same device (a split communicator needs its
     /// own). Backends whose handles own nothing device-wide just reopen it.
     fn duplicate(&self) -> Result<Self>;

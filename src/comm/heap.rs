@@ -1,0 +1,209 @@
+//! The communicator's symmetric heap (`crate::heap`): allocation, address
+//! translation and the device API's context for kernels.
+
+use super::communicator::{Communicator, Resources};
+use crate::bootstrap::store_all_gather;
+use crate::device::{Device, DevicePtr, HostFlags, ModuleSource};
+use crate::error::{Error, Result};
+use crate::heap::{DevCtx, Heap, HeapBuffer};
+
+impl<D: Device> Communicator<D> {
+    /// Allocate `bytes` of the symmetric heap: every rank gets the same
+    /// offset, so peers' copies are reachable from kernels
+    /// ([`Communicator::device_ctx`]) and from the host
+    /// ([`Communicator::translate`]). Collective: every rank calls it, in the
+    /// same order, with the same size (the sizes and offsets are checked
+    /// across ranks). The first call reserves the heap
+    /// (`FERROCOMM_HEAP_BYTES`). The memory comes back zeroed the first time
+    /// a range is handed out; a reused range holds what its last user left.
+    pub fn heap_alloc(&self, bytes: usize) -> Result<HeapBuffer> {
+        let inner = &*self.inner;
+        if !inner.kernels {
+            return Err(Error::Unsupported(format!(
+                "symmetric heap on communicator {}: it spans {} and peers' memory cannot be mapped across nodes",
+                inner.name,
+                inner.topology.describe()
+            )));
+        }
+        let key = inner.next_key("heap");
+        let (rank, world, timeout) = (inner.rank, inner.world, inner.opts.timeout);
+        // The reservation is collective; taking it here, under the
+        // communicator's lock, orders it with every other setup step.
+        let (offset, base) = self.with_resources(|res| -> Result<(Result<usize>, DevicePtr)> {
+            if res.heap.is_none() {
+                let bytes = inner.opts.heap_bytes_for(inner.device.facts().backend);
+                let heap = Heap::create(&inner.device, inner.store.as_ref(), &key, rank, world, bytes, timeout)?;
+                res.heap = Some(heap);
+            }
+            let heap = res.heap.as_mut().expect("reserved above");
+            Ok((heap.alloc().alloc(bytes), heap.bases()[rank]))
+        })??;
+        // Every rank reports what it got, so a rank that took a different
+        // sequence of allocations is named instead of reading a wrong offset.
+        let mine = match &offset {
+            Ok(o) => [*o as u64, bytes as u64],
+            Err(_) => [u64::MAX, bytes as u64],
+        };
+        let blob: Vec<u8> = mine.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let all = store_all_gather(
+            inner.store.as_ref(),
+            &format!("{key}/check"),
+            rank,
+            world,
+            &blob,
+            timeout,
+        );
+        let release = |o: usize| {
+            let _ = self.with_resources(|res| res.heap.as_mut().map(|h| h.alloc().free(o)));
+        };
+        let all = match all {
+            Ok(all) => all,
+            Err(e) => {
+                if let Ok(o) = offset {
+                    release(o);
+                }
+                return Err(e);
+            }
+        };
+        let offset = offset?;
+        if let Some(peer) = all.iter().position(|b| b.as_slice() != blob.as_slice()) {
+            release(offset);
+            let theirs = |i: usize| {
+                all[peer]
+                    .get(8 * i..8 * i + 8)
+                    .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+            };
+            return Err(Error::Mismatch {
+                rank,
+                peer,
+                detail: format!(
+                    "heap_alloc of communicator {}: this rank allocated {bytes} bytes at offset {offset}, rank {peer} \
+                     {:?} bytes at offset {:?} (every rank must allocate and free the same sizes in the same order; \
+                     u64::MAX means its heap was full)",
+                    inner.name,
+                    theirs(1),
+                    theirs(0)
+                ),
+            });
+        }
+        Ok(HeapBuffer {
+            ptr: base.offset(offset),
+            offset,
+            bytes,
+            heap_id: self.heap_id(),
+        })
+    }
+
+    /// Return a heap allocation. Every rank must free the same allocations in
+    /// the same order (it is local, but later offsets depend on it), and only
+    /// once no kernel of any rank uses it any more.
+    pub fn heap_free(&self, buf: HeapBuffer) -> Result<()> {
+        if buf.heap_id != self.heap_id() {
+            return Err(Error::invalid(
+                "heap_free: the buffer belongs to another communicator's heap",
+            ));
+        }
+        self.with_resources(|res| match res.heap.as_mut() {
+            Some(h) => h.alloc().free(buf.offset),
+            None => Err(Error::invalid("heap_free: this communicator has no heap")),
+        })?
+    }
+
+    /// `ptr` (an address in this rank's heap) as mapped in `peer`'s heap,
+    /// for host-side copies or kernels of this process.
+    pub fn translate(&self, ptr: DevicePtr, peer: usize) -> Result<DevicePtr> {
+        let world = self.size();
+        if peer >= world {
+            return Err(Error::invalid(format!(
+                "translate: rank {peer} is not in a world of {world}"
+            )));
+        }
+        self.with_resources(|res| {
+            let heap = res
+                .heap
+                .as_ref()
+                .ok_or_else(|| Error::invalid("translate: this communicator has no heap (heap_alloc reserves it)"))?;
+            let offset = heap
+                .offset_of(ptr, 1)
+                .ok_or_else(|| Error::invalid(format!("translate: {ptr:?} is not in this rank's heap")))?;
+            Ok(heap.bases()[peer].offset(offset))
+        })?
+    }
+
+    /// The device API's context (`FcDevCtx`), to pass by value to kernels
+    /// that include `kernels-cuda/device_api.cuh`. Valid while the
+    /// communicator is; a kernel's deadline is the communicator's timeout,
+    /// and a wait past it makes the communicator's next call fail with a
+    /// [`Error::Timeout`] naming the rank that never signalled.
+    pub fn device_ctx(&self) -> Result<DevCtx> {
+        let inner = &*self.inner;
+        self.with_resources(|res| {
+            let heap = res.heap.as_ref().ok_or_else(|| {
+                Error::invalid("device_ctx: this communicator has no heap yet (heap_alloc reserves it)")
+            })?;
+            Ok(DevCtx {
+                heap: heap.bases(),
+                heap_bytes: heap.bytes() as u64,
+                error_flags: inner.flags.device_ptr(),
+                timeout_ns: inner.opts.timeout.as_nanos().min(u64::MAX as u128) as u64,
+                sync_offset: 0,
+                rank: inner.rank as u32,
+                world: inner.world as u32,
+            })
+        })?
+    }
+
+    /// Copy host bytes into `buf` at `offset`, ordered on the communicator's stream.
+    pub fn heap_write(&self, buf: &HeapBuffer, offset: usize, data: &[u8]) -> Result<()> {
+        crate::device::check_range("heap_write", buf.bytes, offset, data.len())?;
+        self.with_heap_own(buf, |dev, own, stream| {
+            dev.copy_from_host(own, buf.offset + offset, data, stream)
+        })
+    }
+
+    /// Wait for the communicator's stream, then copy `buf[offset..]` into `out`.
+    pub fn heap_read(&self, buf: &HeapBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
+        crate::device::check_range("heap_read", buf.bytes, offset, out.len())?;
+        self.with_heap_own(buf, |dev, own, stream| {
+            dev.copy_to_host(own, buf.offset + offset, out, stream)
+        })
+    }
+
+    fn with_heap_own(&self, buf: &HeapBuffer, f: impl FnOnce(&D, &D::Buffer, &D::Stream) -> Result<()>) -> Result<()> {
+        if buf.heap_id != self.heap_id() {
+            return Err(Error::invalid("the buffer belongs to another communicator's heap"));
+        }
+        let inner = &*self.inner;
+        self.with_resources(|res| match res.heap.as_ref() {
+            Some(h) => f(&inner.device, h.own(), &inner.stream),
+            None => Err(Error::invalid("this communicator has no heap")),
+        })?
+    }
+
+    /// Bytes of the heap still free, or `None` before it is reserved.
+    pub fn heap_free_bytes(&self) -> Result<Option<usize>> {
+        self.with_resources(|res| res.heap.as_mut().map(|h| h.alloc().free_bytes()))
+    }
+
+    /// Identifies this communicator's heap (its `Inner` address: unique while it lives).
+    fn heap_id(&self) -> u64 {
+        std::sync::Arc::as_ptr(&self.inner) as u64
+    }
+}
+
+/// A heap-kernel module (windows, EP), loaded once and kept with the
+/// communicator's other modules (so `Communicator::prepare` covers it).
+pub(crate) fn heap_module<'a, D: Device>(
+    res: &'a mut Resources<D>,
+    device: &D,
+    source: &ModuleSource,
+) -> Result<&'a D::Module> {
+    let at = match res.heap_modules.iter().position(|(n, _)| *n == source.name) {
+        Some(i) => i,
+        None => {
+            res.heap_modules.push((source.name, device.load_module(source)?));
+            res.heap_modules.len() - 1
+        }
+    };
+    Ok(&res.heap_modules[at].1)
+}

@@ -1,0 +1,247 @@
+//! The device API's context (`struct FcDevCtx` in `kernels-cuda/device_api.cuh`)
+//! and its host twin: the same operations in Rust, which the host backend's
+//! heap kernels (windows, EP dispatch/combine) are written against, as the GPU
+//! kernels are written against the header. docs/device-api.md is the reference.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::{SYNC_BARRIER_ARRIVED, SYNC_BARRIER_COUNT};
+use crate::device::{DevicePtr, ERR_CODE_NONE, ERR_CODE_TIMEOUT, MAX_RANKS};
+
+/// Error word 3's value when a device-API wait (not a collective launch) timed out.
+pub const ERR_EPOCH_DEVICE_API: u32 = u32::MAX;
+
+/// The context every heap kernel gets by value. ABI twin of `FcDevCtx`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct DevCtx {
+    /// Every rank's heap base as mapped in this process; `[rank]` is ours.
+    pub heap: [DevicePtr; MAX_RANKS],
+    /// Bytes of each rank's heap (the same on every rank).
+    pub heap_bytes: u64,
+    /// The communicator's host-mapped error words (`u32[ERR_WORDS]`).
+    pub error_flags: DevicePtr,
+    /// Bound of every wait.
+    pub timeout_ns: u64,
+    /// Offset in the heap of the sync area (barrier words).
+    pub sync_offset: u64,
+    pub rank: u32,
+    pub world: u32,
+}
+
+/// Size of the ABI struct; the header asserts the same number.
+pub const DEV_CTX_BYTES: usize = std::mem::size_of::<DevCtx>();
+const _: () = assert!(DEV_CTX_BYTES == 104);
+
+/// How [`DevCtx::wait_until`] compares a signal with its value (`FC_CMP_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Cmp {
+    Eq = 0,
+    Ne = 1,
+    Gt = 2,
+    Ge = 3,
+    Lt = 4,
+    Le = 5,
+}
+
+impl Cmp {
+    fn holds(self, x: u64, v: u64) -> bool {
+        match self {
+            Cmp::Eq => x == v,
+            Cmp::Ne => x != v,
+            Cmp::Gt => x > v,
+            Cmp::Ge => x >= v,
+            Cmp::Lt => x < v,
+            Cmp::Le => x <= v,
+        }
+    }
+}
+
+impl DevCtx {
+    /// Whether `[p, p + bytes)` lies in this rank's heap.
+    pub fn in_heap(&self, p: DevicePtr, bytes: u64) -> bool {
+        let base = self.heap[self.rank as usize].0;
+        p.0 >= base && p.0.checked_add(bytes).is_some_and(|end| end <= base + self.heap_bytes)
+    }
+
+    /// `p`'s twin in `peer`'s heap, or `None` for a peer outside the world or
+    /// a range outside the heap (the checks the header makes in debug builds).
+    pub fn remote_ptr(&self, peer: usize, p: DevicePtr, bytes: u64) -> Option<DevicePtr> {
+        if peer >= self.world as usize || !self.in_heap(p, bytes) {
+            return None;
+        }
+        Some(DevicePtr(p.0 - self.heap[self.rank as usize].0 + self.heap[peer].0))
+    }
+
+    /// The host twin works on process addresses; every one it touches went
+    /// through [`DevCtx::remote_ptr`] or is the caller's.
+    fn remote(&self, peer: usize, p: DevicePtr, bytes: u64) -> *mut u8 {
+        match self.remote_ptr(peer, p, bytes) {
+            Some(r) => r.0 as *mut u8,
+            // The host API checks every address before a launch; a twin
+            // that still gets a bad one has a bug, and a fault is the answer
+            // that cannot corrupt a peer.
+            None => panic!("device API: rank {peer} / {p:?}+{bytes} is outside the heap or the world"),
+        }
+    }
+
+    /// Copy `bytes` from local `src` to `dst`'s twin at `peer`.
+    ///
+    /// # Safety
+    /// `src..src+bytes` is readable; `dst..dst+bytes` is a heap range.
+    pub unsafe fn put(&self, peer: usize, dst: DevicePtr, src: DevicePtr, bytes: u64) {
+        let to = self.remote(peer, dst, bytes);
+        // SAFETY: both ranges are live for `bytes` (caller; remote() checked
+        // the heap side); memmove because a rank may put onto itself.
+        unsafe { std::ptr::copy(src.0 as *const u8, to, bytes as usize) }
+    }
+
+    /// Copy `bytes` from `src`'s twin at `peer` to local `dst`.
+    ///
+    /// # Safety
+    /// `dst..dst+bytes` is writable; `src..src+bytes` is a heap range.
+    pub unsafe fn get(&self, peer: usize, dst: DevicePtr, src: DevicePtr, bytes: u64) {
+        let from = self.remote(peer, src, bytes);
+        // SAFETY: as in `put`.
+        unsafe { std::ptr::copy(from as *const u8, dst.0 as *mut u8, bytes as usize) }
+    }
+
+    fn word(&self, peer: usize, p: DevicePtr) -> &AtomicU64 {
+        let at = self.remote(peer, p, 8);
+        assert!(
+            (at as usize).is_multiple_of(8),
+            "device API: signal word {p:?} is not 8-byte aligned"
+        );
+        // SAFETY: an aligned u64 inside a live heap mapping (remote() checked
+        // the range); peers touch it only atomically.
+        unsafe { AtomicU64::from_ptr(at as *mut u64) }
+    }
+
+    /// Store `v` into `sig`'s twin at `peer`, after every earlier write of this thread.
+    pub fn signal_set(&self, peer: usize, sig: DevicePtr, v: u64) {
+        self.word(peer, sig).store(v, Ordering::Release);
+    }
+
+    /// Add `v` to `sig`'s twin at `peer`, after every earlier write of this thread.
+    pub fn signal_add(&self, peer: usize, sig: DevicePtr, v: u64) {
+        self.word(peer, sig).fetch_add(v, Ordering::AcqRel);
+    }
+
+    /// Remote fetch-and-add; the old value.
+    pub fn atomic_add(&self, peer: usize, p: DevicePtr, v: u64) -> u64 {
+        self.word(peer, p).fetch_add(v, Ordering::AcqRel)
+    }
+
+    /// Remote compare-and-swap; the old value.
+    pub fn atomic_cas(&self, peer: usize, p: DevicePtr, cmp: u64, v: u64) -> u64 {
+        match self
+            .word(peer, p)
+            .compare_exchange(cmp, v, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(old) | Err(old) => old,
+        }
+    }
+
+    /// Acquire load of `p`'s twin at `peer`.
+    pub fn atomic_fetch(&self, peer: usize, p: DevicePtr) -> u64 {
+        self.word(peer, p).load(Ordering::Acquire)
+    }
+
+    fn error_word(&self, i: usize) -> &AtomicU32 {
+        // SAFETY: the communicator's error words, live while it is (the
+        // launcher holds it); kernels and the host touch them atomically.
+        unsafe { AtomicU32::from_ptr((self.error_flags.0 as *mut u32).add(i)) }
+    }
+
+    /// Whether the communicator already failed (another wait timed out, a
+    /// mismatch, an abort): waits then give up at once.
+    pub fn failed(&self) -> bool {
+        self.error_word(0).load(Ordering::Acquire) != ERR_CODE_NONE
+    }
+
+    /// Record a timeout waiting for the ranks in `missing` (a bit mask).
+    pub fn report_timeout(&self, missing: u32) {
+        let _ =
+            self.error_word(0)
+                .compare_exchange(ERR_CODE_NONE, ERR_CODE_TIMEOUT, Ordering::AcqRel, Ordering::Acquire);
+        self.error_word(1).fetch_or(missing, Ordering::AcqRel);
+        self.error_word(3).store(ERR_EPOCH_DEVICE_API, Ordering::Release);
+    }
+
+    /// Wait until our `sig` compares to `v` as `cmp` says; `peer` is who is
+    /// expected to signal. False at the deadline (the error words then name
+    /// `peer`) or when the communicator failed.
+    pub fn wait_until(&self, sig: DevicePtr, cmp: Cmp, v: u64, peer: usize) -> bool {
+        let word = self.word(self.rank as usize, sig);
+        let mut spin = Spin::new(self.timeout_ns);
+        loop {
+            if cmp.holds(word.load(Ordering::Acquire), v) {
+                return true;
+            }
+            if self.failed() {
+                return false;
+            }
+            if spin.expired() {
+                self.report_timeout(1 << peer);
+                return false;
+            }
+        }
+    }
+
+    /// A barrier over every rank: count this rank's barriers in the sync
+    /// area, publish the count to every peer, and wait for theirs.
+    pub fn barrier_all(&self) -> bool {
+        let me = self.rank as usize;
+        let sync = self.heap[me].offset(self.sync_offset as usize);
+        let count = self.atomic_add(me, sync.offset(SYNC_BARRIER_COUNT), 1) + 1;
+        for peer in 0..self.world as usize {
+            self.signal_set(peer, sync.offset(SYNC_BARRIER_ARRIVED + 8 * me), count);
+        }
+        let mut spin = Spin::new(self.timeout_ns);
+        loop {
+            let missing = (0..self.world as usize)
+                .filter(|&p| self.atomic_fetch(me, sync.offset(SYNC_BARRIER_ARRIVED + 8 * p)) < count)
+                .fold(0u32, |m, p| m | 1 << p);
+            if missing == 0 {
+                return true;
+            }
+            if self.failed() {
+                return false;
+            }
+            if spin.expired() {
+                self.report_timeout(missing);
+                return false;
+            }
+        }
+    }
+}
+
+/// The host twin's spin: back to back first (peers usually answer within
+/// microseconds), then yielding, then short sleeps; and the deadline.
+struct Spin {
+    start: Instant,
+    limit: Duration,
+    polls: u32,
+}
+
+impl Spin {
+    fn new(timeout_ns: u64) -> Spin {
+        Spin {
+            start: Instant::now(),
+            limit: Duration::from_nanos(timeout_ns),
+            polls: 0,
+        }
+    }
+
+    fn expired(&mut self) -> bool {
+        self.polls = self.polls.saturating_add(1);
+        match self.polls {
+            0..=256 => std::hint::spin_loop(),
+            257..=4096 => std::thread::yield_now(),
+            _ => std::thread::sleep(Duration::from_micros(20)),
+        }
+        self.start.elapsed() >= self.limit
+    }
+}

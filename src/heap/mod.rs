@@ -1,0 +1,129 @@
+//! The symmetric heap: one shareable reservation per rank, mapped by every
+//! peer, with an allocator that gives every rank the same offset for the
+//! same allocation (NVSHMEM's and Iris's model). A kernel reaches a peer's
+//! copy of a heap buffer by adding the same offset to the peer's base, which
+//! the device API (`kernels-cuda/device_api.cuh`, twin: [`DevCtx`]) does.
+//!
+//! ```text
+//! offset 0              sync area (HEAP_RESERVED bytes), ferrocomm's own:
+//!   + SYNC_BARRIER_ARRIVED  u64 [MAX_RANKS]  rank p's barrier count, written by p
+//!   + SYNC_BARRIER_COUNT    u64              barriers this rank entered (local)
+//! HEAP_RESERVED         allocations, HEAP_ALIGN-aligned, symmetric
+//! ```
+//!
+//! The heap is reserved on first use (`Communicator::heap_alloc`), not when a
+//! communicator is created, so communicators that never use it cost nothing.
+//! It does not grow: its size is fixed by `FERROCOMM_HEAP_BYTES` on every rank,
+//! and an allocation past it is an error that says so.
+
+mod alloc;
+mod ctx;
+
+pub use alloc::{SymmetricAlloc, HEAP_ALIGN};
+pub use ctx::{Cmp, DevCtx, DEV_CTX_BYTES, ERR_EPOCH_DEVICE_API};
+
+use std::time::Duration;
+
+use crate::algo::PeerMaps;
+use crate::bootstrap::Store;
+use crate::device::{Device, DeviceBuffer, DevicePtr, MemKind, MAX_RANKS};
+use crate::error::{Error, Result};
+
+/// Bytes at the start of every heap that ferrocomm keeps for itself.
+pub const HEAP_RESERVED: usize = 64 * 1024;
+/// Sync area: `u64 [MAX_RANKS]`, word `p` written by rank `p` at each barrier.
+pub const SYNC_BARRIER_ARRIVED: usize = 0;
+/// Sync area: `u64`, this rank's barrier count (local).
+pub const SYNC_BARRIER_COUNT: usize = 8 * MAX_RANKS;
+
+/// This rank's heap and every peer's mapping of theirs.
+pub(crate) struct Heap<D: Device> {
+    // Field order matters for drop: unmap peers before freeing our own buffer.
+    maps: PeerMaps<D>,
+    own: D::Buffer,
+    alloc: SymmetricAlloc,
+}
+
+impl<D: Device> Heap<D> {
+    /// Reserve `bytes`, map every peer's heap. Collective over `world` ranks.
+    pub(crate) fn create(
+        dev: &D,
+        store: &dyn Store,
+        key: &str,
+        rank: usize,
+        world: usize,
+        bytes: usize,
+        timeout: Duration,
+    ) -> Result<Heap<D>> {
+        if bytes <= HEAP_RESERVED || bytes % 4096 != 0 {
+            return Err(Error::invalid(format!(
+                "symmetric heap of {bytes} bytes: FERROCOMM_HEAP_BYTES must be a multiple of 4096 above {HEAP_RESERVED}"
+            )));
+        }
+        let own = dev.alloc(bytes, MemKind::Shareable).map_err(|e| {
+            Error::invalid(format!(
+                "reserving a symmetric heap of {bytes} bytes failed ({e}); lower FERROCOMM_HEAP_BYTES on every rank"
+            ))
+        })?;
+        let maps = PeerMaps::exchange(dev, store, key, "heap", &own, rank, world, timeout)?;
+        Ok(Heap {
+            maps,
+            alloc: SymmetricAlloc::new(HEAP_RESERVED, bytes - HEAP_RESERVED),
+            own,
+        })
+    }
+
+    /// Every rank's heap base as mapped here; `[rank]` is our own.
+    pub(crate) fn bases(&self) -> [DevicePtr; MAX_RANKS] {
+        self.maps.ptrs
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.own.len()
+    }
+
+    pub(crate) fn own(&self) -> &D::Buffer {
+        &self.own
+    }
+
+    pub(crate) fn alloc(&mut self) -> &mut SymmetricAlloc {
+        &mut self.alloc
+    }
+
+    /// The offset in the heap of `[ptr, ptr + bytes)`, or `None` outside it.
+    pub(crate) fn offset_of(&self, ptr: DevicePtr, bytes: usize) -> Option<usize> {
+        let base = self.own.ptr().0;
+        let end = ptr.0.checked_add(bytes as u64)?;
+        (ptr.0 >= base && end <= base + self.own.len() as u64).then(|| (ptr.0 - base) as usize)
+    }
+}
+
+/// A symmetric allocation: what `Communicator::heap_alloc` returns. Every
+/// rank holds one at the same offset; [`HeapBuffer::ptr`] is ours, a peer's
+/// is `Communicator::translate(ptr, peer)`.
+#[derive(Debug, PartialEq, Eq)]
+pub struct HeapBuffer {
+    pub(crate) ptr: DevicePtr,
+    pub(crate) offset: usize,
+    pub(crate) bytes: usize,
+    /// Which communicator's heap (its lineage key), so a buffer cannot be
+    /// freed into another heap.
+    pub(crate) heap_id: u64,
+}
+
+impl HeapBuffer {
+    /// Offset from the heap's base, the same on every rank.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+}
+
+impl DeviceBuffer for HeapBuffer {
+    fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    fn len(&self) -> usize {
+        self.bytes
+    }
+}
