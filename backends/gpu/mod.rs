@@ -42,7 +42,7 @@ use crate::algo::layout::MAX_BLOCKS;
 use crate::algo::BLOCK_THREADS;
 use crate::device::{
     check_range, Device, DeviceBuffer, DeviceFacts, DevicePtr, ExportedHandle, KernelParams, LaunchConfig, MemKind,
-    ModuleSource,
+    ModuleSource, KERNEL_PARAMS_BYTES,
 };
 use crate::error::{Error, Result};
 

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 /// # Safety
 /// The bytes are the struct the kernel expects, built by the host API from
 /// live buffers that it keeps alive until the stream drains.
-pub(super) type RawKernel = unsafe fn(&[u8]);
+pub(crate) type RawKernel = unsafe fn(&[u8]);
 
 /// The twins of module `module`, or `None` when it is not a heap module.
 pub(super) fn raw_kernels(module: &str) -> Option<HashMap<&'static str, RawKernel>> {

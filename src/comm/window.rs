@@ -278,10 +278,10 @@ impl<D: Device> Window<D> {
 /// Host twins of `kernels-cuda/windows.cu`, written against [`DevCtx`].
 pub(crate) mod window_twins {
     use super::*;
-    use crate::backends::host::heap_kernels::args_of;
+    use crate::backends::host::heap_kernels::{args_of, RawKernel};
 
     /// `(name, twin)` of every kernel of the windows module.
-    pub const TWINS: [(&str, unsafe fn(&[u8])); 2] = [("fc_win_signal", signal), ("fc_win_wait", wait)];
+    pub const TWINS: [(&str, RawKernel); 2] = [("fc_win_signal", signal), ("fc_win_wait", wait)];
 
     /// # Safety
     /// `args` is a [`WinArgs`] of live heap mappings and error words.

@@ -111,7 +111,7 @@ impl DevCtx {
     fn word(&self, peer: usize, p: DevicePtr) -> &AtomicU64 {
         let at = self.remote(peer, p, 8);
         assert!(
-            (at as usize).is_multiple_of(8),
+            (at as usize) % 8 == 0,
             "device API: signal word {p:?} is not 8-byte aligned"
         );
         // SAFETY: an aligned u64 inside a live heap mapping (remote() checked

@@ -7,5 +7,6 @@ pub mod conformance;
 pub mod data;
 pub mod fused;
 pub mod harness;
+pub mod heap;
 pub mod launch;
 pub mod quick_reduce;

@@ -1,0 +1,242 @@
+//! The symmetric heap and windows in the conformance suite (every backend):
+//! symmetric offsets and translation, the device API's context, window puts
+//! with signals over several rounds (heap buffers and registered ones), a
+//! captured put/signal/wait replayed with new data, every bad input as an
+//! error before anything is queued, and a peer that never signals.
+
+use std::time::Duration;
+
+use super::conformance::{SuiteConfig, SuiteReport};
+use crate::bootstrap::{store_barrier, Store};
+use crate::comm::{Call, Communicator, Tensor};
+use crate::device::{Device, DeviceBuffer, DevicePtr};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::heap::{HEAP_ALIGN, HEAP_RESERVED};
+
+/// Rank `r`'s element `i` in round `round`.
+fn value(r: usize, round: usize, i: usize) -> i32 {
+    (r as i32 + 1) * 1_000_000 + round as i32 * 10_000 + i as i32
+}
+
+fn to_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn from_bytes(b: &[u8]) -> Vec<i32> {
+    b.chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect()
+}
+
+struct Checker {
+    report: SuiteReport,
+}
+
+impl Checker {
+    fn check(&mut self, case: &str, ok: bool, detail: impl FnOnce() -> String) {
+        self.report.collectives += 1;
+        if !ok {
+            self.report.failures.push(format!("{case}: {}", detail()));
+        }
+    }
+
+    fn check_values(&mut self, case: &str, got: &[i32], want: &[i32]) {
+        self.report.elements_checked += want.len();
+        let bad = got.iter().zip(want).position(|(g, w)| g != w);
+        self.check(case, bad.is_none() && got.len() == want.len(), || match bad {
+            Some(i) => format!("element {i}: got {} want {}", got[i], want[i]),
+            None => format!("{} elements, want {}", got.len(), want.len()),
+        });
+    }
+
+    fn check_err<T>(&mut self, case: &str, r: Result<T>, needle: &str) {
+        let ok = matches!(&r, Err(e) if e.to_string().contains(needle));
+        self.check(case, ok, || match r {
+            Ok(_) => "succeeded, want an error".into(),
+            Err(e) => format!("error {e:?} does not mention {needle:?}"),
+        });
+    }
+}
+
+/// Heap, translation, context and windows; every rank runs it in step.
+pub fn run_heap_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &SuiteConfig) -> Result<SuiteReport> {
+    let (rank, world) = (comm.rank(), comm.size());
+    let mut c = Checker {
+        report: SuiteReport::default(),
+    };
+    let barrier = |what: &str| store_barrier(store, &format!("fc/heap-suite/{what}"), rank, world, cfg.timeout);
+
+    // Symmetric allocation and translation.
+    let a = comm.heap_alloc(1000)?;
+    let n = 257; // odd, not a multiple of 16 bytes
+    let rounds = 3;
+    let b = comm.heap_alloc(rounds * world * n * 4)?;
+    c.check(
+        "heap offsets",
+        a.offset() >= HEAP_RESERVED && a.offset() % HEAP_ALIGN == 0 && b.offset() >= a.offset() + 1000,
+        || format!("a at {}, b at {}", a.offset(), b.offset()),
+    );
+    let ctx = comm.device_ctx()?;
+    c.check(
+        "device ctx",
+        ctx.rank as usize == rank
+            && ctx.world as usize == world
+            && ctx.heap[rank] == DevicePtr(a.ptr().0 - a.offset() as u64),
+        || format!("{ctx:?}"),
+    );
+    for peer in 0..world {
+        let t = comm.translate(b.ptr().offset(12), peer)?;
+        c.check("translate", t == ctx.heap[peer].offset(b.offset() + 12), || {
+            format!("peer {peer}: {t:?}")
+        });
+    }
+    c.check_err(
+        "translate outside the heap",
+        comm.translate(DevicePtr(8), 0),
+        "not in this rank's heap",
+    );
+    c.check_err(
+        "translate to a rank outside",
+        comm.translate(a.ptr(), world),
+        "not in a world",
+    );
+
+    // A window over heap buffers: each round, every rank puts its values
+    // into the next rank's buffer and signals it; each round has its own
+    // region, so a late reader never sees the next round's data.
+    let src_buf = comm.alloc(n * 4)?;
+    let src = Tensor::view(&src_buf, DType::I32, 0, n)?;
+    let mut win = comm.new_window()?;
+    win.register(Tensor::of(&b, DType::I32))?;
+    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+    let call = Call::new();
+    for round in 0..rounds {
+        let mine: Vec<i32> = (0..n).map(|i| value(rank, round, i)).collect();
+        comm.write(&src_buf, 0, &to_bytes(&mine))?;
+        win.put(src, next, (round * world + rank) * n, &call)?;
+        win.signal(next, &call)?;
+        win.wait_signal(prev, &call)?.wait(None)?;
+        let mut got = vec![0u8; n * 4];
+        comm.heap_read(&b, (round * world + prev) * n * 4, &mut got)?;
+        let want: Vec<i32> = (0..n).map(|i| value(prev, round, i)).collect();
+        c.check_values(
+            &format!("window round {round} from rank {prev}"),
+            &from_bytes(&got),
+            &want,
+        );
+    }
+    let remote = win.map_remote(next)?;
+    c.check(
+        "map_remote",
+        remote.ptr() == comm.translate(b.ptr(), next)? && remote.count() == rounds * world * n,
+        || format!("{remote:?}"),
+    );
+
+    // Bad input: errors, nothing queued.
+    c.check_err(
+        "put past the end",
+        win.put(src, next, rounds * world * n - 1, &call),
+        "past the end",
+    );
+    c.check_err("put to a rank outside", win.put(src, world, 0, &call), "not in a world");
+    let f32_src = src.reinterpret(DType::F32)?;
+    c.check_err("put of another dtype", win.put(f32_src, next, 0, &call), "source is");
+    c.check_err("register twice", win.register(src), "has a buffer");
+    c.check_err("map_remote outside", win.map_remote(world), "not in a world");
+    c.check_err("signal outside", win.signal(world, &call), "not in a world");
+
+    // A captured put/signal/wait, replayed with new data: the signal counts
+    // live on the device, so each replay waits for its own signal.
+    let dev = comm.device();
+    let stream = dev.create_stream()?;
+    dev.begin_capture(&stream)?;
+    let captured = (|| {
+        let on = Call::on(&stream);
+        win.put(src, next, rank * n, &on)?;
+        win.signal(next, &on)?;
+        win.wait_signal(prev, &on)
+    })();
+    let graph = dev.end_capture(&stream)?;
+    captured?;
+    for replay in 0..cfg.graph_replays.clamp(1, 5) {
+        let round = 100 + replay;
+        let mine: Vec<i32> = (0..n).map(|i| value(rank, round, i)).collect();
+        comm.write(&src_buf, 0, &to_bytes(&mine))?;
+        dev.synchronize(comm.stream())?;
+        dev.launch_graph(&graph, &stream)?;
+        dev.synchronize(&stream)?;
+        let mut got = vec![0u8; n * 4];
+        comm.heap_read(&b, prev * n * 4, &mut got)?;
+        let want: Vec<i32> = (0..n).map(|i| value(prev, round, i)).collect();
+        c.check_values(
+            &format!("graph replay {replay} from rank {prev}"),
+            &from_bytes(&got),
+            &want,
+        );
+        // Nobody overwrites a region before its reader has read it.
+        barrier(&format!("replay{replay}"))?;
+    }
+    drop(graph);
+    win.free()?;
+
+    // A window over memory outside the heap: registered, same protocol.
+    let plain = comm.alloc(world * n * 4)?;
+    let mut reg = comm.new_window()?;
+    reg.register(Tensor::of(&plain, DType::I32))?;
+    let mine: Vec<i32> = (0..n).map(|i| value(rank, 7, i)).collect();
+    comm.write(&src_buf, 0, &to_bytes(&mine))?;
+    reg.put(src, next, rank * n, &call)?;
+    reg.signal(next, &call)?;
+    reg.wait_signal(prev, &call)?.wait(None)?;
+    let mut got = vec![0u8; n * 4];
+    comm.read(&plain, prev * n * 4, &mut got)?;
+    let want: Vec<i32> = (0..n).map(|i| value(prev, 7, i)).collect();
+    c.check_values("registered window", &from_bytes(&got), &want);
+    barrier("registered")?;
+    reg.free()?;
+
+    // Out of heap: every rank gets the error, and the heap stays usable.
+    c.check_err("heap exhausted", comm.heap_alloc(1 << 40), "out of memory");
+    let (a_off, b_off) = (a.offset(), b.offset());
+    comm.heap_free(b)?;
+    comm.heap_free(a)?;
+    let again = comm.heap_alloc(1000)?;
+    c.check("first fit after free", again.offset() == a_off && a_off < b_off, || {
+        format!("{} after {a_off}", again.offset())
+    });
+    comm.heap_free(again)?;
+    barrier("end")?;
+    Ok(c.report)
+}
+
+/// Rank 0 waits for a signal rank 1 never sends: the wait must end with a
+/// timeout naming rank 1, within the call's bound plus grace.
+pub fn run_heap_timeout<D: Device>(
+    comm: &Communicator<D>,
+    store: &dyn Store,
+    cfg: &SuiteConfig,
+) -> Result<SuiteReport> {
+    let (rank, world) = (comm.rank(), comm.size());
+    let mut c = Checker {
+        report: SuiteReport::default(),
+    };
+    let win = comm.new_window()?;
+    if rank == 0 {
+        let start = std::time::Instant::now();
+        let r = win
+            .wait_signal(1, &Call::new().timeout(Duration::from_millis(300)))
+            .and_then(|w| w.wait(None));
+        let named = matches!(&r, Err(Error::Timeout { missing, .. }) if missing == &vec![1]);
+        c.check("a peer that never signals", named, || format!("{r:?}"));
+        c.check("timeout bound", start.elapsed() < Duration::from_secs(10), || {
+            format!("took {:?}", start.elapsed())
+        });
+    } else {
+        c.report.collectives += 1;
+    }
+    store_barrier(store, "fc/heap-suite/timeout", rank, world, cfg.timeout)?;
+    // Rank 0's communicator is aborted now; the window's words go with its heap.
+    drop(win);
+    Ok(c.report)
+}
