@@ -107,6 +107,12 @@ static_assert(sizeof(FcParams) == 448, "FcParams must match KernelParams (448 by
 // may use up to 65536 / FC_MAX_BLOCK_THREADS registers a thread.
 #define FC_KERNEL(name) \
     extern "C" __global__ void __launch_bounds__(FC_MAX_BLOCK_THREADS, 1) name(const __grid_constant__ FcParams p)
+// An entry point whose one by-value argument is `const ArgsType a` (heap
+// kernels and user kernels: FC_HEAP_KERNEL in device_api.cuh). Same bounds
+// and __grid_constant__ as FC_KERNEL, so a.ctx.heap[peer] indexes the
+// parameter bank at run time.
+#define FC_KERNEL_ARGS(name, ArgsType) \
+    extern "C" __global__ void __launch_bounds__(FC_MAX_BLOCK_THREADS, 1) name(const __grid_constant__ ArgsType a)
 
 // ---------------------------------------------------------------------------
 // Thread geometry and block barriers (1-D launches only).
@@ -162,6 +168,21 @@ FC_DEVICE fc_u32 fc_atomic_cas_sys(fc_u32* p, fc_u32 cmp, fc_u32 val) { return a
 FC_DEVICE fc_u32 fc_atomic_or_sys(fc_u32* p, fc_u32 v) { return atomicOr_system(p, v); }
 FC_DEVICE fc_u32 fc_atomic_exch_sys(fc_u32* p, fc_u32 v) { return atomicExch_system(p, v); }
 FC_DEVICE fc_u32 fc_atomic_add_gpu(fc_u32* p, fc_u32 v) { return atomicAdd(p, v); }
+
+// 64-bit words at system scope (device API signals and barrier counts,
+// device_api.cuh). The load and store are acquire / release like the u32
+// pair above; the atomics are relaxed like the u32 ones (a caller that needs
+// release puts fc_fence_sys() before).
+FC_DEVICE fc_u64 fc_ld_acquire_sys_u64(const fc_u64* p) {
+    fc_u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+FC_DEVICE void fc_st_release_sys_u64(fc_u64* p, fc_u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+FC_DEVICE fc_u64 fc_atomic_add_sys_u64(fc_u64* p, fc_u64 v) { return atomicAdd_system(p, v); }
+FC_DEVICE fc_u64 fc_atomic_cas_sys_u64(fc_u64* p, fc_u64 cmp, fc_u64 val) { return atomicCAS_system(p, cmp, val); }
 
 // Nanoseconds from a free-running global clock (same on every SM).
 FC_DEVICE fc_u64 fc_globaltimer_ns() {
@@ -309,6 +330,12 @@ FC_DEVICE fc_u32 fc_pack_bf16x2(float lo, float hi) {
 
 // Lane inside the warp.
 FC_DEVICE fc_u32 fc_lane_id() { return threadIdx.x & 31u; }
+// Lanes per warp, and a barrier of the calling warp that also orders its
+// lanes' memory accesses (__syncwarp), so one lane's release that follows
+// covers the whole warp's writes (device_api.cuh's warp-level puts). Every
+// lane of the warp must call it; blocks are whole warps.
+FC_DEVICE fc_u32 fc_warp_size() { return 32u; }
+FC_DEVICE void fc_warp_sync() { __syncwarp(); }
 // The value of lane (lane ^ mask). Every lane of the warp must call it.
 FC_DEVICE fc_u32 fc_shfl_xor(fc_u32 v, fc_u32 mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 // Correctly rounded f32 division, whatever --prec-div says.

@@ -152,6 +152,11 @@ static_assert(FC_WALLCLOCK_KHZ > 0, "FC_WALLCLOCK_KHZ must be positive");
 #define FC_KERNEL(name)                                                                          \
     extern "C" __global__ void __attribute__((amdgpu_flat_work_group_size(1, FC_MAX_BLOCK_THREADS))) \
         name(const FcParams p)
+// An entry point whose one by-value argument is `const ArgsType a` (heap
+// kernels and user kernels: FC_HEAP_KERNEL in device_api.cuh).
+#define FC_KERNEL_ARGS(name, ArgsType)                                                           \
+    extern "C" __global__ void __attribute__((amdgpu_flat_work_group_size(1, FC_MAX_BLOCK_THREADS))) \
+        name(const ArgsType a)
 
 // ---------------------------------------------------------------------------
 // Thread geometry (1-D launches only).
@@ -255,6 +260,25 @@ FC_DEVICE fc_u32 fc_atomic_exch_sys(fc_u32* p, fc_u32 v) {
 }
 FC_DEVICE fc_u32 fc_atomic_add_gpu(fc_u32* p, fc_u32 v) {
     return __hip_atomic_fetch_add((FC_GLOBAL fc_u32*)p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+
+// 64-bit words at system scope (device API signals and barrier counts,
+// device_api.cuh): acquire load and release store like the u32 pair above,
+// relaxed atomics like the u32 ones (a caller that needs release puts
+// fc_fence_sys() before). 64-bit system-scope atomics on host-mapped memory
+// need PCIe atomics; between GPUs they go over XGMI.
+FC_DEVICE fc_u64 fc_ld_acquire_sys_u64(const fc_u64* p) {
+    return __hip_atomic_load((FC_GLOBAL fc_u64*)p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+FC_DEVICE void fc_st_release_sys_u64(fc_u64* p, fc_u64 v) {
+    __hip_atomic_store((FC_GLOBAL fc_u64*)p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+FC_DEVICE fc_u64 fc_atomic_add_sys_u64(fc_u64* p, fc_u64 v) {
+    return __hip_atomic_fetch_add((FC_GLOBAL fc_u64*)p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+FC_DEVICE fc_u64 fc_atomic_cas_sys_u64(fc_u64* p, fc_u64 cmp, fc_u64 val) {
+    __hip_atomic_compare_exchange_strong((FC_GLOBAL fc_u64*)p, &cmp, val, __ATOMIC_RELAXED, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+    return cmp; // the old value, whether or not it was replaced
 }
 #endif // !FC_HIP_PRELUDE_HOST_TEST
 
@@ -435,6 +459,25 @@ FC_DEVICE fc_u32 fc_pack_bf16x2(float lo, float hi) {
 
 // Lane inside the wave (64 lanes on CDNA).
 FC_DEVICE fc_u32 fc_lane_id() { return __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u)); }
+// Lanes per wave (64 on CDNA), and a barrier of the calling wave that orders
+// its lanes' memory accesses. A wave is one instruction stream, so no
+// instruction is needed: the wavefront-scope fences only keep the compiler
+// from moving accesses across it. A system-scope release by one lane that
+// follows waits (s_waitcnt) for the memory counters of the whole wave, so it
+// covers every lane's writes.
+// (ROCm 5.x hipRTC's clang predates the builtin; its macro is the same number.)
+FC_DEVICE fc_u32 fc_warp_size() {
+#if __has_builtin(__builtin_amdgcn_wavefrontsize)
+    return __builtin_amdgcn_wavefrontsize();
+#else
+    return __AMDGCN_WAVEFRONT_SIZE;
+#endif
+}
+FC_DEVICE void fc_warp_sync() {
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+    __builtin_amdgcn_wave_barrier();
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+}
 // The value of lane (lane ^ mask), through ds_bpermute (byte addresses).
 // Every lane of the wave must call it.
 FC_DEVICE fc_u32 fc_shfl_xor(fc_u32 v, fc_u32 mask) {

@@ -549,3 +549,117 @@ fn kernel_names_are_unique_and_well_formed() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------
+// The device API (kernels-cuda/device_api.cuh) and the example user kernel.
+// At run time ferrocomm compiles prelude + device_api.cuh + the user's
+// source; the same text is compiled here.
+
+const CUDA_PRELUDE: &str = include_str!("../kernels-cuda/prelude.cuh");
+const DEVICE_API: &str = include_str!("../kernels-cuda/device_api.cuh");
+const USER_ALLGATHER: &str = include_str!("../kernels-cuda/examples/user_allgather.cu");
+
+/// A kernel that calls every function of the device API once, so every
+/// template is instantiated and every inline PTX path reaches ptxas.
+const DEVICE_API_PROBE: &str = r#"
+struct FcProbeArgs {
+    FcDevCtx ctx;
+    fc_u64 buf;  // heap
+    fc_u64 sig;  // heap u64[8]
+    fc_u64 out;  // u64 per thread
+};
+FC_HEAP_KERNEL(fc_devapi_probe, FcProbeArgs) {
+    const FcDevCtx& ctx = a.ctx;
+    char* buf = fc_ptr<char>(a.buf);
+    fc_u64* sig = fc_ptr<fc_u64>(a.sig);
+    const fc_u32 peer = (ctx.rank + 1u) % ctx.world;
+    fc_u64 acc = fc_peer_ok(ctx, peer) + fc_in_heap(ctx, buf, 64);
+    acc += reinterpret_cast<fc_u64>(fc_remote_ptr(ctx, peer, sig));
+    fc_put_thread(ctx, peer, buf, buf + 4096, 33);
+    fc_put_warp(ctx, peer, buf + 64, buf + 4097, 1000);
+    fc_put_block(ctx, peer, buf + 2048, buf + 8192, 3000);
+    fc_get_thread(ctx, peer, buf + 16384, buf, 17);
+    fc_get_warp(ctx, peer, buf + 16384 + 3, buf + 7, 999);
+    fc_get_block(ctx, peer, buf + 20480, buf + 2048, 4001);
+    fc_put_signal_thread(ctx, peer, buf, buf + 4096, 17, sig, 1, FC_SIGNAL_ADD);
+    fc_put_signal_warp(ctx, peer, buf + 64, buf + 4096, 100, sig + 1, 2, FC_SIGNAL_SET);
+    fc_put_signal_block(ctx, peer, buf + 256, buf + 4096, 4096, sig + 2, 3, FC_SIGNAL_ADD);
+    fc_signal_set(ctx, peer, sig + 3, 5);
+    fc_signal_add(ctx, peer, sig + 4, 1);
+    fc_fence();
+    fc_quiet();
+    acc += fc_wait_until(ctx, sig, FC_CMP_GE, 1, peer);
+    acc += fc_wait_until(ctx, sig + 1, FC_CMP_EQ, 2, peer);
+    acc += fc_barrier_all_block(ctx);
+    acc += fc_atomic_add(ctx, peer, sig + 5, 1);
+    acc += fc_atomic_cas(ctx, peer, sig + 6, 0, 1);
+    acc += fc_atomic_fetch(ctx, peer, sig + 7);
+    fc_ptr<fc_u64>(a.out)[fc_block_id() * fc_block_threads() + fc_thread_id()] = acc;
+}
+"#;
+
+/// Compiles the device API with the probe (also with FC_DEVICE_API_CHECKS),
+/// and the example all-gather, for `arch`: each must compile, export its
+/// entry point and not spill.
+fn compile_device_api_for(arch: &str) {
+    let Some(nvrtc) = nvrtc_or_skip() else { return };
+    println!("NVRTC {}.{} from {}", nvrtc.version.0, nvrtc.version.1, nvrtc.origin);
+    let options: Vec<String> = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        "--ptxas-options=-v".into(),
+    ];
+    let allow_spills = env_flag("FERROCOMM_ALLOW_SPILLS");
+    let mut failures = Vec::new();
+    for (name, defines, user, entry) in [
+        ("device_api_probe.cu", "", DEVICE_API_PROBE, "fc_devapi_probe"),
+        (
+            "device_api_probe_checks.cu",
+            "#define FC_DEVICE_API_CHECKS 1\n",
+            DEVICE_API_PROBE,
+            "fc_devapi_probe",
+        ),
+        ("user_allgather.cu", "", USER_ALLGATHER, "user_allgather"),
+    ] {
+        let text = format!("{defines}{CUDA_PRELUDE}\n{DEVICE_API}\n{user}");
+        let compiled = match nvrtc.compile(&text, name, &options) {
+            Ok(c) => c,
+            Err(e) => {
+                failures.push(format!("{name} for {arch} failed to compile:\n{e}"));
+                continue;
+            }
+        };
+        match cubin_entry_points(&compiled.cubin) {
+            Ok(e) if e.contains(entry) => {}
+            Ok(e) => failures.push(format!("{name} for {arch}: no entry point {entry} (found {e:?})")),
+            Err(e) => failures.push(format!("{name} for {arch}: {e}")),
+        }
+        let usage = ptxas_usage(&compiled.log);
+        println!(
+            "{arch}: {name}: {}..{} registers, max stack frame {} B, {} with spills",
+            usage.min_regs,
+            usage.max_regs,
+            usage.max_stack,
+            usage.spills.len()
+        );
+        for (k, s, l) in &usage.spills {
+            let msg = format!("{arch}: kernel {k} spills ({s} B stores, {l} B loads)");
+            if allow_spills {
+                println!("warning: {msg}");
+            } else {
+                failures.push(format!("{msg}; set FERROCOMM_ALLOW_SPILLS=1 to accept"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn device_api_compiles_sm_80() {
+    compile_device_api_for("sm_80");
+}
+
+#[test]
+fn device_api_compiles_sm_90() {
+    compile_device_api_for("sm_90");
+}

@@ -1,21 +1,31 @@
-//! The exchange and reduce-to kernels (`kernels-cuda/collectives.cu`) run on
-//! the CPU over an emulated device prelude (`ci/emu/`): several ranks of
-//! several blocks of threads, calls of several chunks back to back, odd
-//! counts, unaligned and in-place buffers, premul_sum and a count mismatch,
-//! against a sequential reference. Needs a C++20 compiler (`CXX`, default
-//! `g++`); skipped with a reason without one, unless `FERROCOMM_REQUIRE_EMU=1`.
-//! `ci/check-kernels-emu.sh` runs it too, and with `TSAN=1` under
-//! ThreadSanitizer.
+//! Device code run on the CPU over an emulated device prelude (`ci/emu/`):
+//! several ranks of several blocks of threads, against sequential
+//! references.
+//!
+//! - `exchange_emu.cpp`: the exchange and reduce-to kernels
+//!   (`kernels-cuda/collectives.cu`): calls of several chunks back to back,
+//!   odd counts, unaligned and in-place buffers, premul_sum and a count
+//!   mismatch.
+//! - `device_api_emu.cpp`: the device API (`kernels-cuda/device_api.cuh`) and
+//!   the example all-gather (`kernels-cuda/examples/user_allgather.cu`):
+//!   repeated all-gathers, puts and gets at every granularity, signals,
+//!   barriers, remote atomics, timeouts.
+//!
+//! Needs a C++20 compiler (`CXX`, default `g++`); skipped with a reason
+//! without one, unless `FERROCOMM_REQUIRE_EMU=1`. `ci/check-kernels-emu.sh`
+//! runs them too, and with `TSAN=1` under ThreadSanitizer.
 
 use std::path::Path;
 use std::process::Command;
 
-#[test]
-fn exchange_and_reduce_to_kernels_run_on_the_cpu() {
+/// Compiles `ci/emu/<source>` and runs it once per seed; each run must print
+/// "all ok".
+fn run_emulation(source: &str, seeds: &[&str]) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     let require = std::env::var("FERROCOMM_REQUIRE_EMU").as_deref() == Ok("1");
-    let out = std::env::temp_dir().join(format!("ferrocomm-kernels-emu-{}", std::process::id()));
+    let stem = source.trim_end_matches(".cpp");
+    let out = std::env::temp_dir().join(format!("ferrocomm-{stem}-{}", std::process::id()));
     let compiled = Command::new(&cxx)
         .args([
             "-std=c++20",
@@ -26,7 +36,7 @@ fn exchange_and_reduce_to_kernels_run_on_the_cpu() {
             "-o",
         ])
         .arg(&out)
-        .arg(root.join("ci/emu/exchange_emu.cpp"))
+        .arg(root.join("ci/emu").join(source))
         .output();
     let compiled = match compiled {
         Ok(o) if o.status.success() => o,
@@ -45,11 +55,24 @@ fn exchange_and_reduce_to_kernels_run_on_the_cpu() {
         Err(e) => panic!("FERROCOMM_REQUIRE_EMU=1 but {cxx} cannot run: {e}"),
     };
     drop(compiled);
-    for seed in ["1", "2"] {
+    for seed in seeds {
         let run = Command::new(&out).arg(seed).output().expect("running the emulation");
         let text = String::from_utf8_lossy(&run.stdout);
-        println!("seed {seed}:\n{text}");
-        assert!(run.status.success() && text.contains("all ok"), "seed {seed}:\n{text}");
+        println!("{source} seed {seed}:\n{text}");
+        assert!(
+            run.status.success() && text.contains("all ok"),
+            "{source} seed {seed}:\n{text}"
+        );
     }
     let _ = std::fs::remove_file(&out);
+}
+
+#[test]
+fn exchange_and_reduce_to_kernels_run_on_the_cpu() {
+    run_emulation("exchange_emu.cpp", &["1", "2"]);
+}
+
+#[test]
+fn device_api_and_user_allgather_run_on_the_cpu() {
+    run_emulation("device_api_emu.cpp", &["1", "2"]);
 }

@@ -1,17 +1,21 @@
 // A host emulation of the device prelude (kernels-cuda/prelude.cuh), for
-// running the protocol kernels of kernels-cuda/collectives.cu on the CPU:
-// every GPU thread is a std::thread, every rank's workspace is plain memory.
-// It checks the protocols' logic (chunks, pieces, flags, epochs, aux words,
-// in place, alignment), not the device memory model or float bit-exactness
-// of f16/bf16 (the GPU runs check those). See ci/check-kernels-emu.sh.
+// running the protocol kernels of kernels-cuda/collectives.cu and the device
+// API (kernels-cuda/device_api.cuh) on the CPU: every GPU thread is a
+// std::thread, every rank's workspace or heap is plain memory. It checks the
+// protocols' logic (chunks, pieces, flags, epochs, aux words, signals, in
+// place, alignment), not the device memory model or float bit-exactness of
+// f16/bf16 (the GPU runs check those). See ci/check-kernels-emu.sh.
 #ifndef FC_PRELUDE_INCLUDED
 #define FC_PRELUDE_INCLUDED
 
+#include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <vector>
 
 typedef unsigned char fc_u8;
 typedef unsigned short fc_u16;
@@ -68,13 +72,23 @@ struct FcParams {
 static_assert(sizeof(FcParams) == 448, "FcParams must match KernelParams (448 bytes)");
 
 #define FC_DEVICE static inline
+// Kernels are plain functions here; the harness calls them once per thread.
+#define FC_KERNEL_ARGS(name, ArgsType) extern "C" void name(const ArgsType a)
+
+// Lanes per emulated warp: small, so a block of a few dozen threads has
+// several warps (and a last, partial one when the block size is not a multiple).
+#ifndef FC_EMU_WARP
+#define FC_EMU_WARP 8
+#endif
 
 // ---- emulated geometry: set per std::thread by the harness ----
 struct EmuBlock {
     std::barrier<> bar;
     std::atomic<int> orv[3];
+    std::vector<std::unique_ptr<std::barrier<>>> warp; // one per FC_EMU_WARP threads
     explicit EmuBlock(int n) : bar(n) {
         for (auto& o : orv) o.store(0);
+        for (int w = 0; w < n; w += FC_EMU_WARP) warp.emplace_back(new std::barrier<>(std::min(FC_EMU_WARP, n - w)));
     }
 };
 struct EmuThread {
@@ -99,6 +113,10 @@ FC_DEVICE bool fc_barrier_or(bool pred) {
     if (emu.tid == 0) emu.block->orv[(k + 2) % 3].store(0);
     return r;
 }
+
+FC_DEVICE fc_u32 fc_lane_id() { return emu.tid % FC_EMU_WARP; }
+FC_DEVICE fc_u32 fc_warp_size() { return FC_EMU_WARP; }
+FC_DEVICE void fc_warp_sync() { emu.block->warp[emu.tid / FC_EMU_WARP]->arrive_and_wait(); }
 
 template <class T>
 FC_DEVICE T* fc_ptr(fc_u64 addr) { return reinterpret_cast<T*>(addr); }
@@ -126,6 +144,20 @@ FC_DEVICE fc_u32 fc_atomic_cas_sys(fc_u32* p, fc_u32 cmp, fc_u32 val) {
 FC_DEVICE fc_u32 fc_atomic_or_sys(fc_u32* p, fc_u32 v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
 FC_DEVICE fc_u32 fc_atomic_exch_sys(fc_u32* p, fc_u32 v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
 FC_DEVICE fc_u32 fc_atomic_add_gpu(fc_u32* p, fc_u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+// 64-bit system-scope words. The atomics are seq_cst rather than relaxed
+// plus the caller's fence: ThreadSanitizer does not model fences, so the
+// ordering a GPU gets from fence + atomic has to sit on the atomic here.
+FC_DEVICE fc_u64 fc_ld_acquire_sys_u64(const fc_u64* p) {
+    return std::atomic_ref<fc_u64>(*const_cast<fc_u64*>(p)).load(std::memory_order_acquire);
+}
+FC_DEVICE void fc_st_release_sys_u64(fc_u64* p, fc_u64 v) {
+    std::atomic_ref<fc_u64>(*p).store(v, std::memory_order_release);
+}
+FC_DEVICE fc_u64 fc_atomic_add_sys_u64(fc_u64* p, fc_u64 v) { return std::atomic_ref<fc_u64>(*p).fetch_add(v); }
+FC_DEVICE fc_u64 fc_atomic_cas_sys_u64(fc_u64* p, fc_u64 cmp, fc_u64 val) {
+    std::atomic_ref<fc_u64>(*p).compare_exchange_strong(cmp, val);
+    return cmp;
+}
 FC_DEVICE fc_u64 fc_globaltimer_ns() {
     return (fc_u64)std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch())
