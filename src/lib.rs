@@ -35,6 +35,7 @@ pub mod codec;
 pub mod comm;
 pub mod device;
 pub mod dtype;
+pub mod ep;
 pub mod error;
 pub mod heap;
 #[doc(hidden)]

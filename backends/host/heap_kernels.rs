@@ -16,6 +16,7 @@ pub(crate) type RawKernel = unsafe fn(&[u8]);
 pub(super) fn raw_kernels(module: &str) -> Option<HashMap<&'static str, RawKernel>> {
     let list: &[(&'static str, RawKernel)] = match module {
         m if m == crate::comm::WINDOWS_MODULE_NAME => &crate::comm::window_twins::TWINS,
+        m if m == crate::ep::EP_MODULE_NAME => &crate::ep::twins::TWINS,
         _ => return None,
     };
     Some(list.iter().copied().collect())

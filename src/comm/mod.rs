@@ -27,6 +27,7 @@ pub use call::{Call, Factor, Reduction};
 pub use collectives::P2p;
 pub use communicator::Communicator;
 pub use fused::Fusion;
+pub(crate) use heap::heap_module;
 pub use mapping::{Axis, Coords, Mapping};
 pub use mixed::{MixedComm, MixedMode, MixedOp};
 pub use options::CommOptions;

@@ -5,6 +5,7 @@
 mod collectives;
 pub mod conformance;
 pub mod data;
+pub mod ep;
 pub mod fused;
 pub mod harness;
 pub mod heap;

@@ -1,0 +1,169 @@
+//! Where an EP buffer's regions sit inside its one symmetric heap allocation.
+//!
+//! Every rank allocates the same [`EpLayout::total`] bytes in the same order,
+//! so each region has the same offset on every rank: a kernel names its own
+//! address of a region and the device API adds the peer's base. Regions are
+//! [`REGION_ALIGN`]-aligned, so 16-byte copies apply wherever the row sizes
+//! allow them.
+//!
+//! ```text
+//! flags         u64 [3 * MAX_RANKS]           [s] dispatch flag of source s, [8 + r] combine
+//!                                             flag of rank r, [16] this rank's epoch (local)
+//! recv_counts   i32 [MAX_RANKS]               rows received from each source
+//! send_counts   i32 [MAX_RANKS]               (local) tokens this rank sends to each rank
+//! recv_x        [world][max][row_bytes]       bf16 or fp8 rows, by source, in source order
+//! recv_scales   f32 [world][max][hidden/128]  (fp8 only)
+//! recv_idx      i32 [world][max][topk]        local expert ids, -1 for other ranks' experts
+//! recv_weights  f32 [world][max][topk]        router weights, 0 where the id is -1
+//! recv_src      i32 [world][max]              the token's index at its source
+//! inbox         bf16 [world][max][hidden]     combine: rows sent back by each expert rank,
+//!                                             at the token's own index
+//! slots         i32 [max][MAX_RANKS]          (local) token t's row at rank r, -1: not sent
+//! ```
+
+use crate::device::MAX_RANKS;
+use crate::error::{Error, Result};
+
+use super::{EpConfig, EpPayload};
+
+/// Alignment of every region inside the allocation.
+pub const REGION_ALIGN: usize = 256;
+/// Channels that share one fp8 scale.
+pub const SCALE_BLOCK: usize = 128;
+
+/// Flag words: `u64` index of source `s`'s dispatch flag is `FLAG_DISPATCH + s`.
+pub(crate) const FLAG_DISPATCH: usize = 0;
+/// Flag words: rank `r`'s combine flag is `FLAG_COMBINE + r`.
+pub(crate) const FLAG_COMBINE: usize = MAX_RANKS;
+/// Flag words: this rank's dispatch count (its epoch), local.
+pub(crate) const FLAG_EPOCH: usize = 2 * MAX_RANKS;
+/// Bytes of the flag words.
+pub(crate) const FLAGS_BYTES: usize = 8 * (FLAG_EPOCH + 1);
+
+/// Byte offsets of the regions (see the module docs) and the sizes they derive from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EpLayout {
+    pub world: usize,
+    pub hidden: usize,
+    pub max_tokens: usize,
+    pub topk: usize,
+    /// Bytes of one dispatched row: `hidden * 2` (bf16) or `hidden` (fp8).
+    pub row_bytes: usize,
+    /// f32 scales per row: `hidden / 128` (fp8), else 0.
+    pub scale_cols: usize,
+    pub flags: usize,
+    pub recv_counts: usize,
+    pub send_counts: usize,
+    pub recv_x: usize,
+    pub recv_scales: usize,
+    pub recv_idx: usize,
+    pub recv_weights: usize,
+    pub recv_src: usize,
+    pub inbox: usize,
+    pub slots: usize,
+    /// Bytes of the whole allocation.
+    pub total: usize,
+}
+
+fn too_large(cfg: &EpConfig, world: usize) -> Error {
+    Error::invalid(format!(
+        "EP buffer: {cfg:?} at world {world} needs more bytes than an address holds"
+    ))
+}
+
+impl EpLayout {
+    /// The layout of `cfg` over `world` ranks (the config is checked by the caller).
+    pub fn new(cfg: &EpConfig, world: usize) -> Result<EpLayout> {
+        let err = || too_large(cfg, world);
+        let row_bytes = match cfg.payload {
+            EpPayload::Bf16 => cfg.hidden.checked_mul(2).ok_or_else(err)?,
+            EpPayload::Fp8 => cfg.hidden,
+        };
+        let scale_cols = match cfg.payload {
+            EpPayload::Bf16 => 0,
+            EpPayload::Fp8 => cfg.hidden / SCALE_BLOCK,
+        };
+        let rows = world.checked_mul(cfg.max_tokens_per_rank).ok_or_else(err)?;
+        let mut at = 0usize;
+        let mut region = |bytes: Option<usize>| -> Result<usize> {
+            let start = at;
+            let bytes = bytes.ok_or_else(err)?;
+            at = start
+                .checked_add(bytes)
+                .and_then(|e| e.checked_next_multiple_of(REGION_ALIGN))
+                .ok_or_else(err)?;
+            Ok(start)
+        };
+        let per_row = |b: usize| rows.checked_mul(b);
+        let flags = region(Some(FLAGS_BYTES))?;
+        let recv_counts = region(Some(4 * MAX_RANKS))?;
+        let send_counts = region(Some(4 * MAX_RANKS))?;
+        let recv_x = region(per_row(row_bytes))?;
+        let recv_scales = region(per_row(scale_cols * 4))?;
+        let recv_idx = region(cfg.topk.checked_mul(4).and_then(per_row))?;
+        let recv_weights = region(cfg.topk.checked_mul(4).and_then(per_row))?;
+        let recv_src = region(per_row(4))?;
+        let inbox = region(cfg.hidden.checked_mul(2).and_then(per_row))?;
+        let slots = region(cfg.max_tokens_per_rank.checked_mul(4 * MAX_RANKS))?;
+        Ok(EpLayout {
+            world,
+            hidden: cfg.hidden,
+            max_tokens: cfg.max_tokens_per_rank,
+            topk: cfg.topk,
+            row_bytes,
+            scale_cols,
+            flags,
+            recv_counts,
+            send_counts,
+            recv_x,
+            recv_scales,
+            recv_idx,
+            recv_weights,
+            recv_src,
+            inbox,
+            slots,
+            total: at,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_are_aligned_disjoint_and_in_order() {
+        let cfg = EpConfig {
+            hidden: 7168,
+            max_tokens_per_rank: 4096,
+            num_experts: 256,
+            topk: 8,
+            payload: EpPayload::Fp8,
+        };
+        let l = EpLayout::new(&cfg, 8).unwrap();
+        let starts = [
+            (l.flags, FLAGS_BYTES),
+            (l.recv_counts, 32),
+            (l.send_counts, 32),
+            (l.recv_x, 8 * 4096 * 7168),
+            (l.recv_scales, 8 * 4096 * 56 * 4),
+            (l.recv_idx, 8 * 4096 * 8 * 4),
+            (l.recv_weights, 8 * 4096 * 8 * 4),
+            (l.recv_src, 8 * 4096 * 4),
+            (l.inbox, 8 * 4096 * 7168 * 2),
+            (l.slots, 4096 * 32),
+        ];
+        for w in starts.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{w:?}");
+        }
+        assert!(starts.iter().all(|(s, _)| s % REGION_ALIGN == 0));
+        assert_eq!(l.total % REGION_ALIGN, 0);
+        assert!(l.total >= l.slots + 4096 * 32);
+        assert_eq!((l.row_bytes, l.scale_cols), (7168, 56));
+        let big = EpConfig {
+            max_tokens_per_rank: usize::MAX / 2,
+            ..cfg
+        };
+        assert!(EpLayout::new(&big, 8).is_err());
+    }
+}
