@@ -558,6 +558,8 @@ fn kernel_names_are_unique_and_well_formed() {
 const CUDA_PRELUDE: &str = include_str!("../kernels-cuda/prelude.cuh");
 const DEVICE_API: &str = include_str!("../kernels-cuda/device_api.cuh");
 const USER_ALLGATHER: &str = include_str!("../kernels-cuda/examples/user_allgather.cu");
+/// The EP module's kernels (src/ep), compiled as the module is: prelude + API + ep.cu.
+const EP_KERNELS: &str = include_str!("../kernels-cuda/ep.cu");
 
 /// A kernel that calls every function of the device API once, so every
 /// template is instantiated and every inline PTX path reaches ptxas.
@@ -620,6 +622,9 @@ fn compile_device_api_for(arch: &str) {
             "fc_devapi_probe",
         ),
         ("user_allgather.cu", "", USER_ALLGATHER, "user_allgather"),
+        ("ep.cu", "", EP_KERNELS, "fc_ep_dispatch"),
+        ("ep_layout.cu", "", EP_KERNELS, "fc_ep_layout"),
+        ("ep_combine.cu", "", EP_KERNELS, "fc_ep_combine"),
     ] {
         let text = format!("{defines}{CUDA_PRELUDE}\n{DEVICE_API}\n{user}");
         let compiled = match nvrtc.compile(&text, name, &options) {

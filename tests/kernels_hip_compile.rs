@@ -50,6 +50,8 @@ const SHARED_FILES: [(&str, &str); 6] = [
 ];
 const DEVICE_API: &str = include_str!("../kernels-cuda/device_api.cuh");
 const USER_ALLGATHER: &str = include_str!("../kernels-cuda/examples/user_allgather.cu");
+/// The EP module's kernels (src/ep), compiled as the module is: prelude + API + ep.cu.
+const EP_KERNELS: &str = include_str!("../kernels-cuda/ep.cu");
 
 /// Threads per block the backend compiles for (`ferrocomm::algo::BLOCK_THREADS`).
 fn block_threads() -> u32 {
@@ -573,6 +575,7 @@ fn compile_device_api_for(arch: &str) {
             "fc_devapi_probe",
         ),
         ("user_allgather", "", USER_ALLGATHER, "user_allgather"),
+        ("ep", "", EP_KERNELS, "fc_ep_dispatch"),
     ] {
         let src = dir.join(format!("{name}-{arch}.hip"));
         let out = dir.join(format!("{name}-{arch}.hsaco"));
