@@ -19,6 +19,7 @@
 //! comparable on such data (`#wrong` shows `-`).
 
 mod colls;
+mod ep;
 mod fused;
 mod plot;
 
@@ -58,6 +59,7 @@ const USAGE: &str =
                        [--graph] [--graph-only] [--eager-only] [--json FILE] [--plot FILE.svg] [--timeout-secs S]
                        [--quantization int4,int6,int8,fp8]
                        [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok|all [--tokens 1,32,128,2048] [--hidden 4096]]
+                       [--ep [--tokens 1,8,32,128,512,1024,4096] [--hidden 7168] [--experts 256] [--topk 8] [--eager-only]]
 sizes take K, M, G suffixes (powers of 1024); --iters and --warmup default to 20 and 5 on GPUs, 5 and 1 on the host";
 
 #[derive(Clone, Debug)]
@@ -85,6 +87,15 @@ struct Args {
     fused: Option<Vec<ferrocomm::FusionPattern>>,
     tokens: Vec<usize>,
     hidden: usize,
+    /// `--ep`: time EP dispatch + combine against an all-to-all-v pipeline.
+    ep: bool,
+    /// Whether `--tokens` / `--hidden` were given (`--ep` has its own defaults).
+    tokens_given: bool,
+    hidden_given: bool,
+    experts: Option<usize>,
+    topk: Option<usize>,
+    /// `--eager-only` was given (`--ep` replays graphs otherwise).
+    eager_only: bool,
 }
 
 impl Args {
@@ -200,6 +211,12 @@ fn parse_args() -> Result<Args> {
         fused: None,
         tokens: vec![1, 32, 128, 2048],
         hidden: 4096,
+        ep: false,
+        tokens_given: false,
+        hidden_given: false,
+        experts: None,
+        topk: None,
+        eager_only: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -225,7 +242,10 @@ fn parse_args() -> Result<Args> {
             }
             "--algo" => a.algos = value()?.split(',').map(String::from).collect(),
             "--graph" => a.graph = true,
-            "--eager-only" => a.graph = false,
+            "--eager-only" => {
+                a.graph = false;
+                a.eager_only = true
+            }
             "--graph-only" => {
                 a.graph = true;
                 a.eager = false
@@ -238,13 +258,24 @@ fn parse_args() -> Result<Args> {
                     .collect::<Result<_>>()?
             }
             "--fused" => a.fused = Some(fused::parse_patterns(&value()?)?),
+            "--ep" => a.ep = true,
+            "--experts" => {
+                a.experts = Some(
+                    value()?
+                        .parse()
+                        .map_err(|_| Error::invalid("--experts takes a number"))?,
+                )
+            }
+            "--topk" => a.topk = Some(value()?.parse().map_err(|_| Error::invalid("--topk takes a number"))?),
             "--tokens" => {
+                a.tokens_given = true;
                 a.tokens = value()?
                     .split(',')
                     .map(|t| t.trim().parse().map_err(|_| Error::invalid("--tokens takes numbers")))
                     .collect::<Result<_>>()?
             }
             "--hidden" => {
+                a.hidden_given = true;
                 a.hidden = value()?
                     .parse()
                     .map_err(|_| Error::invalid("--hidden takes a number"))?
@@ -436,7 +467,14 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
         opts = opts.with_quantization(q);
     }
     let backend = dev.facts().backend;
+    if a.ep {
+        // The heap holds the sweep's largest EP buffer.
+        opts = ep::with_heap(opts, a, backend, world)?;
+    }
     let comm = Communicator::new(dev, store.clone(), rank, world, opts)?;
+    if a.ep {
+        return ep::bench_ep(&comm, &store, a);
+    }
     if let Some(patterns) = &a.fused {
         // --algo auto, oneshot-push or twoshot-push pick the fused family.
         return fused::bench_fused(&comm, a, patterns);
