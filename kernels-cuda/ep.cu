@@ -83,6 +83,19 @@ FC_DEVICE Warps grid_warps() {
 
 FC_DEVICE fc_u64* flag_words(const FcEpArgs& a) { return fc_ptr<fc_u64>(a.flags); }
 
+// Acquire loads before fc_wait_until takes over: peers usually answer within
+// microseconds, and a wait answered here never reads the host-mapped error
+// word (a round trip over PCIe) or the clock. The deadline still bounds the
+// wait: fc_wait_until starts its clock after these.
+#ifndef FC_EP_PRESPIN
+#define FC_EP_PRESPIN 2048
+#endif
+FC_DEVICE bool wait_ge(const FcDevCtx& ctx, const fc_u64* sig, fc_u64 v, fc_u32 peer) {
+    for (fc_u32 i = 0; i < FC_EP_PRESPIN; ++i)
+        if (fc_ld_acquire_sys_u64(sig) >= v) return true;
+    return fc_wait_until(ctx, sig, FC_CMP_GE, v, peer);
+}
+
 } // namespace fc_ep
 
 // Layout: one block. Bumps this rank's epoch and gives every token its row at
@@ -190,15 +203,15 @@ FC_HEAP_KERNEL(fc_ep_dispatch, FcEpArgs) {
     fc_barrier();
     if (t < world) fc_signal_add(ctx, t, flags + FC_EP_FLAG_DISPATCH + me, 1u);
     if (fc_block_id() == 0 && t < world)
-        fc_wait_until(ctx, flags + FC_EP_FLAG_DISPATCH + t, FC_CMP_GE, epoch * fc_grid_blocks(), t);
+        fc_ep::wait_ge(ctx, flags + FC_EP_FLAG_DISPATCH + t, epoch * fc_grid_blocks(), t);
 }
 
-// Combine: a warp per received row sends the expert output back to the row's
-// source, into the source's inbox for this rank at the token's own index;
-// every block signals every rank, waits for every rank's signals of this
-// epoch (all blocks of a rank are resident: the grid is at most the SM count),
-// then sums the token's rows over the ranks it was sent to, in rank order, in
-// f32, rounded to bf16 once.
+// Combine, first kernel: a warp per received row sends the expert output
+// back to the row's source, into the source's inbox for this rank at the
+// token's own index; each block adds 1 to every rank's combine flag for this
+// rank (after a block barrier: the release covers the block's puts), and block
+// 0 waits until every rank's flag reaches epoch * grid. Only block 0 waits, so
+// no kernel here needs its blocks resident together.
 FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
     const FcDevCtx& ctx = a.ctx;
     const fc_u32 me = ctx.rank, world = ctx.world;
@@ -220,13 +233,19 @@ FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
     }
     fc_barrier();
     const fc_u32 t = fc_thread_id();
-    bool failed = false;
-    if (t < world) {
-        fc_signal_add(ctx, t, flags + FC_EP_FLAG_COMBINE + me, 1u);
-        failed = !fc_wait_until(ctx, flags + FC_EP_FLAG_COMBINE + t, FC_CMP_GE, epoch * fc_grid_blocks(), t);
-    }
-    if (fc_barrier_or(failed)) return;
+    if (t < world) fc_signal_add(ctx, t, flags + FC_EP_FLAG_COMBINE + me, 1u);
+    if (fc_block_id() == 0 && t < world)
+        fc_ep::wait_ge(ctx, flags + FC_EP_FLAG_COMBINE + t, epoch * fc_grid_blocks(), t);
+}
 
+// Combine, second kernel (after the first on the stream, so every rank's rows
+// are in the inbox): each token's rows summed over the ranks it was sent to,
+// in rank order, in f32 (the first term as it is), rounded to bf16 once; 0 for
+// a token that went nowhere.
+FC_HEAP_KERNEL(fc_ep_combine_reduce, FcEpArgs) {
+    const fc_u32 world = a.ctx.world;
+    const fc_ep::Warps w = fc_ep::grid_warps();
+    const fc_u64 row_bytes = (fc_u64)a.hidden * 2u;
     const fc_i32* slots = fc_ptr<fc_i32>(a.slots);
     const char* inbox = fc_ptr<const char>(a.inbox);
     const fc_u64 rank_stride = (fc_u64)a.max_tokens * row_bytes;

@@ -624,7 +624,7 @@ fn compile_device_api_for(arch: &str) {
         ("user_allgather.cu", "", USER_ALLGATHER, "user_allgather"),
         ("ep.cu", "", EP_KERNELS, "fc_ep_dispatch"),
         ("ep_layout.cu", "", EP_KERNELS, "fc_ep_layout"),
-        ("ep_combine.cu", "", EP_KERNELS, "fc_ep_combine"),
+        ("ep_combine.cu", "", EP_KERNELS, "fc_ep_combine_reduce"),
     ] {
         let text = format!("{defines}{CUDA_PRELUDE}\n{DEVICE_API}\n{user}");
         let compiled = match nvrtc.compile(&text, name, &options) {

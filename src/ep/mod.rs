@@ -64,10 +64,10 @@ pub const EP_MODULE: ModuleSource = ModuleSource::raw(
 );
 
 /// Blocks of the dispatch and combine kernels on GPUs. Every rank must use
-/// the same grid (a rank waits for `epoch * grid` signals from each peer)
-/// and its blocks must all be resident at once (combine's blocks wait for
-/// each other), so it is fixed, below every supported GPU's SM count. 32
-/// blocks of 512 threads keep the NVLink puts of large batches busy.
+/// the same grid (a rank waits for `epoch * grid` signals from each peer),
+/// so it is fixed. Only block 0 of a kernel waits, so the blocks need not be
+/// resident together. 32 blocks of 512 threads keep the NVLink puts of large
+/// batches busy.
 pub const EP_GPU_BLOCKS: u32 = 32;
 
 /// What the dispatched rows carry.
@@ -216,8 +216,15 @@ impl<D: Device> EpBuffer<D> {
         let heap = comm.heap_alloc(layout.total)?;
         let inner = &*comm.inner;
         let ready = (|| -> Result<()> {
-            // Loaded now, so that `prepare` before a capture covers its kernels.
-            comm.with_resources(|res| crate::comm::heap_module(res, &inner.device, &EP_MODULE).map(drop))??;
+            // Compiled and loaded now, on every rank before the barrier below:
+            // a first dispatch then never waits for a compiler, a capture
+            // never holds a load, and no rank loads a module (which may wait
+            // for the context's running kernels) while a peer's kernel in
+            // the same context spins waiting for it (ranks sharing a GPU).
+            comm.with_resources(|res| {
+                let module = crate::comm::heap_module(res, &inner.device, &EP_MODULE)?;
+                inner.device.prepare(module, &[])
+            })??;
             // A reused heap range holds its last user's bytes: the counters
             // start at zero, on every rank, before any peer may signal.
             comm.heap_write(&heap, layout.flags, &[0u8; layout::FLAGS_BYTES])?;
@@ -388,15 +395,16 @@ impl<D: Device> EpBuffer<D> {
         let rows = self.layout.world * cfg.max_tokens_per_rank;
         let dev = &self.comm.inner.device;
         rows_of("EP combine", "expert_out", &expert_out, DType::BF16, cfg.hidden, rows)?;
-        dev.check_memory(expert_out.ptr(), rows * cfg.hidden * 2)?;
         rows_of("EP combine", "out", &out, DType::BF16, cfg.hidden, num_tokens)?;
-        dev.check_memory(out.ptr(), num_tokens * cfg.hidden * 2)?;
+        // The kernel reads the inbox and the slots while it writes `out`.
         let heap = self.heap()?;
         let out_bytes = num_tokens * cfg.hidden * 2;
         let end = |p: DevicePtr, b: usize| p.0 + b as u64;
         if out_bytes > 0 && out.ptr().0 < end(heap.ptr(), heap.len()) && heap.ptr().0 < end(out.ptr(), out_bytes) {
             return Err(Error::invalid("EP combine: out overlaps the EP buffer's own regions"));
         }
+        dev.check_memory(expert_out.ptr(), rows * cfg.hidden * 2)?;
+        dev.check_memory(out.ptr(), out_bytes)?;
         let mut args = self.args(call)?;
         args.x = expert_out.ptr();
         args.out = out.ptr();
@@ -406,7 +414,10 @@ impl<D: Device> EpBuffer<D> {
             let module = crate::comm::heap_module(s.res, &s.inner.device, &EP_MODULE)?;
             s.inner
                 .device
-                .launch_raw(module, "fc_ep_combine", grid, bytes_of(&args), s.stream)
+                .launch_raw(module, "fc_ep_combine", grid, bytes_of(&args), s.stream)?;
+            s.inner
+                .device
+                .launch_raw(module, "fc_ep_combine_reduce", grid, bytes_of(&args), s.stream)
         })?;
         *phase = Phase::Idle;
         Ok(work)

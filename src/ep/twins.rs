@@ -15,10 +15,11 @@ use crate::heap::Cmp;
 type Twin = unsafe fn(&[u8]);
 
 /// `(name, twin)` of every kernel of the EP module.
-pub const TWINS: [(&str, Twin); 3] = [
+pub const TWINS: [(&str, Twin); 4] = [
     ("fc_ep_layout", layout),
     ("fc_ep_dispatch", dispatch),
     ("fc_ep_combine", combine),
+    ("fc_ep_combine_reduce", combine_reduce),
 ];
 
 /// Blocks of the host "grid": one.
@@ -184,7 +185,7 @@ unsafe fn dispatch(args: &[u8]) {
 }
 
 /// Send received rows back to their sources, signal, wait for every rank of
-/// this epoch, then sum each token's rows in rank order.
+/// this epoch.
 ///
 /// # Safety
 /// As [`layout`].
@@ -222,10 +223,21 @@ unsafe fn combine(args: &[u8]) {
         a.ctx.signal_add(r, flag(&a, FLAG_COMBINE + me), 1);
     }
     for r in 0..world {
-        if !a.ctx.wait_until(flag(&a, FLAG_COMBINE + r), Cmp::Ge, epoch * GRID, r) {
-            return;
-        }
+        a.ctx.wait_until(flag(&a, FLAG_COMBINE + r), Cmp::Ge, epoch * GRID, r);
     }
+}
+
+/// Sum each token's rows from the inbox over the ranks it went to, in rank
+/// order (after [`combine`] on the stream).
+///
+/// # Safety
+/// As [`layout`].
+unsafe fn combine_reduce(args: &[u8]) {
+    // SAFETY: forwarded from the caller.
+    let a: EpArgs = unsafe { args_of(args) };
+    let world = a.ctx.world as usize;
+    let (max, h) = (a.max_tokens as usize, a.hidden as usize);
+    let rb = 2 * h;
     let mut acc = vec![0f32; h];
     for t in 0..a.num_tokens as usize {
         let mut first = true;

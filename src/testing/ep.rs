@@ -418,7 +418,7 @@ fn graphs<D: Device>(
     let tokens = |r: usize| tokens_for(&cfg, 2, r).max(1);
     let (x, scales, idx, w) = bufs.tensors(&cfg)?;
     let (expert, out_t) = (bufs.expert_tensor(comm, &cfg)?, bufs.out_tensor(&cfg)?);
-    comm.prepare()?;
+    // The eager rounds before loaded every EP kernel the captures launch.
     let stream = dev.create_stream()?;
     let on = Call::on(&stream);
     dev.begin_capture(&stream)?;
@@ -643,12 +643,27 @@ fn bad_configs<D: Device>(comm: &Communicator<D>, c: &mut Checker) {
     c.check_err("heap too small", EpBuffer::new(comm, huge).map(drop), "out of memory");
 }
 
-/// The EP suite; every rank runs it in step.
+/// The EP suite; every rank runs it in step. A rank that fails says so on
+/// stderr at once (the harness reports the first failing rank only, and a
+/// rank that stops makes its peers time out).
 pub fn run_ep_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &SuiteConfig) -> Result<SuiteReport> {
+    let r = ep_suite(comm, store, cfg);
+    if let Err(e) = &r {
+        eprintln!("EP suite: rank {} of {} failed: {e}", comm.rank(), comm.size());
+    }
+    r
+}
+
+fn ep_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &SuiteConfig) -> Result<SuiteReport> {
     let (rank, world) = (comm.rank(), comm.size());
     let mut c = Checker {
         report: SuiteReport::default(),
     };
+    // Every kernel compiled and loaded first: ranks that share a GPU share
+    // its context, where a module load (a background compile finishing) may
+    // wait for the running kernels, which may be one rank's EP kernel waiting
+    // for another rank that is blocked behind that load.
+    comm.prepare()?;
     bad_configs(comm, &mut c);
     for (k, ep_cfg) in cases(world).into_iter().enumerate() {
         let case = format!(

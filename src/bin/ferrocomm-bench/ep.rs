@@ -24,7 +24,7 @@ use ferrocomm::ep::reference::dest_ranks;
 use ferrocomm::ep::{EpBuffer, EpConfig, EpLayout, EpPayload, SCALE_BLOCK};
 use ferrocomm::{Call, CollRoute, CommOptions, Communicator, DType, Error, Result, Tensor};
 
-use super::{median, time_samples, Args, OPS_PER_SAMPLE};
+use super::{median, time_samples_prepared, Args, OPS_PER_SAMPLE};
 
 /// The sweep: `(tokens per rank, hidden, experts, topk)`.
 pub struct Shape {
@@ -296,7 +296,9 @@ fn one<D: Device>(
         ep.dispatch(x_t, sc_t, idx_t, w_t, n, &on)?;
         ep.combine(expert_t, out_t, &on).map(drop)
     };
-    let (mut times, mut cpu) = time_samples(comm, a, mode, &stream, ops, run)?;
+    // The first call loads the EP kernels; `prepare` would also compile
+    // every collective kernel, which these samples never launch.
+    let (mut times, mut cpu) = time_samples_prepared(comm, a, mode, &stream, ops, false, run)?;
 
     // The check run.
     let wrong = check(
@@ -346,7 +348,7 @@ fn one<D: Device>(
             .all_to_all_v_single(c_out, c_in, &c_out_split, &c_in_split, &on)
             .map(drop)
     };
-    let (mut a_times, _) = time_samples(vcomm, a, mode, &astream, ops, run_a2a)?;
+    let (mut a_times, _) = time_samples_prepared(vcomm, a, mode, &astream, ops, false, run_a2a)?;
     Ok(Row {
         payload: if cfg.payload == EpPayload::Fp8 { "fp8" } else { "bf16" },
         tokens: n,

@@ -134,11 +134,28 @@ fn time_samples<D: Device>(
     ops: usize,
     run: impl Fn(usize) -> Result<()>,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
+    time_samples_prepared(comm, a, mode, stream, ops, true, run)
+}
+
+/// [`time_samples`]; `prepare: false` skips `comm.prepare()` (which
+/// compiles every kernel of the communicator's modules) where the first
+/// call already loaded every kernel the samples launch.
+fn time_samples_prepared<D: Device>(
+    comm: &Communicator<D>,
+    a: &Args,
+    mode: &str,
+    stream: &D::Stream,
+    ops: usize,
+    prepare: bool,
+    run: impl Fn(usize) -> Result<()>,
+) -> Result<(Vec<f64>, Vec<f64>)> {
     let dev = comm.device();
     let backend = dev.facts().backend;
     run(0)?;
     dev.synchronize(stream)?;
-    comm.prepare()?;
+    if prepare {
+        comm.prepare()?;
+    }
     let graph = if mode == "graph" {
         dev.begin_capture(stream)?;
         let captured = (0..ops).try_for_each(&run);
