@@ -273,9 +273,9 @@ impl<D: Device> EpBuffer<D> {
     pub fn received(&self) -> Result<DispatchOut> {
         let l = &self.layout;
         let rows = l.world * l.max_tokens;
-        // SAFETY: every view lies inside the buffer's heap allocation (the
-        // layout's regions), which lives until `free`.
         let view = |offset: usize, count: usize, dtype: DType| -> Result<Tensor> {
+            // SAFETY: every view lies inside the buffer's heap allocation
+            // (the layout's regions), which lives until `free`.
             Ok(unsafe { Tensor::from_raw(self.region(offset)?.0, count, dtype) })
         };
         let x_dtype = match self.cfg.payload {
