@@ -4,7 +4,7 @@
 #
 #   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
 #   STEPS: tests coldstart torchrun layered example sanitizer bench collbench
-#          fused qrbench python baseline (default: all)
+#          fused heap qrbench python baseline (default: all)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a
 # shared host's GPUs down. Every test runs with FERROCOMM_REQUIRE_GPU=1, so a
@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(cd "${1:-.carry/bin}" && pwd)"
 shift || true
-STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused qrbench python baseline}"
+STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused heap qrbench python baseline}"
 # Logs go to one folder; with $OUT set (the lent machines bring back a
 # limited number of files) they are packed into $OUT/gpu-logs.tgz at the end,
 # beside summary.txt, also when the job is stopped.
@@ -166,6 +166,26 @@ if [[ " $STEPS " == *" fused "* ]]; then
                 --algo auto,oneshot-push,twoshot-push \
                 --tokens 1,32,128,2048 --hidden "$h" --iters 20 --warmup 5 --json "$LOG/fused_w${w}_h$h.json"
         done
+    done
+fi
+
+if [[ " $STEPS " == *" heap "* ]]; then
+    # The symmetric heap, windows, the user-style all-gather on the device
+    # API and EP dispatch/combine (conformance, then the benches). With one
+    # GPU the ranks share it (FERROCOMM_TEST_SHARE_GPU): the protocols run,
+    # the times mean nothing.
+    share=()
+    [ "$NGPU" -ge 2 ] || share=(env FERROCOMM_TEST_SHARE_GPU=1)
+    step heap_cuda "${share[@]}" "$BIN/heap_cuda" --include-ignored --test-threads=1
+    [ -x "$BIN/ep_cuda" ] && step ep_cuda "${share[@]}" "$BIN/ep_cuda" --include-ignored --test-threads=1
+    if [ "${SANITIZE_HEAP:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+        step heap_memcheck "${share[@]}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+            "$BIN/heap_cuda" --include-ignored --test-threads=1 heap_and_windows_world_2 user_allgather
+    fi
+    for w in 2 4 8; do
+        [ "$NGPU" -ge "$w" ] || continue
+        step "heapbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --heap --graph \
+            --min-bytes 64K --max-bytes 256M --iters 20 --warmup 5
     done
 fi
 

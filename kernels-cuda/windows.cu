@@ -8,7 +8,10 @@
 #ifndef FC_PRELUDE_INCLUDED
 #include "prelude.cuh"
 #endif
+// In the run-time module the header precedes this text (src/comm/window.rs).
+#ifndef FC_DEVICE_API_INCLUDED
 #include "device_api.cuh"
+#endif
 
 struct FcWinArgs {
     FcDevCtx ctx;

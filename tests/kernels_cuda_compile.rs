@@ -558,6 +558,8 @@ fn kernel_names_are_unique_and_well_formed() {
 const CUDA_PRELUDE: &str = include_str!("../kernels-cuda/prelude.cuh");
 const DEVICE_API: &str = include_str!("../kernels-cuda/device_api.cuh");
 const USER_ALLGATHER: &str = include_str!("../kernels-cuda/examples/user_allgather.cu");
+const PUT_BENCH: &str = include_str!("../kernels-cuda/examples/put_bench.cu");
+const WINDOWS: &str = include_str!("../kernels-cuda/windows.cu");
 
 /// A kernel that calls every function of the device API once, so every
 /// template is instantiated and every inline PTX path reaches ptxas.
@@ -620,6 +622,8 @@ fn compile_device_api_for(arch: &str) {
             "fc_devapi_probe",
         ),
         ("user_allgather.cu", "", USER_ALLGATHER, "user_allgather"),
+        ("put_bench.cu", "", PUT_BENCH, "put_bench"),
+        ("windows.cu", "", WINDOWS, "fc_win_wait"),
     ] {
         let text = format!("{defines}{CUDA_PRELUDE}\n{DEVICE_API}\n{user}");
         let compiled = match nvrtc.compile(&text, name, &options) {

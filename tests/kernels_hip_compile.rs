@@ -37,7 +37,7 @@ const PRELUDE: &str = include_str!("../kernels-hip/prelude.hip.h");
 const CUDA_PRELUDE: &str = include_str!("../kernels-cuda/prelude.cuh");
 const SHARED_BODY: &str = include_str!("../kernels-cuda/collectives.cu");
 /// Every vendor-neutral file the modules are assembled from.
-const SHARED_FILES: [(&str, &str); 6] = [
+const SHARED_FILES: [(&str, &str); 8] = [
     ("kernels-cuda/common.cuh", include_str!("../kernels-cuda/common.cuh")),
     ("kernels-cuda/collectives.cu", SHARED_BODY),
     (
@@ -47,9 +47,13 @@ const SHARED_FILES: [(&str, &str); 6] = [
     ("kernels-cuda/fused.cu", include_str!("../kernels-cuda/fused.cu")),
     ("kernels-cuda/device_api.cuh", DEVICE_API),
     ("kernels-cuda/examples/user_allgather.cu", USER_ALLGATHER),
+    ("kernels-cuda/examples/put_bench.cu", PUT_BENCH),
+    ("kernels-cuda/windows.cu", WINDOWS),
 ];
 const DEVICE_API: &str = include_str!("../kernels-cuda/device_api.cuh");
 const USER_ALLGATHER: &str = include_str!("../kernels-cuda/examples/user_allgather.cu");
+const PUT_BENCH: &str = include_str!("../kernels-cuda/examples/put_bench.cu");
+const WINDOWS: &str = include_str!("../kernels-cuda/windows.cu");
 
 /// Threads per block the backend compiles for (`ferrocomm::algo::BLOCK_THREADS`).
 fn block_threads() -> u32 {
@@ -573,6 +577,8 @@ fn compile_device_api_for(arch: &str) {
             "fc_devapi_probe",
         ),
         ("user_allgather", "", USER_ALLGATHER, "user_allgather"),
+        ("put_bench", "", PUT_BENCH, "put_bench"),
+        ("windows", "", WINDOWS, "fc_win_wait"),
     ] {
         let src = dir.join(format!("{name}-{arch}.hip"));
         let out = dir.join(format!("{name}-{arch}.hsaco"));

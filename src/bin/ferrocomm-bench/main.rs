@@ -20,6 +20,7 @@
 
 mod colls;
 mod fused;
+mod heap;
 mod plot;
 
 use std::fmt::Write as _;
@@ -58,6 +59,7 @@ const USAGE: &str =
                        [--graph] [--graph-only] [--eager-only] [--json FILE] [--plot FILE.svg] [--timeout-secs S]
                        [--quantization int4,int6,int8,fp8]
                        [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok|all [--tokens 1,32,128,2048] [--hidden 4096]]
+                       [--heap]  (device put vs copy engine, user all-gather vs all_gather)
 sizes take K, M, G suffixes (powers of 1024); --iters and --warmup default to 20 and 5 on GPUs, 5 and 1 on the host";
 
 #[derive(Clone, Debug)]
@@ -85,6 +87,8 @@ struct Args {
     fused: Option<Vec<ferrocomm::FusionPattern>>,
     tokens: Vec<usize>,
     hidden: usize,
+    /// `--heap`: the symmetric heap's rows (`heap.rs`) instead of the collectives.
+    heap: bool,
 }
 
 impl Args {
@@ -198,6 +202,7 @@ fn parse_args() -> Result<Args> {
         timeout: Duration::from_secs(60),
         quantization: Vec::new(),
         fused: None,
+        heap: false,
         tokens: vec![1, 32, 128, 2048],
         hidden: 4096,
     };
@@ -238,6 +243,7 @@ fn parse_args() -> Result<Args> {
                     .collect::<Result<_>>()?
             }
             "--fused" => a.fused = Some(fused::parse_patterns(&value()?)?),
+            "--heap" => a.heap = true,
             "--tokens" => {
                 a.tokens = value()?
                     .split(',')
@@ -440,6 +446,9 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     if let Some(patterns) = &a.fused {
         // --algo auto, oneshot-push or twoshot-push pick the fused family.
         return fused::bench_fused(&comm, a, patterns);
+    }
+    if a.heap {
+        return heap::bench_heap(&comm, a);
     }
     let quantized = !a.quantization.is_empty();
     let mut subjects: Vec<(String, Subject)> = Vec::new();
