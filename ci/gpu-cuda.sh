@@ -177,6 +177,9 @@ if [[ " $STEPS " == *" heap "* ]]; then
     share=()
     [ "$NGPU" -ge 2 ] || share=(env FERROCOMM_TEST_SHARE_GPU=1)
     step heap_cuda "${share[@]}" "$BIN/heap_cuda" --include-ignored --test-threads=1
+    if [ "$NGPU" -ge 2 ]; then
+        step heap_torchrun torchrun --nproc_per_node="$NGPU" --no-python "$BIN/ferrocomm-worker" heap --backend cuda --timeout-secs 120
+    fi
     [ -x "$BIN/ep_cuda" ] && step ep_cuda "${share[@]}" "$BIN/ep_cuda" --include-ignored --test-threads=1
     if [ "${SANITIZE_HEAP:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
         step heap_memcheck "${share[@]}" compute-sanitizer --tool memcheck --error-exitcode 9 \

@@ -117,3 +117,11 @@ fn smoke_of_every_kernel_family() {
     let outs = run(&["smoke", "--timeout-secs", "60"], 2, 120);
     assert_all_ok(&outs);
 }
+
+/// The symmetric heap and windows with ranks as processes: heaps exchanged
+/// as fds, mapped at different addresses in each process.
+#[test]
+fn heap_and_windows_as_processes() {
+    let outs = run(&["heap", "--backend", "host", "--timeout-secs", "60"], 3, 120);
+    assert_all_ok(&outs);
+}
