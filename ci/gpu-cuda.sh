@@ -59,6 +59,18 @@ step() { # name, command...
     [ "$rc" = 0 ] || failed=1
 }
 
+# Worlds above the GPU count are named, not failed (issue 17).
+not_run() { # what, world
+    echo "NOT RUN: $1 needs $2 GPUs, this machine has $NGPU" | tee -a "$LOG/summary.txt"
+}
+# The worlds a family of benches runs at: 2, 4 and 8, as far as the GPUs go.
+bench_worlds() { # what
+    local w
+    for w in 2 4 8; do
+        if [ "$NGPU" -ge "$w" ]; then echo "$w"; else not_run "$1 world $w" "$w" >&2; fi
+    done
+}
+
 { date -u; nvidia-smi; nvidia-smi topo -m; } >"$LOG/machine.txt" 2>&1
 echo "GPUs: $NGPU" | tee "$LOG/summary.txt"
 
@@ -72,6 +84,18 @@ if [[ " $STEPS " == *" tests "* ]]; then
     done
     step conformance_cuda_threads "$BIN/conformance_cuda" --include-ignored --test-threads=1 "${skip[@]}"
     step process_cuda "$BIN/process_cuda" --include-ignored --test-threads=1 "${skip[@]}"
+    # Every world 2..8 the machine can host, as processes under torchrun
+    # (worlds 5-7 have no thread-suite test of their own).
+    if command -v torchrun >/dev/null; then
+        for w in 3 4 5 6 7 8; do
+            if [ "$NGPU" -ge "$w" ]; then
+                step "conformance_torchrun_w$w" torchrun --nproc_per_node="$w" --no-python "$BIN/ferrocomm-worker" \
+                    conformance --backend cuda --timeout-secs 120
+            else
+                not_run "conformance (processes) world $w" "$w"
+            fi
+        done
+    fi
 fi
 
 if [[ " $STEPS " == *" coldstart "* ]]; then
@@ -118,6 +142,16 @@ if [[ " $STEPS " == *" layered "* ]] && command -v torchrun >/dev/null && [ "$NG
     # levels' semantics.)
     step layered_bench env FERROCOMM_LOCAL_SIZE=1 "$BIN/ferrocomm-bench" --backend cuda --world 2 --coll all --algo auto \
         --dtype bf16 --min-bytes 4K --max-bytes 16M --iters 5 --warmup 2
+    # 2 nodes x 2 GPUs and 2 x 4, where the GPUs are there.
+    for w in 4 8; do
+        if [ "$NGPU" -ge "$w" ]; then
+            step "layered_bench_w${w}_2nodes" env FERROCOMM_LOCAL_SIZE=$((w / 2)) "$BIN/ferrocomm-bench" --backend cuda \
+                --world "$w" --coll all_reduce,all_gather,reduce_scatter --algo auto,nccl --graph --dtype bf16 \
+                --min-bytes 1M --max-bytes 256M --iters 10 --warmup 3
+        else
+            not_run "hierarchical bench (2 pseudo-nodes) world $w" "$w"
+        fi
+    done
 fi
 
 if [[ " $STEPS " == *" example "* ]] && command -v torchrun >/dev/null && [ "$NGPU" -ge 2 ] && [ -x "$BIN/engine_cudarc" ]; then
@@ -136,8 +170,7 @@ if [[ " $STEPS " == *" sanitizer "* ]]; then
 fi
 
 if [[ " $STEPS " == *" bench "* ]]; then
-    for w in 2 4; do
-        [ "$NGPU" -ge "$w" ] || continue
+    for w in $(bench_worlds bench); do
         step "bench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --algo "${BENCH_ALGOS:-all}" --graph \
             --dtype "${BENCH_DTYPES:-bf16}" --min-bytes 1K --max-bytes "${BENCH_MAX:-256M}" \
             --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}" --json "$LOG/bench_w$w.json"
@@ -148,8 +181,7 @@ fi
 if [[ " $STEPS " == *" collbench "* ]]; then
     # Every collective: ferrocomm (its kernels, or NCCL underneath), NCCL
     # called directly on the same stream, and a memcpy, eager and graph.
-    for w in 2 4; do
-        [ "$NGPU" -ge "$w" ] || continue
+    for w in $(bench_worlds collbench); do
         step "collbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --coll all --algo auto,nccl --graph \
             --dtype bf16 --min-bytes 4K --max-bytes "${COLL_MAX:-64M}" \
             --iters "${BENCH_ITERS:-10}" --warmup "${BENCH_WARMUP:-3}" --json "$LOG/collbench_w$w.json"
@@ -159,8 +191,7 @@ fi
 if [[ " $STEPS " == *" fused "* ]]; then
     # The fused all-reduce epilogues per pattern and shape (outputs checked
     # bitwise against the unfused reference), eager and graph.
-    for w in 2 4; do
-        [ "$NGPU" -ge "$w" ] || continue
+    for w in $(bench_worlds fused); do
         for h in 4096 8192; do
             step "fused_w${w}_h$h" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --fused all --graph \
                 --algo auto,oneshot-push,twoshot-push \
@@ -185,8 +216,7 @@ if [[ " $STEPS " == *" heap "* ]]; then
         step heap_memcheck "${share[@]}" compute-sanitizer --tool memcheck --error-exitcode 9 \
             "$BIN/heap_cuda" --include-ignored --test-threads=1 heap_and_windows_world_2 user_allgather
     fi
-    for w in 2 4 8; do
-        [ "$NGPU" -ge "$w" ] || continue
+    for w in $(bench_worlds heapbench); do
         step "heapbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --heap --graph \
             --min-bytes 64K --max-bytes 256M --iters 20 --warmup 5
     done
@@ -195,8 +225,7 @@ fi
 if [[ " $STEPS " == *" qrbench "* ]]; then
     # Quick-reduce per codec next to ferrocomm's two-shot and NCCL, Gaussian
     # data, relative error per row (issue 5's table).
-    for w in 4 2; do
-        [ "$NGPU" -ge "$w" ] || continue
+    for w in $(bench_worlds qrbench); do
         step "qrbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --graph-only \
             --algo "${QR_ALGOS:-twoshot-push,nccl}" --quantization "${QR_CODECS:-int4,int6,int8,fp8}" \
             --dtype bf16 --min-bytes "${QR_MIN:-1M}" --max-bytes "${QR_MAX:-256M}" \
@@ -228,8 +257,8 @@ if [[ " $STEPS " == *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/nu
 fi
 
 if [[ " $STEPS " == *" baseline "* ]] && command -v torchrun >/dev/null; then
-    for w in 2 4; do
-        [ "$NGPU" -ge "$w" ] || continue
+    # Every world from 2 to the GPU count (issue 17).
+    for w in $(seq 2 "$NGPU"); do
         for b in torch_allreduce_bench torch_collectives_bench; do
             [ -f ".carry/$b.py" ] && step "${b}_w$w" torchrun --nproc_per_node="$w" ".carry/$b.py"
         done
