@@ -14,8 +14,9 @@ impl<D: Device> Communicator<D> {
     /// ([`Communicator::translate`]). Collective: every rank calls it, in the
     /// same order, with the same size (the sizes and offsets are checked
     /// across ranks). The first call reserves the heap
-    /// (`FERROCOMM_HEAP_BYTES`). The memory comes back zeroed the first time
-    /// a range is handed out; a reused range holds what its last user left.
+    /// (`FERROCOMM_HEAP_BYTES`). The memory comes back zeroed, on every rank
+    /// before any rank's call returns, so signal words in it start at zero
+    /// even where an earlier allocation left counts behind.
     pub fn heap_alloc(&self, bytes: usize) -> Result<HeapBuffer> {
         let inner = &*self.inner;
         if !inner.kernels {
@@ -36,7 +37,20 @@ impl<D: Device> Communicator<D> {
                 res.heap = Some(heap);
             }
             let heap = res.heap.as_mut().expect("reserved above");
-            Ok((heap.alloc().alloc(bytes), heap.bases()[rank]))
+            let offset = heap.alloc().alloc(bytes);
+            if let Ok(o) = offset {
+                // Zeroed before this rank reports below, so no peer (which
+                // waits for the reports) can write into it first.
+                let zeroed = inner
+                    .device
+                    .memset(heap.own(), o, bytes, 0, &inner.stream)
+                    .and_then(|()| inner.device.synchronize(&inner.stream));
+                if let Err(e) = zeroed {
+                    let _ = heap.alloc().free(o);
+                    return Ok((Err(e), heap.bases()[rank]));
+                }
+            }
+            Ok((offset, heap.bases()[rank]))
         })??;
         // Every rank reports what it got, so a rank that took a different
         // sequence of allocations is named instead of reading a wrong offset.

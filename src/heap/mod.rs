@@ -25,7 +25,7 @@ pub use ctx::{Cmp, DevCtx, DEV_CTX_BYTES, ERR_EPOCH_DEVICE_API};
 use std::time::Duration;
 
 use crate::algo::PeerMaps;
-use crate::bootstrap::Store;
+use crate::bootstrap::{store_all_gather, Store};
 use crate::device::{Device, DeviceBuffer, DevicePtr, MemKind, MAX_RANKS};
 use crate::error::{Error, Result};
 
@@ -60,11 +60,23 @@ impl<D: Device> Heap<D> {
                 "symmetric heap of {bytes} bytes: FERROCOMM_HEAP_BYTES must be a multiple of 4096 above {HEAP_RESERVED}"
             )));
         }
-        let own = dev.alloc(bytes, MemKind::Shareable).map_err(|e| {
+        let own = dev.alloc(bytes, MemKind::Shareable);
+        // Every rank says whether it got its heap before any waits for the
+        // others' handles, so one rank's failure is every rank's error now,
+        // not the others' timeout.
+        let ok = [own.is_ok() as u8];
+        let all = store_all_gather(store, &format!("{key}/reserved"), rank, world, &ok, timeout)?;
+        let own = own.map_err(|e| {
             Error::invalid(format!(
                 "reserving a symmetric heap of {bytes} bytes failed ({e}); lower FERROCOMM_HEAP_BYTES on every rank"
             ))
         })?;
+        if let Some(bad) = all.iter().position(|b| b.first() != Some(&1)) {
+            return Err(Error::invalid(format!(
+                "rank {bad} could not reserve its symmetric heap of {bytes} bytes (its own error says why); \
+                 lower FERROCOMM_HEAP_BYTES on every rank"
+            )));
+        }
         let maps = PeerMaps::exchange(dev, store, key, "heap", &own, rank, world, timeout)?;
         Ok(Heap {
             maps,

@@ -199,12 +199,20 @@ pub fn run_heap_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg:
     // Out of heap: every rank gets the error, and the heap stays usable.
     c.check_err("heap exhausted", comm.heap_alloc(1 << 40), "out of memory");
     let (a_off, b_off) = (a.offset(), b.offset());
+    comm.heap_write(&a, 0, &[0xAB; 1000])?;
     comm.heap_free(b)?;
     comm.heap_free(a)?;
     let again = comm.heap_alloc(1000)?;
     c.check("first fit after free", again.offset() == a_off && a_off < b_off, || {
         format!("{} after {a_off}", again.offset())
     });
+    let mut reused = vec![1u8; 1000];
+    comm.heap_read(&again, 0, &mut reused)?;
+    c.check(
+        "a reused range comes back zeroed",
+        reused.iter().all(|&x| x == 0),
+        || format!("{} nonzero bytes", reused.iter().filter(|&&x| x != 0).count()),
+    );
     comm.heap_free(again)?;
     barrier("end")?;
     Ok(c.report)
