@@ -196,6 +196,17 @@ pub fn run_heap_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg:
     barrier("registered")?;
     reg.free()?;
 
+    // Buffers of different dtypes, or over the heap's sync area: errors on
+    // every rank at register (puts are bounded in the peer's elements).
+    let mut odd = comm.new_window()?;
+    let mixed = if rank == 0 { src } else { src.reinterpret(DType::F32)? };
+    c.check_err("register of different dtypes", odd.register(mixed), "dtype");
+    // SAFETY: the first 64 bytes of this rank's heap (its sync area), only
+    // handed to register, which must refuse them.
+    let sync_area = unsafe { Tensor::from_raw(ctx.heap[rank].0, 64, DType::U8) };
+    c.check_err("register over the sync area", odd.register(sync_area), "sync area");
+    odd.free()?;
+
     // Out of heap: every rank gets the error, and the heap stays usable.
     c.check_err("heap exhausted", comm.heap_alloc(1 << 40), "out of memory");
     let (a_off, b_off) = (a.offset(), b.offset());
