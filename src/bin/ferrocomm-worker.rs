@@ -224,8 +224,10 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
             comm.finalize()?;
             if report.is_ok() {
                 Ok(format!(
-                    "rank={rank} collectives={} elements={}",
-                    report.collectives, report.elements_checked
+                    "rank={rank} collectives={} elements={} on {}",
+                    report.collectives,
+                    report.elements_checked,
+                    comm.topology().describe()
                 ))
             } else {
                 Err(Error::Aborted(format!(
