@@ -136,10 +136,11 @@ if [[ " $STEPS " == *" layered "* ]] && command -v torchrun >/dev/null && [ "$NG
     # Pseudo-nodes of one GPU each (FERROCOMM_LOCAL_SIZE=1): every
     # communicator spans nodes, so all-reduce, all-gather and reduce-scatter
     # run in two levels (NCCL between the "nodes") and the rest through
-    # NCCL; the bench checks every result. (The conformance suite forces
-    # kernel algorithms and compares them bitwise, which a communicator
-    # without kernels does not have; tests/layered_host.rs covers the
-    # levels' semantics.)
+    # NCCL; the conformance suite checks them against its level-aware
+    # reference (node partials, then nodes in order), and the bench checks
+    # every result.
+    step layered_conformance env FERROCOMM_LOCAL_SIZE=1 torchrun --nproc_per_node=2 --no-python \
+        "$BIN/ferrocomm-worker" conformance --backend cuda --timeout-secs 120
     step layered_bench env FERROCOMM_LOCAL_SIZE=1 "$BIN/ferrocomm-bench" --backend cuda --world 2 --coll all --algo auto \
         --dtype bf16 --min-bytes 4K --max-bytes 16M --iters 5 --warmup 2
     # 2 nodes x 2 GPUs and 2 x 4, where the GPUs are there.
