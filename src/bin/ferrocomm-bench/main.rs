@@ -58,7 +58,8 @@ const USAGE: &str =
                        [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|oneshot-push|twoshot-push|oneshot-ll|nccl|all]
                        [--graph] [--graph-only] [--eager-only] [--json FILE] [--plot FILE.svg] [--timeout-secs S]
                        [--quantization int4,int6,int8,fp8]
-                       [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok|all [--tokens 1,32,128,2048] [--hidden 4096]]
+                       [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok|all [--tokens 1,32,128,2048] [--hidden 4096]
+                        [--fused-moe TOPK,..]]
                        [--heap]  (device put vs copy engine, user all-gather vs all_gather)
 sizes take K, M, G suffixes (powers of 1024); --iters and --warmup default to 20 and 5 on GPUs, 5 and 1 on the host";
 
@@ -85,6 +86,9 @@ struct Args {
     /// `--fused`: time the fused all-reduce epilogues of these patterns
     /// (rows of `hidden`, `tokens` each) instead of the collectives.
     fused: Option<Vec<ferrocomm::FusionPattern>>,
+    /// `--fused-moe`: top-k values of MoE-finalize rows (fused, and the
+    /// unfused pipeline beside them) added to the fused table.
+    fused_moe: Vec<usize>,
     tokens: Vec<usize>,
     hidden: usize,
     /// `--heap`: the symmetric heap's rows (`heap.rs`) instead of the collectives.
@@ -203,6 +207,7 @@ fn parse_args() -> Result<Args> {
         quantization: Vec::new(),
         fused: None,
         heap: false,
+        fused_moe: Vec::new(),
         tokens: vec![1, 32, 128, 2048],
         hidden: 4096,
     };
@@ -244,6 +249,7 @@ fn parse_args() -> Result<Args> {
             }
             "--fused" => a.fused = Some(fused::parse_patterns(&value()?)?),
             "--heap" => a.heap = true,
+            "--fused-moe" => a.fused_moe = fused::parse_topks(&value()?)?,
             "--tokens" => {
                 a.tokens = value()?
                     .split(',')
@@ -275,6 +281,10 @@ fn parse_args() -> Result<Args> {
     }
     if !a.quantization.is_empty() && (a.op != ReduceOp::Sum || a.dtypes.iter().any(|d| !QR_DTYPES.contains(d))) {
         return Err(Error::invalid("--quantization runs f16/bf16 sums only"));
+    }
+    if !a.fused_moe.is_empty() && a.fused.is_none() {
+        // MoE rows alone: the pattern of a MoE layer's end.
+        a.fused = Some(vec![ferrocomm::FusionPattern::ResidualRmsNorm]);
     }
     if a.algos.iter().any(|x| x == "all") {
         a.algos = [
