@@ -559,6 +559,7 @@ const CUDA_PRELUDE: &str = include_str!("../kernels-cuda/prelude.cuh");
 const DEVICE_API: &str = include_str!("../kernels-cuda/device_api.cuh");
 const USER_ALLGATHER: &str = include_str!("../kernels-cuda/examples/user_allgather.cu");
 const PUT_BENCH: &str = include_str!("../kernels-cuda/examples/put_bench.cu");
+const UNFUSED_BENCH: &str = include_str!("../kernels-cuda/examples/unfused_bench.cu");
 const WINDOWS: &str = include_str!("../kernels-cuda/windows.cu");
 
 /// A kernel that calls every function of the device API once, so every
@@ -623,6 +624,7 @@ fn compile_device_api_for(arch: &str) {
         ),
         ("user_allgather.cu", "", USER_ALLGATHER, "user_allgather"),
         ("put_bench.cu", "", PUT_BENCH, "put_bench"),
+        ("unfused_bench.cu", "", UNFUSED_BENCH, "fcb_add_rms_norm_bf16"),
         ("windows.cu", "", WINDOWS, "fc_win_wait"),
     ] {
         let text = format!("{defines}{CUDA_PRELUDE}\n{DEVICE_API}\n{user}");

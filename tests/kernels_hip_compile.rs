@@ -53,6 +53,7 @@ const SHARED_FILES: [(&str, &str); 8] = [
 const DEVICE_API: &str = include_str!("../kernels-cuda/device_api.cuh");
 const USER_ALLGATHER: &str = include_str!("../kernels-cuda/examples/user_allgather.cu");
 const PUT_BENCH: &str = include_str!("../kernels-cuda/examples/put_bench.cu");
+const UNFUSED_BENCH: &str = include_str!("../kernels-cuda/examples/unfused_bench.cu");
 const WINDOWS: &str = include_str!("../kernels-cuda/windows.cu");
 
 /// Threads per block the backend compiles for (`ferrocomm::algo::BLOCK_THREADS`).
@@ -578,6 +579,7 @@ fn compile_device_api_for(arch: &str) {
         ),
         ("user_allgather", "", USER_ALLGATHER, "user_allgather"),
         ("put_bench", "", PUT_BENCH, "put_bench"),
+        ("unfused_bench", "", UNFUSED_BENCH, "fcb_add_rms_norm_bf16"),
         ("windows", "", WINDOWS, "fc_win_wait"),
     ] {
         let src = dir.join(format!("{name}-{arch}.hip"));
