@@ -85,9 +85,15 @@ impl<D: Device> Communicator<D> {
     /// A window with no buffer yet (torchcomms' `new_window`). Collective:
     /// it takes its signal words from the symmetric heap.
     pub fn new_window(&self) -> Result<Window<D>> {
-        // Loaded first (it is local), so that a failure leaves no allocation
-        // on this rank alone, and `prepare` before a capture covers it.
-        self.with_resources(|res| super::heap::heap_module(res, &self.inner.device, &WINDOWS).map(drop))??;
+        // Loaded and made ready first (it is local), so that a failure leaves
+        // no allocation on this rank alone, and so that no rank launches a
+        // waiting kernel (after heap_alloc's exchange) while another still
+        // loads the module: in a context shared by ranks, a module load
+        // can wait behind a spinning kernel.
+        self.with_resources(|res| {
+            let m = super::heap::heap_module(res, &self.inner.device, &WINDOWS)?;
+            self.inner.device.prepare(m, &[])
+        })??;
         let signals = self.heap_alloc(2 * MAX_RANKS * 8)?;
         Ok(Window {
             comm: Communicator {

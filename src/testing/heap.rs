@@ -147,7 +147,9 @@ pub fn run_heap_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg:
     c.check_err("signal outside", win.signal(world, &call), "not in a world");
 
     // A captured put/signal/wait, replayed with new data: the signal counts
-    // live on the device, so each replay waits for its own signal.
+    // live on the device, so each replay waits for its own signal. Replays
+    // write round 0's region again: nobody starts before everyone has read it.
+    barrier("rounds")?;
     let dev = comm.device();
     let stream = dev.create_stream()?;
     dev.begin_capture(&stream)?;
