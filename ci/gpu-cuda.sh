@@ -4,7 +4,7 @@
 #
 #   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
 #   STEPS: tests coldstart torchrun layered example sanitizer bench collbench
-#          fused qrbench python baseline (default: all)
+#          fused heap qrbench python baseline (default: all)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a
 # shared host's GPUs down. Every test runs with FERROCOMM_REQUIRE_GPU=1, so a
@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(cd "${1:-.carry/bin}" && pwd)"
 shift || true
-STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused qrbench python baseline}"
+STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused heap qrbench python baseline}"
 # Logs go to one folder; with $OUT set (the lent machines bring back a
 # limited number of files) they are packed into $OUT/gpu-logs.tgz at the end,
 # beside summary.txt, also when the job is stopped.
@@ -59,6 +59,18 @@ step() { # name, command...
     [ "$rc" = 0 ] || failed=1
 }
 
+# Worlds above the GPU count are named, not failed (issue 17).
+not_run() { # what, world
+    echo "NOT RUN: $1 needs $2 GPUs, this machine has $NGPU" | tee -a "$LOG/summary.txt"
+}
+# The worlds a family of benches runs at: 2, 4 and 8, as far as the GPUs go.
+bench_worlds() { # what
+    local w
+    for w in 2 4 8; do
+        if [ "$NGPU" -ge "$w" ]; then echo "$w"; else not_run "$1 world $w" "$w" >&2; fi
+    done
+}
+
 { date -u; nvidia-smi; nvidia-smi topo -m; } >"$LOG/machine.txt" 2>&1
 echo "GPUs: $NGPU" | tee "$LOG/summary.txt"
 
@@ -72,6 +84,18 @@ if [[ " $STEPS " == *" tests "* ]]; then
     done
     step conformance_cuda_threads "$BIN/conformance_cuda" --include-ignored --test-threads=1 "${skip[@]}"
     step process_cuda "$BIN/process_cuda" --include-ignored --test-threads=1 "${skip[@]}"
+    # Every world 2..8 the machine can host, as processes under torchrun
+    # (worlds 5-7 have no thread-suite test of their own).
+    if command -v torchrun >/dev/null; then
+        for w in 3 4 5 6 7 8; do
+            if [ "$NGPU" -ge "$w" ]; then
+                step "conformance_torchrun_w$w" torchrun --nproc_per_node="$w" --no-python "$BIN/ferrocomm-worker" \
+                    conformance --backend cuda --timeout-secs 120
+            else
+                not_run "conformance (processes) world $w" "$w"
+            fi
+        done
+    fi
 fi
 
 if [[ " $STEPS " == *" coldstart "* ]]; then
@@ -112,12 +136,23 @@ if [[ " $STEPS " == *" layered "* ]] && command -v torchrun >/dev/null && [ "$NG
     # Pseudo-nodes of one GPU each (FERROCOMM_LOCAL_SIZE=1): every
     # communicator spans nodes, so all-reduce, all-gather and reduce-scatter
     # run in two levels (NCCL between the "nodes") and the rest through
-    # NCCL; the bench checks every result. (The conformance suite forces
-    # kernel algorithms and compares them bitwise, which a communicator
-    # without kernels does not have; tests/layered_host.rs covers the
-    # levels' semantics.)
+    # NCCL; the conformance suite checks them against its level-aware
+    # reference (node partials, then nodes in order), and the bench checks
+    # every result.
+    step layered_conformance env FERROCOMM_LOCAL_SIZE=1 torchrun --nproc_per_node=2 --no-python \
+        "$BIN/ferrocomm-worker" conformance --backend cuda --timeout-secs 120
     step layered_bench env FERROCOMM_LOCAL_SIZE=1 "$BIN/ferrocomm-bench" --backend cuda --world 2 --coll all --algo auto \
         --dtype bf16 --min-bytes 4K --max-bytes 16M --iters 5 --warmup 2
+    # 2 nodes x 2 GPUs and 2 x 4, where the GPUs are there.
+    for w in 4 8; do
+        if [ "$NGPU" -ge "$w" ]; then
+            step "layered_bench_w${w}_2nodes" env FERROCOMM_LOCAL_SIZE=$((w / 2)) "$BIN/ferrocomm-bench" --backend cuda \
+                --world "$w" --coll all_reduce,all_gather,reduce_scatter --algo auto,nccl --graph --dtype bf16 \
+                --min-bytes 1M --max-bytes 256M --iters 10 --warmup 3
+        else
+            not_run "hierarchical bench (2 pseudo-nodes) world $w" "$w"
+        fi
+    done
 fi
 
 if [[ " $STEPS " == *" example "* ]] && command -v torchrun >/dev/null && [ "$NGPU" -ge 2 ] && [ -x "$BIN/engine_cudarc" ]; then
@@ -136,8 +171,7 @@ if [[ " $STEPS " == *" sanitizer "* ]]; then
 fi
 
 if [[ " $STEPS " == *" bench "* ]]; then
-    for w in 2 4; do
-        [ "$NGPU" -ge "$w" ] || continue
+    for w in $(bench_worlds bench); do
         step "bench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --algo "${BENCH_ALGOS:-all}" --graph \
             --dtype "${BENCH_DTYPES:-bf16}" --min-bytes 1K --max-bytes "${BENCH_MAX:-256M}" \
             --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}" --json "$LOG/bench_w$w.json"
@@ -148,8 +182,7 @@ fi
 if [[ " $STEPS " == *" collbench "* ]]; then
     # Every collective: ferrocomm (its kernels, or NCCL underneath), NCCL
     # called directly on the same stream, and a memcpy, eager and graph.
-    for w in 2 4; do
-        [ "$NGPU" -ge "$w" ] || continue
+    for w in $(bench_worlds collbench); do
         step "collbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --coll all --algo auto,nccl --graph \
             --dtype bf16 --min-bytes 4K --max-bytes "${COLL_MAX:-64M}" \
             --iters "${BENCH_ITERS:-10}" --warmup "${BENCH_WARMUP:-3}" --json "$LOG/collbench_w$w.json"
@@ -159,8 +192,7 @@ fi
 if [[ " $STEPS " == *" fused "* ]]; then
     # The fused all-reduce epilogues per pattern and shape (outputs checked
     # bitwise against the unfused reference), eager and graph.
-    for w in 2 4; do
-        [ "$NGPU" -ge "$w" ] || continue
+    for w in $(bench_worlds fused); do
         for h in 4096 8192; do
             step "fused_w${w}_h$h" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --fused all --graph \
                 --algo auto,oneshot-push,twoshot-push \
@@ -169,11 +201,32 @@ if [[ " $STEPS " == *" fused "* ]]; then
     done
 fi
 
+if [[ " $STEPS " == *" heap "* ]]; then
+    # The symmetric heap, windows, the user-style all-gather on the device
+    # API and EP dispatch/combine (conformance, then the benches). With one
+    # GPU the ranks share it (FERROCOMM_TEST_SHARE_GPU): the protocols run,
+    # the times mean nothing.
+    share=()
+    [ "$NGPU" -ge 2 ] || share=(env FERROCOMM_TEST_SHARE_GPU=1)
+    step heap_cuda "${share[@]}" "$BIN/heap_cuda" --include-ignored --test-threads=1
+    if [ "$NGPU" -ge 2 ]; then
+        step heap_torchrun torchrun --nproc_per_node="$NGPU" --no-python "$BIN/ferrocomm-worker" heap --backend cuda --timeout-secs 120
+    fi
+    [ -x "$BIN/ep_cuda" ] && step ep_cuda "${share[@]}" "$BIN/ep_cuda" --include-ignored --test-threads=1
+    if [ "${SANITIZE_HEAP:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+        step heap_memcheck "${share[@]}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+            "$BIN/heap_cuda" --include-ignored --test-threads=1 heap_and_windows_world_2 user_allgather
+    fi
+    for w in $(bench_worlds heapbench); do
+        step "heapbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --heap --graph \
+            --min-bytes 64K --max-bytes 256M --iters 20 --warmup 5
+    done
+fi
+
 if [[ " $STEPS " == *" qrbench "* ]]; then
     # Quick-reduce per codec next to ferrocomm's two-shot and NCCL, Gaussian
     # data, relative error per row (issue 5's table).
-    for w in 4 2; do
-        [ "$NGPU" -ge "$w" ] || continue
+    for w in $(bench_worlds qrbench); do
         step "qrbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --graph-only \
             --algo "${QR_ALGOS:-twoshot-push,nccl}" --quantization "${QR_CODECS:-int4,int6,int8,fp8}" \
             --dtype bf16 --min-bytes "${QR_MIN:-1M}" --max-bytes "${QR_MAX:-256M}" \
@@ -205,8 +258,8 @@ if [[ " $STEPS " == *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/nu
 fi
 
 if [[ " $STEPS " == *" baseline "* ]] && command -v torchrun >/dev/null; then
-    for w in 2 4; do
-        [ "$NGPU" -ge "$w" ] || continue
+    # Every world from 2 to the GPU count (issue 17).
+    for w in $(seq 2 "$NGPU"); do
         for b in torch_allreduce_bench torch_collectives_bench; do
             [ -f ".carry/$b.py" ] && step "${b}_w$w" torchrun --nproc_per_node="$w" ".carry/$b.py"
         done

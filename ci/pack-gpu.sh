@@ -19,7 +19,7 @@ mkdir -p .carry/bin
 cargo test --release --features "$FEATURES" --no-run --message-format=json 2>/dev/null |
     python3 -c '
 import json, shutil, sys
-want = {"conformance_cuda", "process_cuda", "conformance_hip", "process_hip", "torchrun_store"}
+want = {"conformance_cuda", "process_cuda", "conformance_hip", "process_hip", "torchrun_store", "heap_cuda", "ep_cuda"}
 packed = set()
 for line in sys.stdin:
     try:
@@ -32,7 +32,7 @@ for line in sys.stdin:
         packed.add(t["name"])
         print("packed", t["name"])
 # The CUDA build must carry both CUDA test binaries.
-missing = {"conformance_cuda", "process_cuda"} - packed if "cuda" in sys.argv[1] else set()
+missing = {"conformance_cuda", "process_cuda", "heap_cuda"} - packed if "cuda" in sys.argv[1] else set()
 if missing:
     sys.exit("pack-gpu: test binaries not built: " + ", ".join(sorted(missing)))
 ' "$FEATURES"

@@ -273,6 +273,9 @@ FC_DEVICE fc_u32 rank_bit(fc_u32 r) { return r < 32u ? 1u << r : 0u; }
 FC_DEVICE void raise_timeout(const FcDevCtx& ctx, fc_u32 ranks) {
     if (ctx.error_flags == 0) return;
     fc_u32* err = fc_ptr<fc_u32>(ctx.error_flags);
+    // An earlier error keeps its own details (a narrow window remains: two
+    // failures at once may merge their rank bits).
+    if (fc_ld_volatile(err) != FC_ERR_CODE_NONE) return;
     fc_atomic_or_sys(err + 1, ranks);
     fc_atomic_exch_sys(err + 3, 0xFFFFFFFFu);
     fc_fence_sys();

@@ -1,6 +1,7 @@
 // ferrocomm fused all-reduce epilogues: all-reduce + residual add (+ RMSNorm
 // (+ FP8 / INT8 quantization)) in one kernel, for the end of a
-// tensor-parallel transformer layer.
+// tensor-parallel transformer layer; optionally with a MoE-finalize prologue
+// (each token's row computed from its top-k expert rows while it is staged).
 //
 // Vendor neutral (see common.cuh): the HIP module reuses this file unchanged
 // (kernels-hip/fused.hip). The math is defined in docs/protocol.md ("Fused
@@ -34,6 +35,18 @@
 #define FU_SCALAR_HIDDEN 0
 #define FU_SCALAR_EPS 1
 #define FU_SCALAR_TOKENS 2
+#define FU_ROW_MOE 2
+#define FU_MOE_IDX 0
+#define FU_MOE_SCALES 1
+#define FU_MOE_SHARED 2
+#define FU_MOE_TOPK 3
+#define FU_MOE_ROWS 4
+#define FU_MOE_SCALE_F32 5
+// MoE terms whose loads are in flight together (fu_moe_pack's G): four in
+// the one-shot; two in the two-shot, whose pipelined chunk loop keeps more
+// live across its staging (four spill there on sm_80/sm_90).
+#define FU_MOE_GROUP_ONESHOT 4
+#define FU_MOE_GROUP_TWOSHOT 2
 
 // Lanes that share one row: the sum of squares is 32 lane partials combined
 // by a fixed butterfly, whatever the vendor's warp size (on wave64 a wave
@@ -391,14 +404,111 @@ FC_DEVICE void fused_rows(const FcParams& p, const char* region, fc_u64 stride, 
     }
 }
 
+// MoE finalize (docs/protocol.md, "MoE finalize"): the 16-byte pack at byte
+// `off` of token t's row, x = round(acc) with acc = shared[t] (or +0), then
+// acc = acc + scale[t][k] * expert_out[perm[t][k]] for k = 0..topk-1 in
+// order (product rounded, then the add: fc_fmul / fc_fadd, never an FMA);
+// a permuted index outside [0, permuted_rows) skips its term. The experts'
+// output is the call's input (p.input). G terms' loads are in flight at once.
+template <class T, int G>
+FC_DEVICE fc_vec16 fu_moe_pack(const FcParams& p, fc_u64 t, fc_u64 off, fc_u64 row_bytes) {
+    const fc_u64* m = p.per_peer[FU_ROW_MOE];
+    const fc_u64 topk = m[FU_MOE_TOPK];
+    const fc_u64 rows = m[FU_MOE_ROWS];
+    const fc_i32* idx = fc_ptr<const fc_i32>(m[FU_MOE_IDX]) + t * topk;
+    const bool scale_f32 = m[FU_MOE_SCALE_F32] != 0;
+    const char* expert = fc_ptr<const char>(p.input);
+    float a[8];
+    if (m[FU_MOE_SHARED] != 0) {
+        T::unpack(fc_load16(fc_ptr<const char>(m[FU_MOE_SHARED]) + t * row_bytes + off), a);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) a[k] = 0.0f;
+    }
+    // Terms in groups of G: the group's index, weight and row loads are all
+    // in flight before its adds, which keep k order.
+    for (fc_u64 k0 = 0; k0 < topk; k0 += G) {
+        fc_vec16 v[G];
+        float s[G];
+        bool ok[G];
+#pragma unroll
+        for (int u = 0; u < G; ++u) {
+            const fc_u64 k = k0 + (fc_u64)u;
+            ok[u] = false;
+            s[u] = 0.0f;
+            if (k < topk) {
+                const fc_i32 r = fc_load(idx + k);
+                // Device data: an index the host could not check is
+                // skipped, never read.
+                ok[u] = r >= 0 && (fc_u64)r < rows;
+                if (ok[u]) {
+                    const fc_u64 e = t * topk + k;
+                    // The weight's bits, then its value (exact either way).
+                    // (As one select of two typed loads, hipcc reserved
+                    // scratch in the two-shot on gfx950.)
+                    const fc_u32 bits = scale_f32 ? fc_load(fc_ptr<const fc_u32>(m[FU_MOE_SCALES]) + e)
+                                                  : (fc_u32)fc_load(fc_ptr<const fc_u16>(m[FU_MOE_SCALES]) + e);
+                    s[u] = scale_f32 ? fc_u32_as_f32(bits) : T::to_acc((fc_u16)bits);
+                    v[u] = fc_load16(expert + (fc_u64)r * row_bytes + off);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < G; ++u) {
+            if (ok[u]) {
+                float x[8];
+                T::unpack(v[u], x);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) a[j] = fc_fadd(a[j], fc_fmul(s[u], x[j]));
+            }
+        }
+    }
+    return fu_pack<T>(a);
+}
+
+// Stage rows [lo, hi) of the chunk whose first row is `first` (global) with
+// the MoE prologue: row j's finalized row goes to peer_ws[q] + off + j *
+// row_bytes for q = (q0 + n) % world, n = 0..nq-1 (each pack computed once,
+// stored nq times). The whole block walks the rows' packs flat, so a short
+// row does not leave threads idle.
+template <class T, int G>
+FC_DEVICE void fu_moe_stage(const FcParams& p, fc_u64 first, fc_u64 lo, fc_u64 hi, fc_u64 off, fc_u32 q0,
+                            fc_u32 nq) {
+    const fc_u64 hidden = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_HIDDEN];
+    const fc_u64 row_bytes = hidden * sizeof(typename T::S);
+    // 32-bit pack counts: a chunk's rows fit one workspace slot, far below
+    // 2^32 packs (64-bit division would cost registers the epilogue needs).
+    const fc_u32 packs = (fc_u32)(hidden / 8);
+    const fc_u32 nt = fc_block_threads();
+    const fc_u32 end = (fc_u32)((hi - lo) * packs);
+    q0 %= p.world;
+    for (fc_u32 k = fc_thread_id(); k < end; k += nt) {
+        const fc_u32 jr = k / packs;
+        const fc_u64 j = lo + jr;
+        const fc_u64 o = (fc_u64)(k - jr * packs) * 16u;
+        const fc_vec16 v = fu_moe_pack<T, G>(p, first + j, o, row_bytes);
+        // Unrolled to the rank bound: a loop of run-time length here made
+        // hipcc reserve scratch (gfx942/gfx950) for the norm patterns.
+        fc_u32 q = q0;
+#pragma unroll
+        for (int n = 0; n < (int)FC_MAX_RANKS; ++n) {
+            if ((fc_u32)n >= nq) break;
+            fc_store16(fc_ptr<char>(p.peer_ws[q] + off + j * row_bytes + o), v);
+            q = q + 1 == p.world ? 0u : q + 1;
+        }
+    }
+}
+
 // One-shot fused (whole call, push): chunks of `cap` whole rows, one push
 // one-shot sub-buffer each (cap = stride / row_bytes), chunk c with epoch
 // E + c. Block b owns rows [b*per, (b+1)*per) of every chunk (per of a full
 // chunk when there are several, so it touches the same workspace bytes in
 // every chunk, as oneshot_push). Per chunk: copy own rows into sub-buffer
 // [rank] of every rank's region (peers staggered by block, ourselves last);
-// arrive/wait phase 0; fused_rows from our own region (local reads).
-template <class T, int PAT>
+// arrive/wait phase 0; fused_rows from our own region (local reads). With
+// MOE the rows are computed by the MoE prologue as they are staged (once
+// per pack, stored to every rank, the order of ranks staggered by block).
+template <class T, int PAT, bool MOE = false>
 FC_DEVICE void fused_oneshot(const FcParams& p) {
     const int ES = sizeof(typename T::S);
     char* own = fc_ptr<char>(p.peer_ws[p.rank]);
@@ -426,12 +536,16 @@ FC_DEVICE void fused_oneshot(const FcParams& p) {
         const fc_u64 mine = region + (fc_u64)p.rank * stride;
         const char* input = fc_ptr<const char>(p.input + first * row_bytes);
 
-        for (fc_u32 k = 0; k + 1 < world; ++k) {
-            const fc_u32 q = (p.rank + 1 + (k + b) % (world - 1)) % world;
-            copy_range<ES, FC_COPY_UNROLL>(fc_ptr<char>(p.peer_ws[q] + mine), input, rlo * hidden, rhi * hidden,
-                                           in_aligned);
+        if (MOE) {
+            fu_moe_stage<T, FU_MOE_GROUP_ONESHOT>(p, first, rlo, rhi, mine, p.rank + 1 + b, world);
+        } else {
+            for (fc_u32 k = 0; k + 1 < world; ++k) {
+                const fc_u32 q = (p.rank + 1 + (k + b) % (world - 1)) % world;
+                copy_range<ES, FC_COPY_UNROLL>(fc_ptr<char>(p.peer_ws[q] + mine), input, rlo * hidden, rhi * hidden,
+                                               in_aligned);
+            }
+            copy_range<ES, FC_COPY_UNROLL>(own + mine, input, rlo * hidden, rhi * hidden, in_aligned);
         }
-        copy_range<ES, FC_COPY_UNROLL>(own + mine, input, rlo * hidden, rhi * hidden, in_aligned);
         if (!arrive_wait(p, own, epoch, parity, 0, b)) return;
         fused_rows<T, PAT>(p, own + region, stride, world, first, rlo, rhi);
     }
@@ -467,10 +581,12 @@ FC_DEVICE void fu_reduce_push(const FcParams& p, const char* src, fc_u64 stride,
 // S1 of the two-shot for the chunk of n rows at row `first` (epoch, parity):
 // own rows piece b of every segment d into inbox [rank] of rank d, then
 // arrive phase 0. (A function, not a lambda: captured references would put
-// the captured locals in scratch memory on AMD.)
-template <int ES>
+// the captured locals in scratch memory on AMD.) With MOE each row is
+// computed by the MoE prologue on its way to the inbox.
+template <class T, bool MOE>
 FC_DEVICE void fu_twoshot_stage1(const FcParams& p, fc_u32 epoch, fc_u64 first, fc_u64 n, fc_u64 hidden,
                                  fc_u64 stride, fc_u64 per, bool in_aligned) {
+    const int ES = sizeof(typename T::S);
     const fc_u32 parity = epoch & 1;
     const fc_u32 b = fc_block_id();
     const fc_u32 world = p.world;
@@ -483,8 +599,13 @@ FC_DEVICE void fu_twoshot_stage1(const FcParams& p, fc_u32 epoch, fc_u64 first, 
         const fc_u32 d = (rank + 1 + k + b) % world;
         const Range r = fu_piece(n, seg, per, d, b);
         // Row j of the chunk lands at inbox + (j - d*seg)*row_bytes.
-        char* inbox = fc_ptr<char>(p.peer_ws[d] + region + (fc_u64)rank * stride - (fc_u64)d * seg * row_bytes);
-        copy_range<ES, FC_COPY_UNROLL>(inbox, input, r.lo * hidden, r.hi * hidden, in_aligned);
+        const fc_u64 at = region + (fc_u64)rank * stride - (fc_u64)d * seg * row_bytes;
+        if (MOE) {
+            fu_moe_stage<T, FU_MOE_GROUP_TWOSHOT>(p, first, r.lo, r.hi, at, d, 1u);
+        } else {
+            copy_range<ES, FC_COPY_UNROLL>(fc_ptr<char>(p.peer_ws[d] + at), input, r.lo * hidden, r.hi * hidden,
+                                           in_aligned);
+        }
     }
     arrive(p, epoch, parity, 0, b);
 }
@@ -508,8 +629,9 @@ FC_DEVICE void fu_twoshot_stage1(const FcParams& p, fc_u32 epoch, fc_u64 first, 
 //          identity), with our own residual, weight and outputs.
 // Every rank computes the epilogue of every row, with its own residual_in:
 // the results are those of the one-shot, row for row. The reuse argument is
-// twoshot_push's: S2(c) writes result slots last read by S3(c-2).
-template <class T, int PAT>
+// twoshot_push's: S2(c) writes result slots last read by S3(c-2). With MOE,
+// S1 stages rows computed by the MoE prologue (fu_twoshot_stage1).
+template <class T, int PAT, bool MOE = false>
 FC_DEVICE void fused_twoshot(const FcParams& p) {
     const int ES = sizeof(typename T::S);
     char* own = fc_ptr<char>(p.peer_ws[p.rank]);
@@ -528,7 +650,7 @@ FC_DEVICE void fused_twoshot(const FcParams& p) {
     const fc_u64 per = div_ceil(nchunk > 1 ? cap : div_ceil(tokens, world), nb);
     const bool in_aligned = aligned16(p.input);
 
-    fu_twoshot_stage1<ES>(p, e0, 0, min_u64(chunk, tokens), hidden, stride, per, in_aligned);
+    fu_twoshot_stage1<T, MOE>(p, e0, 0, min_u64(chunk, tokens), hidden, stride, per, in_aligned);
     for (fc_u64 c = 0; c < nchunk; ++c) {
         const fc_u32 epoch = e0 + (fc_u32)c;
         const fc_u32 parity = epoch & 1;
@@ -546,7 +668,7 @@ FC_DEVICE void fused_twoshot(const FcParams& p) {
         arrive(p, epoch, parity, 1, b);
         if (c + 1 < nchunk) {
             const fc_u64 next = first + chunk;
-            fu_twoshot_stage1<ES>(p, epoch + 1, next, min_u64(chunk, tokens - next), hidden, stride, per, in_aligned);
+            fu_twoshot_stage1<T, MOE>(p, epoch + 1, next, min_u64(chunk, tokens - next), hidden, stride, per, in_aligned);
         }
         if (!wait_phase(p, own, epoch, parity, 1, b)) return;
 
@@ -564,4 +686,4 @@ FC_DEVICE void fused_twoshot(const FcParams& p) {
 
 // ===========================================================================
 // Entry points are generated by ferrocomm::algo::fused (fused_entry), one
-// FC_KERNEL per name: fc_fused_<kind>_<pattern>_<dtype>.
+// FC_KERNEL per name: fc_fused_<kind>_[moe_]<pattern>_<dtype>.

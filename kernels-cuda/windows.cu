@@ -8,7 +8,10 @@
 #ifndef FC_PRELUDE_INCLUDED
 #include "prelude.cuh"
 #endif
+// In the run-time module the header precedes this text (src/comm/window.rs).
+#ifndef FC_DEVICE_API_INCLUDED
 #include "device_api.cuh"
+#endif
 
 struct FcWinArgs {
     FcDevCtx ctx;
@@ -18,9 +21,10 @@ struct FcWinArgs {
 };
 static_assert(sizeof(FcWinArgs) == 120, "FcWinArgs must match WinArgs in src/comm/window.rs");
 
-// One thread is enough: the signal orders the stream's earlier copies (they
-// completed before this kernel started) and the fence makes them visible
-// system-wide before the peer can see the count.
+// One thread is enough. The stream's earlier puts are copy-engine copies
+// into the peer's memory: stream order finishes them before this kernel
+// starts, so the release add publishes a count only after the data landed.
+// The fence orders this kernel's own earlier writes (none today) as well.
 FC_HEAP_KERNEL(fc_win_signal, FcWinArgs) {
     if (fc_thread_id() != 0 || fc_block_id() != 0) return;
     fc_fence();

@@ -45,7 +45,7 @@ pub mod testing;
 
 pub use comm::{
     Axis, Call, CollRoute, CommOptions, Communicator, Fusion, FusionPattern, Mapping, MixedComm, MixedMode, MixedOp,
-    P2p, Reduction, Registration, Tensor, Topology, TuneReport, TuneSource, UserModule, Window, Work,
+    MoeFinalize, P2p, Reduction, Registration, Tensor, Topology, TuneReport, TuneSource, UserModule, Window, Work,
 };
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use ferrocomm::backends::cuda::{self, CudaDevice};
 use ferrocomm::testing::conformance::{run_thread_suite, SuiteConfig};
-use ferrocomm::testing::heap::{run_heap_suite, run_heap_timeout};
+use ferrocomm::testing::heap::{run_heap_suite, run_heap_timeout, run_user_allgather};
 
 fn shared() -> bool {
     std::env::var("FERROCOMM_TEST_SHARE_GPU").as_deref() == Ok("1")
@@ -77,5 +77,21 @@ fn a_peer_that_never_signals_is_named() {
         |comm, store, cfg| run_heap_timeout(comm, store, cfg),
         &cfg(),
         1,
+    );
+}
+
+/// The user-style all-gather on the device API, compiled at run time.
+#[test]
+#[ignore = "needs CUDA GPUs: ci/gpu-cuda.sh runs it with --include-ignored"]
+fn user_allgather_on_the_device_api_world_2() {
+    run_thread_suite(
+        "cuda",
+        2,
+        skip(2),
+        &open,
+        |o| o.with_heap_bytes(64 << 20),
+        |comm, store, cfg| run_user_allgather(comm, store, cfg),
+        &cfg(),
+        6,
     );
 }

@@ -558,6 +558,9 @@ fn kernel_names_are_unique_and_well_formed() {
 const CUDA_PRELUDE: &str = include_str!("../kernels-cuda/prelude.cuh");
 const DEVICE_API: &str = include_str!("../kernels-cuda/device_api.cuh");
 const USER_ALLGATHER: &str = include_str!("../kernels-cuda/examples/user_allgather.cu");
+const PUT_BENCH: &str = include_str!("../kernels-cuda/examples/put_bench.cu");
+const UNFUSED_BENCH: &str = include_str!("../kernels-cuda/examples/unfused_bench.cu");
+const WINDOWS: &str = include_str!("../kernels-cuda/windows.cu");
 /// The EP module's kernels (src/ep), compiled as the module is: prelude + API + ep.cu.
 const EP_KERNELS: &str = include_str!("../kernels-cuda/ep.cu");
 
@@ -622,6 +625,9 @@ fn compile_device_api_for(arch: &str) {
             "fc_devapi_probe",
         ),
         ("user_allgather.cu", "", USER_ALLGATHER, "user_allgather"),
+        ("put_bench.cu", "", PUT_BENCH, "put_bench"),
+        ("unfused_bench.cu", "", UNFUSED_BENCH, "fcb_add_rms_norm_bf16"),
+        ("windows.cu", "", WINDOWS, "fc_win_wait"),
         ("ep.cu", "", EP_KERNELS, "fc_ep_dispatch"),
         ("ep_layout.cu", "", EP_KERNELS, "fc_ep_layout"),
         ("ep_combine.cu", "", EP_KERNELS, "fc_ep_combine_reduce"),

@@ -37,7 +37,7 @@ const PRELUDE: &str = include_str!("../kernels-hip/prelude.hip.h");
 const CUDA_PRELUDE: &str = include_str!("../kernels-cuda/prelude.cuh");
 const SHARED_BODY: &str = include_str!("../kernels-cuda/collectives.cu");
 /// Every vendor-neutral file the modules are assembled from.
-const SHARED_FILES: [(&str, &str); 6] = [
+const SHARED_FILES: [(&str, &str); 9] = [
     ("kernels-cuda/common.cuh", include_str!("../kernels-cuda/common.cuh")),
     ("kernels-cuda/collectives.cu", SHARED_BODY),
     (
@@ -47,9 +47,15 @@ const SHARED_FILES: [(&str, &str); 6] = [
     ("kernels-cuda/fused.cu", include_str!("../kernels-cuda/fused.cu")),
     ("kernels-cuda/device_api.cuh", DEVICE_API),
     ("kernels-cuda/examples/user_allgather.cu", USER_ALLGATHER),
+    ("kernels-cuda/examples/put_bench.cu", PUT_BENCH),
+    ("kernels-cuda/windows.cu", WINDOWS),
+    ("kernels-cuda/ep.cu", EP_KERNELS),
 ];
 const DEVICE_API: &str = include_str!("../kernels-cuda/device_api.cuh");
 const USER_ALLGATHER: &str = include_str!("../kernels-cuda/examples/user_allgather.cu");
+const PUT_BENCH: &str = include_str!("../kernels-cuda/examples/put_bench.cu");
+const UNFUSED_BENCH: &str = include_str!("../kernels-cuda/examples/unfused_bench.cu");
+const WINDOWS: &str = include_str!("../kernels-cuda/windows.cu");
 /// The EP module's kernels (src/ep), compiled as the module is: prelude + API + ep.cu.
 const EP_KERNELS: &str = include_str!("../kernels-cuda/ep.cu");
 
@@ -575,6 +581,9 @@ fn compile_device_api_for(arch: &str) {
             "fc_devapi_probe",
         ),
         ("user_allgather", "", USER_ALLGATHER, "user_allgather"),
+        ("put_bench", "", PUT_BENCH, "put_bench"),
+        ("unfused_bench", "", UNFUSED_BENCH, "fcb_add_rms_norm_bf16"),
+        ("windows", "", WINDOWS, "fc_win_wait"),
         ("ep", "", EP_KERNELS, "fc_ep_dispatch"),
     ] {
         let src = dir.join(format!("{name}-{arch}.hip"));

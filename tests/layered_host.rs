@@ -120,6 +120,9 @@ fn reduce_gather_and_scatter_in_two_levels() {
                 let b = comm.broadcast(Tensor::of(&out, DType::I32), 0, &call);
                 assert!(matches!(b, Err(Error::Unsupported(_))), "{:?}", b.err());
             }
+            // A barrier runs on every layout (across nodes without a
+            // workspace: through the levels).
+            comm.barrier(&call)?.wait(None)?;
             comm.finalize()
         });
         for (r, res) in results.into_iter().enumerate() {

@@ -14,6 +14,10 @@ fn run(args: &[&str], world: usize, timeout_secs: u64) -> Vec<RankOutput> {
 }
 
 fn conformance(world: usize) {
+    conformance_with(world, &[]);
+}
+
+fn conformance_with(world: usize, envs: &[(&str, &str)]) -> Vec<RankOutput> {
     // Ranks as processes exercise what threads do not (fd passing, the TCP
     // store, separate address spaces); the large payloads are the thread
     // suite's, unless the full sweep is asked for.
@@ -22,7 +26,8 @@ fn conformance(world: usize) {
     } else {
         "4194304"
     };
-    let outs = run(
+    let outs = run_process_ranks(
+        Path::new(WORKER),
         &[
             "conformance",
             "--backend",
@@ -33,9 +38,12 @@ fn conformance(world: usize) {
             max_bytes,
         ],
         world,
-        600,
-    );
+        envs,
+        Duration::from_secs(600),
+    )
+    .expect("launching ranks");
     assert_all_ok(&outs);
+    outs
 }
 
 #[test]
@@ -53,6 +61,16 @@ fn conformance_processes_world_4() {
 #[test]
 fn conformance_processes_world_8() {
     conformance(8);
+}
+/// Two pseudo-nodes of two ranks (`FERROCOMM_LOCAL_SIZE=2`): two levels,
+/// the host protocols between the nodes (`tests/conformance_layered_host.rs`
+/// runs more layouts as threads).
+#[test]
+fn conformance_processes_world_4_as_2_nodes_of_2() {
+    let outs = conformance_with(4, &[("FERROCOMM_LOCAL_SIZE", "2")]);
+    for o in &outs {
+        assert!(o.stdout.contains("2 pseudo-nodes"), "rank {}: {}", o.rank, o.stdout);
+    }
 }
 
 #[test]
@@ -115,5 +133,13 @@ fn use_after_finalize_is_an_error() {
 #[test]
 fn smoke_of_every_kernel_family() {
     let outs = run(&["smoke", "--timeout-secs", "60"], 2, 120);
+    assert_all_ok(&outs);
+}
+
+/// The symmetric heap and windows with ranks as processes: heaps exchanged
+/// as fds, mapped at different addresses in each process.
+#[test]
+fn heap_and_windows_as_processes() {
+    let outs = run(&["heap", "--backend", "host", "--timeout-secs", "60"], 3, 120);
     assert_all_ok(&outs);
 }

@@ -3,15 +3,17 @@
 //! rows, one epoch each, a grid of one block), and per row exactly the GPU's
 //! fp32 order (docs/protocol.md, "Fused epilogues"): 32 lane partials of the
 //! sum of squares over 8-element packs, a fixed butterfly, correctly rounded
-//! division and square root.
+//! division and square root. With the MoE-finalize prologue, each row is
+//! computed from the experts' output as it is staged ([`moe_row`], the
+//! order of `fu_moe_pack`).
 
 use half::{bf16, f16};
 
 use super::kernels::{copy_bytes, Launch};
 use crate::algo::fused::{
-    fp8_min_scale, int8_min_scale, FusedKind, FusionPattern, FP8_MAX, INT8_MAX, PTR_ALLREDUCE_OUT, PTR_NORM_OUT,
-    PTR_QUANT_OUT, PTR_RESIDUAL_IN, PTR_RESIDUAL_OUT, PTR_SCALE, PTR_WEIGHT, ROW_PTRS, ROW_SCALARS, SCALAR_EPS,
-    SCALAR_HIDDEN, SCALAR_TOKENS,
+    fp8_min_scale, int8_min_scale, FusedInput, FusedKind, FusionPattern, FP8_MAX, INT8_MAX, MOE_IDX, MOE_ROWS,
+    MOE_SCALES, MOE_SCALE_F32, MOE_SHARED, MOE_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT, PTR_QUANT_OUT, PTR_RESIDUAL_IN,
+    PTR_RESIDUAL_OUT, PTR_SCALE, PTR_WEIGHT, ROW_MOE, ROW_PTRS, ROW_SCALARS, SCALAR_EPS, SCALAR_HIDDEN, SCALAR_TOKENS,
 };
 use crate::algo::layout::{push_oneshot_stride, push_twoshot_stride};
 use crate::codec::{Fp8Flavor, Half16};
@@ -26,21 +28,102 @@ const LANES: usize = 32;
 /// `l.p` describes live workspaces and live tensors of the shapes its
 /// fused arguments give (the communicator validated them): the input,
 /// residuals and normed output `tokens x hidden`, the weight `hidden`, the
-/// quantized output `tokens x hidden` bytes, the scale one or `tokens` f32.
-pub(super) unsafe fn run(l: &Launch, kind: FusedKind, pattern: FusionPattern, bf: bool) -> Option<u32> {
+/// quantized output `tokens x hidden` bytes, the scale one or `tokens` f32;
+/// with [`FusedInput::MoeFinalize`], the input is the experts' output of
+/// `MOE_ROWS` rows and the MoE row of the params holds live index, scale
+/// and (non-zero) shared-expert tensors of `tokens x topk` and `tokens x
+/// hidden` elements.
+pub(super) unsafe fn run(
+    l: &Launch,
+    kind: FusedKind,
+    input: FusedInput,
+    pattern: FusionPattern,
+    bf: bool,
+) -> Option<u32> {
+    let moe = input == FusedInput::MoeFinalize;
     // SAFETY: forwarded from the caller.
     unsafe {
         match (kind, bf) {
-            (FusedKind::OneShot, true) => oneshot::<bf16>(l, pattern),
-            (FusedKind::OneShot, false) => oneshot::<f16>(l, pattern),
-            (FusedKind::TwoShot, true) => twoshot::<bf16>(l, pattern),
-            (FusedKind::TwoShot, false) => twoshot::<f16>(l, pattern),
+            (FusedKind::OneShot, true) => oneshot::<bf16>(l, pattern, moe),
+            (FusedKind::OneShot, false) => oneshot::<f16>(l, pattern, moe),
+            (FusedKind::TwoShot, true) => twoshot::<bf16>(l, pattern, moe),
+            (FusedKind::TwoShot, false) => twoshot::<f16>(l, pattern, moe),
         }
     }
 }
 
+/// Stage rows `[a, a + n)` (global) of the call's input into `dsts`: a
+/// copy of the input's rows, or (MoE) each row computed once by
+/// [`moe_row`] and written to every destination. Row `a + j` goes to
+/// `dst + j * row_bytes`.
+///
+/// # Safety: see [`run`]; every destination holds `n` rows.
+unsafe fn stage<T: Half16>(p: &crate::device::KernelParams, moe: bool, a: usize, n: usize, dsts: &[DevicePtr]) {
+    let hidden = p.per_peer[ROW_SCALARS][SCALAR_HIDDEN] as usize;
+    let row_bytes = hidden * 2;
+    if !moe {
+        for &d in dsts {
+            // SAFETY: the input holds rows a..a+n; d holds n rows (caller).
+            unsafe { copy_bytes(d, p.input.offset(a * row_bytes), n * row_bytes) };
+        }
+        return;
+    }
+    let mut row = vec![0u16; hidden];
+    for j in 0..n {
+        // SAFETY: row a + j is a token of the call (caller).
+        unsafe { moe_row::<T>(p, a + j, &mut row) };
+        for &d in dsts {
+            // SAFETY: d holds n rows (caller); `row` is hidden u16s.
+            unsafe { copy_bytes(d.offset(j * row_bytes), DevicePtr(row.as_ptr() as u64), row_bytes) };
+        }
+    }
+}
+
+/// The MoE-finalized row of token `t` (bits of `T`), element by element as
+/// `fu_moe_pack`: `acc = shared[t][j]` (or +0), then for k = 0..topk in
+/// order, `acc = acc + scale[t][k] * expert_out[perm[t][k]][j]` (product
+/// rounded, then the sum; Rust never contracts to an FMA), skipping a
+/// permuted index outside `[0, MOE_ROWS)`; the row is `round(acc)`.
+///
+/// # Safety: see [`run`] (the MoE row of the params is live).
+unsafe fn moe_row<T: Half16>(p: &crate::device::KernelParams, t: usize, out: &mut [u16]) {
+    let m = p.per_peer[ROW_MOE];
+    let hidden = out.len();
+    let topk = m[MOE_TOPK] as usize;
+    let rows = m[MOE_ROWS];
+    let mut acc = vec![0f32; hidden];
+    // SAFETY (every read below): the tensors hold token t's entries and
+    // the expert rows below MOE_ROWS (caller).
+    unsafe {
+        if m[MOE_SHARED] != 0 {
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = read::<T>(m[MOE_SHARED], t * hidden + j).to_f32();
+            }
+        }
+        for k in 0..topk {
+            let e = t * topk + k;
+            let r = (m[MOE_IDX] as *const i32).add(e).read_unaligned();
+            if r < 0 || r as u64 >= rows {
+                continue;
+            }
+            let s = if m[MOE_SCALE_F32] != 0 {
+                (m[MOE_SCALES] as *const f32).add(e).read_unaligned()
+            } else {
+                read::<T>(m[MOE_SCALES], e).to_f32()
+            };
+            let base = r as usize * hidden;
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a += s * read::<T>(p.input.0, base + j).to_f32();
+            }
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = round::<T>(a).to_bits();
+    }
+}
+
 /// # Safety: see [`run`].
-unsafe fn oneshot<T: Half16>(l: &Launch, pattern: FusionPattern) -> Option<u32> {
+unsafe fn oneshot<T: Half16>(l: &Launch, pattern: FusionPattern, moe: bool) -> Option<u32> {
     let p = l.p;
     let hidden = p.per_peer[ROW_SCALARS][SCALAR_HIDDEN] as usize;
     let tokens = p.per_peer[ROW_SCALARS][SCALAR_TOKENS] as usize;
@@ -58,13 +141,12 @@ unsafe fn oneshot<T: Half16>(l: &Launch, pattern: FusionPattern) -> Option<u32> 
         let l = l.chunk(c);
         let first = c * cap;
         let n = cap.min(tokens - first);
-        let input = p.input.offset(first * row_bytes);
         // Staggered, as the GPU blocks are: peers first, ourselves last.
-        for k in 1..=world {
-            let q = (me + k) % world;
-            // SAFETY: n rows fit a sub-buffer (n <= cap); the input holds them.
-            unsafe { copy_bytes(l.region(q).offset(me * stride), input, n * row_bytes) };
-        }
+        let dsts: Vec<DevicePtr> = (1..=world)
+            .map(|k| l.region((me + k) % world).offset(me * stride))
+            .collect();
+        // SAFETY: n rows fit a sub-buffer (n <= cap); rows first.. are the call's.
+        unsafe { stage::<T>(p, moe, first, n, &dsts) };
         l.arrive(0);
         if !l.wait(0) {
             return None;
@@ -92,7 +174,7 @@ unsafe fn oneshot<T: Half16>(l: &Launch, pattern: FusionPattern) -> Option<u32> 
 /// our own result slot. Returns the last epoch.
 ///
 /// # Safety: see [`run`].
-unsafe fn twoshot<T: Half16>(l: &Launch, pattern: FusionPattern) -> Option<u32> {
+unsafe fn twoshot<T: Half16>(l: &Launch, pattern: FusionPattern, moe: bool) -> Option<u32> {
     let p = l.p;
     let hidden = p.per_peer[ROW_SCALARS][SCALAR_HIDDEN] as usize;
     let tokens = p.per_peer[ROW_SCALARS][SCALAR_TOKENS] as usize;
@@ -123,9 +205,8 @@ unsafe fn twoshot<T: Half16>(l: &Launch, pattern: FusionPattern) -> Option<u32> 
         for k in 1..=world {
             let d = (me + k) % world;
             let (a, len) = seg_rows(n, seg, d);
-            let src = p.input.offset((first + a) * row_bytes);
-            // SAFETY: a segment fits an inbox; the input holds the chunk.
-            unsafe { copy_bytes(l.region(d).offset(me * stride), src, len * row_bytes) };
+            // SAFETY: a segment fits an inbox; rows first + a.. are the call's.
+            unsafe { stage::<T>(p, moe, first + a, len, &[l.region(d).offset(me * stride)]) };
         }
         l.arrive(0);
     };

@@ -46,9 +46,10 @@ pub(super) enum HostKernel {
     ReduceTo { dtype: DType, op: ReduceOp },
     /// `fc_sendrecv`: a batch of sends and receives (no epoch).
     SendRecv,
-    /// `fc_fused_<kind>_<pattern>_<dtype>`: a fused all-reduce epilogue.
+    /// `fc_fused_<kind>_[moe_]<pattern>_<dtype>`: a fused all-reduce epilogue.
     Fused {
         kind: crate::algo::fused::FusedKind,
+        input: crate::algo::fused::FusedInput,
         pattern: crate::algo::fused::FusionPattern,
         dtype: DType,
     },
@@ -88,9 +89,12 @@ impl HostKernel {
                     _ => {}
                 },
                 HostKernel::SendRecv => collectives::send_recv(p),
-                HostKernel::Fused { kind, pattern, dtype } => {
-                    launch(p, |l| fused::run(l, kind, pattern, dtype == DType::BF16))
-                }
+                HostKernel::Fused {
+                    kind,
+                    input,
+                    pattern,
+                    dtype,
+                } => launch(p, |l| fused::run(l, kind, input, pattern, dtype == DType::BF16)),
                 HostKernel::QrEncode { codec, dtype } => match dtype {
                     DType::BF16 => quickreduce::encode_run::<bf16>(p, codec),
                     _ => quickreduce::encode_run::<f16>(p, codec),
@@ -165,8 +169,16 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
         debug_assert!(quick_reduce_kernel_names().iter().all(|n| map.contains_key(n)));
     } else if module == FUSED.name {
         for name in crate::algo::fused::fused_kernel_names() {
-            if let Some((kind, pattern, dtype)) = crate::algo::fused::parse_fused(&name) {
-                map.insert(name, HostKernel::Fused { kind, pattern, dtype });
+            if let Some((kind, input, pattern, dtype)) = crate::algo::fused::parse_fused(&name) {
+                map.insert(
+                    name,
+                    HostKernel::Fused {
+                        kind,
+                        input,
+                        pattern,
+                        dtype,
+                    },
+                );
             }
         }
     } else {

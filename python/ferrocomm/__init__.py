@@ -34,7 +34,7 @@ from ._errors import (
     Unsupported,
 )
 from ._ops import ReduceOp
-from ._comm import Communicator, P2POp, Work
+from ._comm import Communicator, HeapTensor, P2POp, RemoteTensor, Window, Work
 from ._bootstrap import from_store, from_torch, init
 
 __all__ = [
@@ -47,6 +47,9 @@ __all__ = [
     "Communicator",
     "Work",
     "P2POp",
+    "HeapTensor",
+    "Window",
+    "RemoteTensor",
     "ReduceOp",
     "FerrocommError",
     "InvalidArgument",

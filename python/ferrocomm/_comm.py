@@ -24,11 +24,13 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from . import _ferrocomm as _native
 from ._errors import InvalidArgument
 from ._ops import ReduceOp, as_op
-from ._tensors import HOST_MEMORY, current_stream, device_type, prepare, stream_handle
+from ._tensors import HOST_MEMORY, current_device_stream, current_stream, device_type, prepare, stream_handle
 
-__all__ = ["Communicator", "Work", "P2POp", "seconds"]
+__all__ = ["Communicator", "Work", "P2POp", "HeapTensor", "Window", "RemoteTensor", "seconds"]
 
 Work = _native.Work
+HeapTensor = _native.HeapTensor
+RemoteTensor = _native.RemoteTensor
 
 Timeout = Optional[Any]  # seconds (int/float) or datetime.timedelta
 
@@ -42,6 +44,19 @@ def seconds(timeout: Timeout) -> Optional[float]:
     if isinstance(timeout, Real) and not isinstance(timeout, bool):
         return float(timeout)
     raise InvalidArgument(f"timeout {timeout!r}: expected seconds or a datetime.timedelta")
+
+
+def _dtype_name(dtype: Any) -> str:
+    """A dtype's name from a string, a NumPy dtype or type, or a torch dtype."""
+    if isinstance(dtype, str):
+        name = dtype
+    elif isinstance(dtype, type):
+        name = dtype.__name__  # np.float32
+    elif isinstance(getattr(dtype, "name", None), str):
+        name = dtype.name  # np.dtype("float32")
+    else:
+        name = str(dtype)  # torch.float32
+    return name[len("torch."):] if name.startswith("torch.") else name
 
 
 def _hints(hints: Optional[Mapping[str, Any]]) -> Optional[dict]:
@@ -78,6 +93,93 @@ class P2POp:
 
     def __repr__(self) -> str:
         return f"P2POp({self.op!r}, peer={self.peer})"
+
+
+class Window:
+    """A one-sided window (:meth:`Communicator.new_window`), torchcomms' names.
+
+    Offsets count elements of the buffer's dtype. ``put``, ``signal`` and
+    ``wait_signal`` run stream-ordered on GPUs (``stream=``, else torch's
+    current stream on the communicator's device; the three must share a
+    stream to be ordered) and return None, or a :class:`Work` with
+    ``async_op=True``; on the host backend they return once done. A
+    ``wait_signal`` whose peer never signals raises :class:`CommTimeout`
+    naming it (``missing``) after ``timeout`` (default: the communicator's),
+    and the communicator is aborted.
+    """
+
+    __slots__ = ("_native", "_comm")
+
+    def __init__(self, native: Any, comm: "Communicator") -> None:
+        self._native = native
+        self._comm = comm
+
+    def _stream(self, stream: Any, tensor: Any = None) -> Optional[int]:
+        if self._comm.backend == "host":
+            if stream is not None:
+                raise InvalidArgument("stream= is for GPU windows; the host backend has none")
+            return None
+        if stream is not None:
+            return stream_handle(stream)
+        if tensor is not None:
+            return current_stream(tensor)
+        return current_device_stream(self._comm.device)
+
+    def tensor_register(self, tensor: Any) -> None:
+        """Make ``tensor`` the window's buffer (collective; sizes may differ
+        between ranks, dtypes may not)."""
+        self._native.tensor_register(prepare(tensor))
+
+    def put(
+        self,
+        tensor: Any,
+        dst_rank: int,
+        target_offset: int = 0,
+        async_op: bool = False,
+        timeout: Timeout = None,
+        stream: Any = None,
+    ) -> Optional[Work]:
+        """Copy ``tensor`` into ``dst_rank``'s buffer at element
+        ``target_offset``; follow it with ``signal(dst_rank)``."""
+        tensor = prepare(tensor)
+        return self._native.put(
+            tensor, int(dst_rank), int(target_offset), async_op=async_op, timeout=seconds(timeout),
+            stream=self._stream(stream, tensor),
+        )
+
+    def signal(
+        self, dst_rank: int, async_op: bool = False, timeout: Timeout = None, stream: Any = None
+    ) -> Optional[Work]:
+        """Tell ``dst_rank`` that this rank's earlier puts on the stream landed."""
+        return self._native.signal(int(dst_rank), async_op=async_op, timeout=seconds(timeout), stream=self._stream(stream))
+
+    def wait_signal(
+        self, peer_rank: int, async_op: bool = False, timeout: Timeout = None, stream: Any = None
+    ) -> Optional[Work]:
+        """Wait until ``peer_rank`` has signalled once more than the waits
+        before (signals are counted, so each wait matches one signal)."""
+        return self._native.wait_signal(
+            int(peer_rank), async_op=async_op, timeout=seconds(timeout), stream=self._stream(stream)
+        )
+
+    def map_remote_tensor(self, rank: int) -> RemoteTensor:
+        """``rank``'s buffer as mapped in this process, exporting DLPack
+        (``numpy.from_dlpack`` on the host backend, ``torch.from_dlpack`` on
+        GPUs). Views of it keep ``tensor_deregister`` and ``free`` from
+        running until they are let go."""
+        return self._native.map_remote_tensor(int(rank))
+
+    def tensor_deregister(self) -> None:
+        """Let the buffer go (local); puts queued into it must have completed."""
+        self._native.tensor_deregister()
+
+    def free(self) -> None:
+        """Release the window (its signal words are heap memory: every rank
+        frees windows and heap tensors in the same order)."""
+        self._native.free()
+
+    def __repr__(self) -> str:
+        return repr(self._native)
 
 
 class Communicator:
@@ -556,6 +658,48 @@ class Communicator:
         tensor = prepare(tensor)
         c, _ = self._route(tensor, None)
         return c.register(tensor)
+
+    # ------------------------------------------------------------ symmetric heap, windows
+
+    def heap_tensor(self, shape: Any, dtype: Any) -> HeapTensor:
+        """A zeroed tensor in the symmetric heap, at the same offset on every
+        rank (``.offset``), exporting DLPack: ``numpy.from_dlpack(t)`` on the
+        host backend, ``torch.from_dlpack(t)`` on GPUs, both in place.
+        ``dtype``: a name (``"float32"``, ``"bfloat16"``), a NumPy dtype or a
+        torch dtype.
+
+        Collective: every rank allocates the same shapes and dtypes in the
+        same order. ``t.free()`` gives the memory back; every rank frees its
+        heap tensors and windows in the same order too (later offsets depend
+        on it; a rank out of order gets :class:`Mismatch` at its next
+        allocation). ``free`` is refused while NumPy arrays or torch tensors
+        made from it, a window it is registered in, or queued work hold it.
+        A heap tensor never freed stays allocated until :meth:`finalize`,
+        which releases the whole heap (and is refused while DLPack views of
+        it are held: they would outlive it). The heap's size per rank is
+        ``FERROCOMM_HEAP_BYTES`` (host default 64 MiB, GPUs 1 GiB)."""
+        if isinstance(shape, int):
+            shape = (shape,)
+        return self._native.heap_tensor([int(d) for d in shape], _dtype_name(dtype))
+
+    def new_window(self) -> Window:
+        """A one-sided window (torchcomms' ``new_window``; collective, its
+        signal words come from the heap). ``win.tensor_register(t)``
+        (collective) makes ``t`` its buffer: a :meth:`heap_tensor` on every
+        rank costs nothing; other GPU tensors are registered with every peer.
+        Then ``win.put(src, dst_rank, target_offset)`` (elements),
+        ``win.signal(dst_rank)``, ``win.wait_signal(peer_rank)`` (each with
+        ``async_op``, ``timeout``, ``stream``), ``win.map_remote_tensor(rank)``
+        (a peer's buffer as mapped here, exporting DLPack),
+        ``win.tensor_deregister()`` and ``win.free()`` (in the same order as
+        heap tensors' frees on every rank)."""
+        return Window(self._native.new_window(), self)
+
+    def device_ctx_bytes(self) -> bytes:
+        """The device API's context (``FcDevCtx``, 104 bytes, docs/device-api.md)
+        to pass by value to kernels of your own; after the first heap_tensor
+        or new_window."""
+        return self._native.device_ctx_bytes()
 
     def prepare(self) -> None:
         """Compile and load every kernel later calls may need: call it before

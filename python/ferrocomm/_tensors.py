@@ -106,3 +106,16 @@ def current_stream(t: Any) -> Optional[int]:
     if cupy is not None and isinstance(t, cupy.ndarray):
         return int(cupy.cuda.get_current_stream().ptr)
     return None
+
+
+def current_device_stream(device: int) -> Optional[int]:
+    """torch's current stream on GPU ``device`` when torch is loaded (where
+    a window's signal and wait run by default, as its puts of torch
+    tensors do); None otherwise (the communicator's own stream)."""
+    torch = _torch()
+    if torch is None or not torch.cuda.is_available():
+        return None
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)

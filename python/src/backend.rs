@@ -7,7 +7,7 @@ use std::sync::Arc;
 use ferrocomm::backends::host::HostDevice;
 use ferrocomm::bootstrap::{store_all_gather, Store};
 use ferrocomm::device::Device;
-use ferrocomm::{CommOptions, Communicator, Error, Result, Work};
+use ferrocomm::{CommOptions, Communicator, Error, Result, Window, Work};
 
 #[cfg(feature = "cuda")]
 use ferrocomm::backends::cuda::CudaDevice;
@@ -30,6 +30,14 @@ pub enum AnyWork {
     Cuda(Work<CudaDevice>),
     #[cfg(feature = "rocm")]
     Hip(Work<HipDevice>),
+}
+
+pub enum AnyWindow {
+    Host(Window<HostDevice>),
+    #[cfg(feature = "cuda")]
+    Cuda(Window<CudaDevice>),
+    #[cfg(feature = "rocm")]
+    Hip(Window<HipDevice>),
 }
 
 /// Run `$body` with `$c` bound to the communicator inside an [`AnyComm`]
@@ -55,6 +63,11 @@ pub trait Backend: Device {
     fn wrap_comm(c: Communicator<Self>) -> AnyComm;
     /// Whether DLPack memory of `device_type` is this backend's.
     fn accepts(device_type: i32) -> bool;
+    /// The DLPack device type of this backend's memory (what it exports).
+    const DL_DEVICE: i32;
+    fn wrap_window(w: Window<Self>) -> AnyWindow;
+    /// The communicator inside `c`, if it is this backend's.
+    fn comm_of(c: &AnyComm) -> Option<&Communicator<Self>>;
 }
 
 impl Backend for HostDevice {
@@ -64,6 +77,17 @@ impl Backend for HostDevice {
     }
     fn wrap_comm(c: Communicator<Self>) -> AnyComm {
         AnyComm::Host(c)
+    }
+    const DL_DEVICE: i32 = KDL_CPU;
+    fn wrap_window(w: Window<Self>) -> AnyWindow {
+        AnyWindow::Host(w)
+    }
+    fn comm_of(c: &AnyComm) -> Option<&Communicator<Self>> {
+        match c {
+            AnyComm::Host(c) => Some(c),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
     }
     fn accepts(t: i32) -> bool {
         matches!(t, KDL_CPU | KDL_CUDA_HOST | KDL_ROCM_HOST)
@@ -79,6 +103,17 @@ impl Backend for CudaDevice {
     fn wrap_comm(c: Communicator<Self>) -> AnyComm {
         AnyComm::Cuda(c)
     }
+    const DL_DEVICE: i32 = crate::dlpack::KDL_CUDA;
+    fn wrap_window(w: Window<Self>) -> AnyWindow {
+        AnyWindow::Cuda(w)
+    }
+    fn comm_of(c: &AnyComm) -> Option<&Communicator<Self>> {
+        match c {
+            AnyComm::Cuda(c) => Some(c),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
     fn accepts(t: i32) -> bool {
         matches!(t, crate::dlpack::KDL_CUDA | crate::dlpack::KDL_CUDA_MANAGED)
     }
@@ -92,6 +127,17 @@ impl Backend for HipDevice {
     }
     fn wrap_comm(c: Communicator<Self>) -> AnyComm {
         AnyComm::Hip(c)
+    }
+    const DL_DEVICE: i32 = crate::dlpack::KDL_ROCM;
+    fn wrap_window(w: Window<Self>) -> AnyWindow {
+        AnyWindow::Hip(w)
+    }
+    fn comm_of(c: &AnyComm) -> Option<&Communicator<Self>> {
+        match c {
+            AnyComm::Hip(c) => Some(c),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
     }
     fn accepts(t: i32) -> bool {
         t == crate::dlpack::KDL_ROCM

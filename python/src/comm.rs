@@ -24,6 +24,8 @@ use pyo3::types::{PyBool, PyFloat, PyInt};
 use crate::backend::{self, with_any, AnyComm, AnyWork, Backend};
 use crate::dlpack::{self, Imported, Owner, KDL_CUDA, KDL_CUDA_MANAGED, KDL_ROCM};
 use crate::errors::{detached, run, run_interruptible, to_pyerr, Failure};
+use crate::export::Counter;
+use crate::heap::{PyHeapTensor, PyWindow};
 use crate::store::PyStore;
 use crate::work::{lock, Outstanding, Pending, PyWork};
 
@@ -82,16 +84,16 @@ fn options(name: Option<String>, timeout: Option<f64>) -> PyResult<CommOptions> 
 }
 
 /// Per-call options, as torchcomms has them.
-struct Opts {
+pub(crate) struct Opts {
     async_op: bool,
     timeout: Option<Duration>,
     hints: BTreeMap<String, String>,
     /// The caller's raw stream (`CUstream` / `hipStream_t`).
-    stream: Option<u64>,
+    pub(crate) stream: Option<u64>,
 }
 
 impl Opts {
-    fn new(
+    pub(crate) fn new(
         async_op: bool,
         timeout: Option<f64>,
         hints: Option<BTreeMap<String, String>>,
@@ -105,7 +107,7 @@ impl Opts {
         })
     }
 
-    fn call<'s, D: Device>(&self, stream: Option<&'s D::Stream>) -> Call<'s, D> {
+    pub(crate) fn call<'s, D: Device>(&self, stream: Option<&'s D::Stream>) -> Call<'s, D> {
         let mut call = match stream {
             Some(s) => Call::on(s),
             None => Call::new(),
@@ -121,7 +123,7 @@ impl Opts {
 }
 
 /// The tensors of one call, imported, and their owners.
-struct Batch {
+pub(crate) struct Batch {
     accepts: fn(i32) -> bool,
     backend: &'static str,
     ordinal: usize,
@@ -133,6 +135,17 @@ struct Batch {
 
 impl Batch {
     fn import_full(&mut self, obj: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<(Tensor, usize)> {
+        let imp = self.import_checked(obj, writes, what)?;
+        let t = imp.tensor();
+        let rows = imp.rows;
+        self.owners.push(imp.owner);
+        Ok((t, rows))
+    }
+
+    /// Import `obj` and check it is this communicator's memory; the owner
+    /// is the caller's to keep. Heap tensors are taken as they are (held,
+    /// not exported).
+    pub(crate) fn import_checked(&mut self, obj: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<Imported> {
         let dl = self.dl_stream;
         let gpu_memory = |t: i32| matches!(t, KDL_CUDA | KDL_ROCM | KDL_CUDA_MANAGED);
         let invalid = |m: String| Err(to_pyerr(Error::InvalidArgument(format!("{what}: {m}"))));
@@ -148,7 +161,10 @@ impl Batch {
                 ));
             }
         }
-        let imp: Imported = dlpack::import(obj, |t| if gpu_memory(t) { dl } else { None })?;
+        let imp: Imported = match obj.cast::<PyHeapTensor>() {
+            Ok(h) => h.get().lend(obj)?,
+            Err(_) => dlpack::import(obj, |t| if gpu_memory(t) { dl } else { None })?,
+        };
         if !(self.accepts)(imp.device_type) {
             return invalid(format!(
                 "its memory is on DLPack device type {} but this communicator runs on the {} backend (CPU arrays \
@@ -165,13 +181,10 @@ impl Batch {
         if writes && imp.readonly {
             return invalid("it is read-only, and the collective writes into it".into());
         }
-        let t = imp.tensor();
-        let rows = imp.rows;
-        self.owners.push(imp.owner);
-        Ok((t, rows))
+        Ok(imp)
     }
 
-    fn import(&mut self, obj: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<Tensor> {
+    pub(crate) fn import(&mut self, obj: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<Tensor> {
         self.import_full(obj, writes, what).map(|(t, _)| t)
     }
 
@@ -244,6 +257,9 @@ pub struct PyComm {
     /// sibling) and stops with the last of them.
     rendezvous: Option<Arc<EnvRendezvous>>,
     outstanding: Outstanding,
+    /// Holds on this communicator's heap and window memory handed out
+    /// through DLPack: `finalize` refuses while any is out.
+    lender: Arc<Counter>,
 }
 
 impl PyComm {
@@ -253,6 +269,7 @@ impl PyComm {
             store,
             rendezvous,
             outstanding: Arc::new(Mutex::new(Vec::new())),
+            lender: Counter::new(),
         }
     }
 
@@ -260,7 +277,7 @@ impl PyComm {
         PyComm::new(comm, self.store.clone(), self.rendezvous.clone())
     }
 
-    fn batch(&self, stream: Option<u64>) -> Batch {
+    pub(crate) fn batch(&self, stream: Option<u64>) -> Batch {
         let (accepts, backend, ordinal, own): (fn(i32) -> bool, _, _, _) = with_any!(&*self.comm, AnyComm, |c| (
             accepts_of(c),
             backend_of(c),
@@ -305,7 +322,7 @@ impl PyComm {
     /// `async_op`; else wait where the caller has no stream ordered after
     /// the collective (host backend, GPU calls without a stream, barriers),
     /// and keep the memory until the work completes either way.
-    fn finish(
+    pub(crate) fn finish(
         &self,
         py: Python<'_>,
         res: Result<(AnyWork, bool), Failure>,
@@ -954,8 +971,17 @@ impl PyComm {
         run(py, || with_any!(comm, AnyComm, |c| c.abort()))
     }
 
-    /// Drain queued work and release the workspace; later calls raise `Finalized`.
+    /// Drain queued work and release the workspace (the symmetric heap with
+    /// it: heap tensors and windows not freed go here); later calls raise
+    /// `Finalized`. Refused while DLPack views of heap or window memory
+    /// (NumPy arrays, torch tensors) are held: they would outlive it.
     fn finalize(&self, py: Python<'_>) -> PyResult<()> {
+        if let Err(n) = self.lender.close("finalized") {
+            return Err(to_pyerr(Error::invalid(format!(
+                "finalize: {n} DLPack view(s) of this communicator's heap tensors or windows (NumPy arrays, torch \
+                 tensors, map_remote_tensor views) are still held; let them go first"
+            ))));
+        }
         let comm = &*self.comm;
         let r = run(py, || with_any!(comm, AnyComm, |c| c.finalize()));
         // Finalize drained the stream: every outstanding work is complete
@@ -976,6 +1002,28 @@ impl PyComm {
             comm: self.comm.clone(),
             owners: Mutex::new(batch.owners),
         })
+    }
+
+    // ------------------------------------------------------------ heap, windows
+
+    /// A tensor of `shape` and `dtype` (a name: float32, bfloat16, ...) in
+    /// the symmetric heap: collective, every rank the same shape and dtype in
+    /// the same order; the same offset on every rank; zeroed.
+    fn heap_tensor(&self, py: Python<'_>, shape: Vec<i64>, dtype: &str) -> PyResult<PyHeapTensor> {
+        PyHeapTensor::alloc(py, &self.comm, &self.lender, shape, dtype)
+    }
+
+    /// A one-sided window with no buffer yet (collective: its signal words
+    /// come from the heap).
+    fn new_window(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<PyWindow> {
+        let me = slf.get();
+        PyWindow::create(py, slf.clone().unbind(), &me.comm, &me.lender)
+    }
+
+    /// The device API's context (`FcDevCtx`, 104 bytes) for kernels of your
+    /// own; the heap must exist (after a first heap_tensor or new_window).
+    fn device_ctx_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        crate::heap::device_ctx_bytes(py, &self.comm)
     }
 
     fn __repr__(&self) -> String {

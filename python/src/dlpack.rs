@@ -29,14 +29,14 @@ pub const KDL_ROCM_HOST: i32 = 11;
 pub const KDL_CUDA_MANAGED: i32 = 13;
 
 /// `DLDataTypeCode` values ferrocomm maps (dlpack.h 1.1).
-const KDL_INT: u8 = 0;
-const KDL_UINT: u8 = 1;
-const KDL_FLOAT: u8 = 2;
-const KDL_BFLOAT: u8 = 4;
+pub(crate) const KDL_INT: u8 = 0;
+pub(crate) const KDL_UINT: u8 = 1;
+pub(crate) const KDL_FLOAT: u8 = 2;
+pub(crate) const KDL_BFLOAT: u8 = 4;
 const KDL_BOOL: u8 = 6;
-const KDL_FLOAT8_E4M3FN: u8 = 10;
+pub(crate) const KDL_FLOAT8_E4M3FN: u8 = 10;
 const KDL_FLOAT8_E4M3FNUZ: u8 = 11;
-const KDL_FLOAT8_E5M2: u8 = 12;
+pub(crate) const KDL_FLOAT8_E5M2: u8 = 12;
 const KDL_FLOAT8_E5M2FNUZ: u8 = 13;
 
 /// `DLPACK_FLAG_BITMASK_READ_ONLY`.
@@ -44,55 +44,55 @@ const FLAG_READ_ONLY: u64 = 1;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct DLDevice {
-    device_type: i32,
-    device_id: i32,
+pub(crate) struct DLDevice {
+    pub(crate) device_type: i32,
+    pub(crate) device_id: i32,
 }
 
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct DLDataType {
-    code: u8,
-    bits: u8,
-    lanes: u16,
+pub(crate) struct DLDataType {
+    pub(crate) code: u8,
+    pub(crate) bits: u8,
+    pub(crate) lanes: u16,
 }
 
 #[repr(C)]
-struct DLTensor {
-    data: *mut c_void,
-    device: DLDevice,
-    ndim: i32,
-    dtype: DLDataType,
-    shape: *const i64,
-    strides: *const i64,
-    byte_offset: u64,
+pub(crate) struct DLTensor {
+    pub(crate) data: *mut c_void,
+    pub(crate) device: DLDevice,
+    pub(crate) ndim: i32,
+    pub(crate) dtype: DLDataType,
+    pub(crate) shape: *const i64,
+    pub(crate) strides: *const i64,
+    pub(crate) byte_offset: u64,
 }
 
 #[repr(C)]
-struct DLManagedTensor {
-    dl_tensor: DLTensor,
-    manager_ctx: *mut c_void,
-    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+pub(crate) struct DLManagedTensor {
+    pub(crate) dl_tensor: DLTensor,
+    pub(crate) manager_ctx: *mut c_void,
+    pub(crate) deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
 #[repr(C)]
-struct DLPackVersion {
-    major: u32,
-    minor: u32,
+pub(crate) struct DLPackVersion {
+    pub(crate) major: u32,
+    pub(crate) minor: u32,
 }
 
 #[repr(C)]
-struct DLManagedTensorVersioned {
-    version: DLPackVersion,
-    manager_ctx: *mut c_void,
-    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
-    flags: u64,
-    dl_tensor: DLTensor,
+pub(crate) struct DLManagedTensorVersioned {
+    pub(crate) version: DLPackVersion,
+    pub(crate) manager_ctx: *mut c_void,
+    pub(crate) deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    pub(crate) flags: u64,
+    pub(crate) dl_tensor: DLTensor,
 }
 
-const LEGACY: &CStr = c"dltensor";
+pub(crate) const LEGACY: &CStr = c"dltensor";
 const LEGACY_USED: &CStr = c"used_dltensor";
-const VERSIONED: &CStr = c"dltensor_versioned";
+pub(crate) const VERSIONED: &CStr = c"dltensor_versioned";
 const VERSIONED_USED: &CStr = c"used_dltensor_versioned";
 
 // ------------------------------------------------------------ ownership
@@ -105,6 +105,16 @@ enum Held {
     Legacy(NonNull<DLManagedTensor>),
     Versioned(NonNull<DLManagedTensorVersioned>),
     Object(#[allow(dead_code)] Py<PyAny>),
+    /// Memory ferrocomm owns (a heap tensor), used by ferrocomm itself: the
+    /// object, and a loan that keeps it from being freed meanwhile.
+    Loaned(#[allow(dead_code)] Py<PyAny>, #[allow(dead_code)] crate::export::Loan),
+}
+
+impl Owner {
+    /// Ferrocomm's own memory (`obj`), held by `loan` while it is used.
+    pub fn loaned(obj: Py<PyAny>, loan: crate::export::Loan) -> Owner {
+        Owner(Held::Loaned(obj, loan))
+    }
 }
 
 // SAFETY: after the capsule was renamed, this value is the only owner of the
@@ -134,7 +144,7 @@ impl Drop for Owner {
                     }
                 }
             }),
-            Held::Object(_) => {}
+            Held::Object(_) | Held::Loaned(..) => {}
         }
     }
 }

@@ -3,6 +3,8 @@
 //! - [`comm`]: the communicator (every collective of the Rust API);
 //! - [`work`]: queued collectives and the memory they hold on to;
 //! - [`dlpack`]: tensors from torch, CuPy, JAX and NumPy, used in place;
+//! - [`export`]: ferrocomm's own memory handed out through DLPack;
+//! - [`heap`]: symmetric-heap tensors and one-sided windows;
 //! - [`store`]: a ferrocomm store over a Python (torch.distributed) store;
 //! - [`backend`]: host, CUDA and ROCm communicators behind one class;
 //! - [`errors`]: Rust errors as Python exceptions, panics caught.
@@ -14,6 +16,8 @@ mod backend;
 mod comm;
 mod dlpack;
 mod errors;
+mod export;
+mod heap;
 mod store;
 mod work;
 
@@ -24,6 +28,9 @@ fn _ferrocomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<comm::PyComm>()?;
     m.add_class::<comm::PyRegistration>()?;
     m.add_class::<work::PyWork>()?;
+    m.add_class::<heap::PyHeapTensor>()?;
+    m.add_class::<heap::PyWindow>()?;
+    m.add_class::<heap::PyRemoteTensor>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BACKENDS", backend::compiled())?;
     m.add("LIBRARIES", backend::libraries())?;

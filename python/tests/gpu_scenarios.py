@@ -414,3 +414,31 @@ def killed_rank_stream_ordered() -> None:
     else:
         raise AssertionError("the failed stream-ordered call must surface at the next call")
     os._exit(0)
+
+
+def heap_window_torch() -> None:
+    """A ring of window puts into bf16 heap tensors read through
+    torch.from_dlpack, on torch's current stream, 3 rounds."""
+    comm = setup()
+    W, r, n = comm.size, comm.rank, 256
+    nxt, prv = (r + 1) % W, (r - 1) % W
+    rows = comm.heap_tensor((W, n), torch.bfloat16)
+    view = torch.from_dlpack(rows)
+    assert view.is_cuda and view.device.index == comm.device and not bool(view.any()), view
+    win = comm.new_window()
+    win.tensor_register(rows)
+    for k in range(3):
+        win.put(torch.full((n,), float(10 * k + r), dtype=torch.bfloat16, device="cuda"), nxt, n * r)
+        win.signal(nxt)
+        win.wait_signal(prv)
+        assert bool((view[prv] == 10 * k + prv).all()), f"round {k}: {view[prv][:4]}"
+        dist.barrier()  # everyone read this round before the next overwrites it
+    peer = torch.from_dlpack(win.map_remote_tensor(nxt))
+    assert bool((peer[r] == 20 + r).all()), peer[r][:4]
+    del peer, view
+    torch.cuda.synchronize()
+    dist.barrier()
+    win.free()
+    rows.free()
+    comm.finalize()
+    dist.destroy_process_group()

@@ -396,5 +396,189 @@ def python_store(address: str, authkey: str) -> None:
     comm.finalize()
 
 
+# ---------------------------------------------------------------- symmetric heap, windows
+
+
+def heap_window() -> None:
+    """heap_tensor (symmetric, zeroed, NumPy views in place), a ring of
+    put/signal/wait_signal over 3 rounds with every value checked,
+    map_remote_tensor, and the rules of freeing and finalizing."""
+    import struct
+
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    rounds, n = 3, 5
+    rows = comm.heap_tensor((rounds, W, n), np.int32)
+    assert rows.shape == (rounds, W, n) and rows.dtype == "int32" and rows.nbytes == rounds * W * n * 4, rows
+    offsets = np.zeros(W, np.int64)
+    comm.all_gather_single(offsets, np.array([rows.offset], np.int64))
+    assert (offsets == rows.offset).all(), f"heap offsets differ between ranks: {offsets}"
+    view = np.from_dlpack(rows)
+    assert view.shape == (rounds, W, n) and view.dtype == np.int32 and not view.any(), view
+    assert view.ctypes.data == rows.data_ptr(), "the NumPy view must be the heap memory itself"
+    ctx = comm.device_ctx_bytes()
+    assert len(ctx) == 104 and struct.unpack_from("=II", ctx, 96) == (r, W), ctx[96:]
+
+    win = comm.new_window()
+    win.tensor_register(rows)
+    nxt, prv = (r + 1) % W, (r - 1) % W
+    value = lambda k, q: np.arange(n, dtype=np.int32) + 1000 * k + 10 * q  # noqa: E731
+    for k in range(rounds):
+        win.put(value(k, r), nxt, (k * W + r) * n)
+        win.signal(nxt)
+        win.wait_signal(prv)
+        same(view[k, prv], value(k, prv), f"round {k}: what rank {prv} put")
+    # Only the slots the previous rank put into were written.
+    want = np.zeros((rounds, W, n), np.int32)
+    for k in range(rounds):
+        want[k, prv] = value(k, prv)
+    same(view, want, "the whole window after the ring")
+    # Async work and a heap tensor as the source, into the next rank's
+    # last slot of round 0 ... after a barrier, as nobody reads it meanwhile.
+    src = comm.heap_tensor((n,), "int32")
+    np.from_dlpack(src)[:] = 7 + r
+    comm.barrier()
+    win.put(src, nxt, (0 * W + nxt) * n, async_op=True).wait()
+    win.signal(nxt, async_op=True).wait()
+    win.wait_signal(prv, async_op=True).wait(timeout=30)
+    same(view[0, r], np.full(n, 7 + prv, np.int32), "async put from a heap tensor")
+
+    # The next rank's buffer as mapped here holds what this rank put.
+    remote_t = win.map_remote_tensor(nxt)
+    assert remote_t.rank == nxt and remote_t.shape == (rounds, W, n), remote_t
+    remote = np.from_dlpack(remote_t)
+    for k in range(rounds):
+        same(remote[k, r], value(k, r), f"map_remote_tensor({nxt}) round {k}")
+    same(remote[0, nxt], np.full(n, 7 + r, np.int32), "map_remote_tensor: the async put")
+
+    # Views hold the memory: deregister, free and finalize refuse meanwhile.
+    for what, call in [("tensor_deregister", win.tensor_deregister), ("window free", win.free)]:
+        try:
+            call()
+        except ferrocomm.InvalidArgument:
+            pass
+        else:
+            raise AssertionError(f"{what} with a map_remote_tensor view held must be refused")
+    del remote
+    comm.barrier()  # every rank has read before buffers go
+    win.tensor_deregister()
+    try:
+        np.from_dlpack(remote_t)
+    except ferrocomm.InvalidArgument:
+        pass
+    else:
+        raise AssertionError("a view of a deregistered window must be refused")
+    win.tensor_register(rows)  # registered again, then freed with the window
+    try:
+        rows.free()
+    except ferrocomm.InvalidArgument:
+        pass
+    else:
+        raise AssertionError("free of a heap tensor registered in a window must be refused")
+    # Frees in the same order on every rank: the window, then the tensors.
+    win.free()
+    del view
+    rows.free()
+    src.free()
+    assert rows.freed and "freed" in repr(rows)
+    try:
+        rows.free()
+    except ferrocomm.InvalidArgument:
+        pass
+    else:
+        raise AssertionError("a second free must be refused")
+    # The memory went back: the next allocation reuses the first offset.
+    again = comm.heap_tensor(rounds * W * n, "float32")
+    assert again.offset == rows.offset, (again.offset, rows.offset)
+    # Never freed: stays until finalize, which refuses while a view is held.
+    held = np.from_dlpack(again)
+    try:
+        comm.finalize()
+    except ferrocomm.InvalidArgument as e:
+        assert "still held" in str(e), e
+    else:
+        raise AssertionError("finalize with a DLPack view of the heap held must be refused")
+    del held
+    comm.barrier()  # rank 0 hosts the store: nobody leaves while others still use it
+    comm.finalize()
+    try:
+        np.from_dlpack(again)
+    except ferrocomm.Finalized:
+        pass
+    else:
+        raise AssertionError("a heap tensor of a finalized communicator must not export")
+
+
+def window_errors() -> None:
+    """Bad input raises InvalidArgument on the rank that gave it, nothing queued."""
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    buf = comm.heap_tensor((W, 4), np.float32)
+    win = comm.new_window()
+
+    def refused(what, call, exc=ferrocomm.InvalidArgument):
+        try:
+            call()
+        except exc as e:
+            print(f"{what}: {type(e).__name__}: {e}")
+        else:
+            raise AssertionError(f"{what} must raise {exc.__name__}")
+
+    refused("put without a buffer", lambda: win.put(np.ones(4, np.float32), 0, 0))
+    refused("map_remote_tensor without a buffer", lambda: win.map_remote_tensor(0))
+    refused("heap_tensor of a bad dtype", lambda: comm.heap_tensor(4, "complex64"))
+    refused("heap_tensor of a negative shape", lambda: comm.heap_tensor((2, -1), "float32"))
+    win.tensor_register(buf)
+    refused("register twice", lambda: win.tensor_register(buf))
+    refused("put past the end", lambda: win.put(np.ones(5, np.float32), (r + 1) % W, 4 * W - 4))
+    refused("put at a negative offset", lambda: win.put(np.ones(1, np.float32), 0, -1))
+    refused("put to a rank out of range", lambda: win.put(np.ones(1, np.float32), W, 0))
+    refused("put to rank -1", lambda: win.put(np.ones(1, np.float32), -1, 0))
+    refused("put of another dtype", lambda: win.put(np.ones(1, np.int32), 0, 0))
+    refused("signal to a rank out of range", lambda: win.signal(W))
+    refused("wait_signal on a rank out of range", lambda: win.wait_signal(W + 3))
+    refused("map_remote_tensor of a rank out of range", lambda: win.map_remote_tensor(W))
+    refused("a stream on the host backend", lambda: win.signal(0, stream=1))
+    refused("DLPack copy=True", lambda: buf.__dlpack__(copy=True), BufferError)
+    # Nothing was queued: a ring still works afterwards.
+    win.put(np.full(4, r, np.float32), (r + 1) % W, 4 * r)
+    win.signal((r + 1) % W)
+    win.wait_signal((r - 1) % W)
+    same(np.from_dlpack(buf)[(r - 1) % W], np.full(4, (r - 1) % W, np.float32), "ring after refusals")
+    comm.barrier()
+    win.tensor_deregister()
+    # On the host backend only heap (or ferrocomm-allocated) memory can be
+    # mapped by other processes: a plain NumPy array is refused on every rank.
+    refused("register a NumPy array", lambda: win.tensor_register(np.zeros(4, np.float32)), ferrocomm.Unsupported)
+    win.free()
+    refused("a freed window", lambda: win.signal(0))
+    buf.free()
+    comm.barrier()  # the refused registration used the store, which rank 0 hosts
+    comm.finalize()
+
+
+def window_never_signalled() -> None:
+    """Rank 0 waits for a signal rank 1 never sends: CommTimeout naming rank
+    1 after the short timeout."""
+    comm = comm_from_env(timeout=60)
+    buf = comm.heap_tensor(8, "int64")
+    win = comm.new_window()
+    win.tensor_register(buf)
+    if comm.rank == 1:
+        time.sleep(6)  # long enough for rank 0's wait to time out; then gone
+        return
+    start = time.monotonic()
+    try:
+        win.wait_signal(1, timeout=2)
+    except ferrocomm.CommTimeout as e:
+        took = time.monotonic() - start
+        print(f"raised CommTimeout after {took:.1f} s: {e} (missing={e.missing})")
+        assert e.missing == [1], e.missing
+        assert "1" in str(e), str(e)
+        assert took < 2 * 2 + 2, took
+    else:
+        raise AssertionError("wait_signal on a peer that never signals did not raise")
+
+
 if __name__ == "__main__":
     print("run through _worker.py", file=sys.stderr)

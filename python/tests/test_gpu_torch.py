@@ -109,6 +109,10 @@ def test_vllm_custom_allreduce_dropin():
     _torchrun("vllm_dropin")
 
 
+def test_heap_window_ring():
+    _torchrun("heap_window_torch")
+
+
 @pytest.mark.parametrize("scenario", ["killed_rank", "killed_rank_stream_ordered"])
 def test_killed_rank_raises(scenario):
     outs = _spawn(scenario)

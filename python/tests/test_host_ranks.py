@@ -2,7 +2,12 @@
 own process, checked bit for bit against NumPy; and the failure cases that
 need several ranks (mismatched calls, a killed rank)."""
 
+import os
+import re
 import secrets
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +48,28 @@ def test_python_store_object():
     authkey = secrets.token_hex(8)
     address, _ = serve(authkey.encode())
     expect_ok(launch(2, "python_store", address, authkey))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_heap_and_windows(world):
+    expect_ok(launch(world, "heap_window"))
+
+
+def test_window_bad_input():
+    expect_ok(launch(2, "window_errors"))
+
+
+def test_window_peer_never_signals():
+    results = launch(2, "window_never_signalled", timeout=60)
+    expect_ok(results)
+    assert "raised CommTimeout" in results[0].output, results[0].output
+
+
+def test_windows_example_runs():
+    """python/examples/host_windows.py (the README's window example) as a user runs it."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "host_windows.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, str(example)], env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout + p.stderr
+    # The ranks share stdout: their lines may interleave.
+    assert sorted(re.findall(r"rank (\d): got", p.stdout)) == ["0", "1", "2"], p.stdout

@@ -248,3 +248,32 @@ def test_jax_cpu_array_as_input(comm):
     out = np.zeros(6, np.float32)
     comm.all_gather_single(out, src)
     assert out.tolist() == list(range(6))
+
+
+def test_heap_tensor_dlpack_export(comm):
+    """A heap tensor's DLPack capsules (legacy and versioned), the hold an
+    unconsumed capsule keeps, NumPy views in place, collectives on it."""
+    t = comm.heap_tensor((2, 3), np.float16)
+    assert t.__dlpack_device__() == (1, 0) and t.shape == (2, 3) and t.dtype == "float16"
+    cap = t.__dlpack__()
+    assert '"dltensor"' in repr(cap), repr(cap)
+    with pytest.raises(ferrocomm.InvalidArgument, match="still held"):
+        t.free()
+    del cap  # never consumed: its destructor lets go
+    cap = t.__dlpack__(max_version=(1, 1))
+    assert '"dltensor_versioned"' in repr(cap), repr(cap)
+    del cap
+    with pytest.raises(BufferError):
+        t.__dlpack__(dl_device=(2, 0))
+    a = np.from_dlpack(t)
+    a[1, 2] = 5
+    assert np.from_dlpack(t)[1, 2] == 5 and a.flags.writeable
+    x = comm.heap_tensor(4, "float32")
+    np.from_dlpack(x)[:] = 2
+    comm.all_reduce(x)  # collectives take heap tensors as they are
+    assert np.from_dlpack(x).tolist() == [2.0] * 4
+    del a
+    t.free()
+    x.free()
+    with pytest.raises(ferrocomm.InvalidArgument, match="freed"):
+        np.from_dlpack(t)

@@ -168,31 +168,65 @@ pub fn choose_fused(bytes: usize, tokens: usize, world: usize) -> FusedKind {
     }
 }
 
-/// `fc_fused_<kind>_<pattern>_<dtype>`.
-pub fn fused_kernel_name(kind: FusedKind, pattern: FusionPattern, dtype: DType) -> String {
-    format!("fc_fused_{}_{}_{}", kind.name(), pattern.name(), dtype.name())
+/// What a fused kernel all-reduces: each rank's rows as given, or rows it
+/// first computes from MoE expert outputs (the MoE-finalize prologue).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FusedInput {
+    /// The input is `tokens x hidden`, all-reduced as it is.
+    Rows,
+    /// The input is the experts' permuted output rows; each token's row is
+    /// the scaled sum of its top-k rows (plus the shared expert's), computed
+    /// while the kernel stages it (docs/protocol.md, "MoE finalize").
+    MoeFinalize,
+}
+
+impl FusedInput {
+    pub const ALL: [FusedInput; 2] = [FusedInput::Rows, FusedInput::MoeFinalize];
+
+    /// The part of the kernel name ("" or "moe_").
+    pub const fn infix(self) -> &'static str {
+        match self {
+            FusedInput::Rows => "",
+            FusedInput::MoeFinalize => "moe_",
+        }
+    }
+}
+
+/// `fc_fused_<kind>_[moe_]<pattern>_<dtype>`.
+pub fn fused_kernel_name(kind: FusedKind, input: FusedInput, pattern: FusionPattern, dtype: DType) -> String {
+    format!(
+        "fc_fused_{}_{}{}_{}",
+        kind.name(),
+        input.infix(),
+        pattern.name(),
+        dtype.name()
+    )
 }
 
 /// Every entry point of the `fused` module.
 pub fn fused_kernel_names() -> Vec<String> {
     let mut names = Vec::new();
     for kind in FusedKind::ALL {
-        for pattern in FusionPattern::ALL {
-            for dtype in FUSED_DTYPES {
-                names.push(fused_kernel_name(kind, pattern, dtype));
+        for input in FusedInput::ALL {
+            for pattern in FusionPattern::ALL {
+                for dtype in FUSED_DTYPES {
+                    names.push(fused_kernel_name(kind, input, pattern, dtype));
+                }
             }
         }
     }
     names
 }
 
-/// The (kind, pattern, dtype) a fused entry-point name stands for.
-pub fn parse_fused(name: &str) -> Option<(FusedKind, FusionPattern, DType)> {
+/// The (kind, input, pattern, dtype) a fused entry-point name stands for.
+pub fn parse_fused(name: &str) -> Option<(FusedKind, FusedInput, FusionPattern, DType)> {
     for kind in FusedKind::ALL {
-        for pattern in FusionPattern::ALL {
-            for dtype in FUSED_DTYPES {
-                if fused_kernel_name(kind, pattern, dtype) == name {
-                    return Some((kind, pattern, dtype));
+        for input in FusedInput::ALL {
+            for pattern in FusionPattern::ALL {
+                for dtype in FUSED_DTYPES {
+                    if fused_kernel_name(kind, input, pattern, dtype) == name {
+                        return Some((kind, input, pattern, dtype));
+                    }
                 }
             }
         }
@@ -202,17 +236,25 @@ pub fn parse_fused(name: &str) -> Option<(FusedKind, FusionPattern, DType)> {
 
 /// The C++ definition of one entry point of the `fused` module.
 pub fn fused_entry(name: &str) -> Option<String> {
-    let (kind, pattern, dtype) = parse_fused(name)?;
+    let (kind, input, pattern, dtype) = parse_fused(name)?;
     let ty = match dtype {
         DType::F16 => "fc::TF16",
         DType::BF16 => "fc::TBF16",
         _ => return None,
     };
-    let call = match kind {
-        FusedKind::OneShot => format!("fc::fused_oneshot<{ty}, {}>(p)", pattern.code()),
-        FusedKind::TwoShot => format!("fc::fused_twoshot<{ty}, {}>(p)", pattern.code()),
+    let f = match kind {
+        FusedKind::OneShot => "fused_oneshot",
+        FusedKind::TwoShot => "fused_twoshot",
     };
-    Some(format!("FC_KERNEL({name}) {{ {call}; }}\n"))
+    // The MoE prologue is the template's third argument (false by default).
+    let moe = match input {
+        FusedInput::Rows => "",
+        FusedInput::MoeFinalize => ", true",
+    };
+    Some(format!(
+        "FC_KERNEL({name}) {{ fc::{f}<{ty}, {}{moe}>(p); }}\n",
+        pattern.code()
+    ))
 }
 
 // ---------------------------------------------------------------- params
@@ -236,6 +278,39 @@ pub const SCALAR_HIDDEN: usize = 0;
 pub const SCALAR_EPS: usize = 1;
 /// Rows of the whole call (the scale index of a row is its global row).
 pub const SCALAR_TOKENS: usize = 2;
+/// Row of the MoE-finalize prologue's arguments (absent: all 0).
+pub const ROW_MOE: usize = 2;
+/// `expanded_idx_to_permuted_idx` (i32, `tokens x topk`).
+pub const MOE_IDX: usize = 0;
+/// The router scales (`tokens x topk`, f32 or the call's dtype).
+pub const MOE_SCALES: usize = 1;
+/// The shared expert's output (`tokens x hidden`; 0 = none).
+pub const MOE_SHARED: usize = 2;
+/// `topk`.
+pub const MOE_TOPK: usize = 3;
+/// Rows of the experts' output (indices at or past it are skipped).
+pub const MOE_ROWS: usize = 4;
+/// 1: the scales are f32; 0: they are of the call's dtype.
+pub const MOE_SCALE_F32: usize = 5;
+
+/// Largest `topk` accepted. The kernels loop over it (nothing is sized by
+/// it); it bounds a row's gathered reads to a sane multiple of its bytes.
+pub const MOE_MAX_TOPK: usize = 32;
+
+/// The MoE-finalize prologue of a fused call, as the kernels get it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeCall {
+    pub topk: usize,
+    /// Rows of the experts' output (the call's input).
+    pub permuted_rows: usize,
+    /// Whether the scales are f32 (else the call's dtype).
+    pub scales_f32: bool,
+    /// Addresses: `expanded_idx_to_permuted_idx`, the scales, the shared
+    /// expert's output (0 = none).
+    pub idx: u64,
+    pub scales: u64,
+    pub shared: u64,
+}
 
 /// One fused call, as every rank issues it.
 #[derive(Debug, Clone, Copy)]
@@ -249,6 +324,19 @@ pub struct FusedCall {
     pub input: DevicePtr,
     /// Addresses by `PTR_*` index (0 = absent).
     pub ptrs: [u64; MAX_RANKS],
+    /// The MoE-finalize prologue (`input` is then the experts' output).
+    pub moe: Option<MoeCall>,
+}
+
+impl FusedCall {
+    /// What the kernel all-reduces.
+    pub fn input_kind(&self) -> FusedInput {
+        if self.moe.is_some() {
+            FusedInput::MoeFinalize
+        } else {
+            FusedInput::Rows
+        }
+    }
 }
 
 /// Whole rows one chunk of the one-shot holds: a push one-shot sub-buffer
@@ -275,6 +363,8 @@ pub fn fused_fingerprint(c: &FusedCall) -> u64 {
         c.tokens as u64,
         c.hidden as u64,
         c.eps.to_bits() as u64,
+        c.input_kind() as u64,
+        c.moe.map_or(0, |m| m.topk as u64),
     ];
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for w in words {
@@ -301,6 +391,15 @@ impl FusedCall {
         per_peer[ROW_SCALARS][SCALAR_HIDDEN] = self.hidden as u64;
         per_peer[ROW_SCALARS][SCALAR_EPS] = self.eps.to_bits() as u64;
         per_peer[ROW_SCALARS][SCALAR_TOKENS] = self.tokens as u64;
+        if let Some(m) = self.moe {
+            let row = &mut per_peer[ROW_MOE];
+            row[MOE_IDX] = m.idx;
+            row[MOE_SCALES] = m.scales;
+            row[MOE_SHARED] = m.shared;
+            row[MOE_TOPK] = m.topk as u64;
+            row[MOE_ROWS] = m.permuted_rows as u64;
+            row[MOE_SCALE_F32] = m.scales_f32 as u64;
+        }
         KernelParams {
             peer_ws: ws.peer_ptrs(),
             input: self.input,
@@ -357,7 +456,7 @@ impl FusedCall {
         let mut grid = grids.grid(kind, segments * rows * self.hidden * elem);
         grid.grid = grid.grid.min(rows as u32).max(1);
         let params = self.params(ws, flags, rank, timeout);
-        let name = fused_kernel_name(self.kind, self.pattern, self.dtype);
+        let name = fused_kernel_name(self.kind, self.input_kind(), self.pattern, self.dtype);
         dev.launch(module, &name, grid, &params, stream)
     }
 }
@@ -371,7 +470,7 @@ mod tests {
         let names = fused_kernel_names();
         assert_eq!(
             names.len(),
-            FusedKind::ALL.len() * FusionPattern::ALL.len() * FUSED_DTYPES.len()
+            FusedKind::ALL.len() * FusedInput::ALL.len() * FusionPattern::ALL.len() * FUSED_DTYPES.len()
         );
         for n in &names {
             let e = fused_entry(n).unwrap();
@@ -380,6 +479,19 @@ mod tests {
         assert_eq!(
             fused_entry("fc_fused_oneshot_rms_fp8tok_bf16").unwrap(),
             "FC_KERNEL(fc_fused_oneshot_rms_fp8tok_bf16) { fc::fused_oneshot<fc::TBF16, 3>(p); }\n"
+        );
+        assert_eq!(
+            fused_entry("fc_fused_twoshot_moe_rms_f16").unwrap(),
+            "FC_KERNEL(fc_fused_twoshot_moe_rms_f16) { fc::fused_twoshot<fc::TF16, 1, true>(p); }\n"
+        );
+        assert_eq!(
+            parse_fused("fc_fused_oneshot_moe_rms_fp8_bf16"),
+            Some((
+                FusedKind::OneShot,
+                FusedInput::MoeFinalize,
+                FusionPattern::ResidualRmsNormFp8,
+                DType::BF16
+            ))
         );
         assert!(fused_entry("fc_fused_oneshot_rms_f32").is_none());
     }

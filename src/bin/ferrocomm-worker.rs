@@ -224,12 +224,41 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
             comm.finalize()?;
             if report.is_ok() {
                 Ok(format!(
-                    "rank={rank} collectives={} elements={}",
-                    report.collectives, report.elements_checked
+                    "rank={rank} collectives={} elements={} on {}",
+                    report.collectives,
+                    report.elements_checked,
+                    comm.topology().describe()
                 ))
             } else {
                 Err(Error::Aborted(format!(
                     "conformance failures on rank {rank}: {:#?}",
+                    report.failures
+                )))
+            }
+        }
+        "heap" => {
+            // The symmetric heap and windows across processes (fds, separate
+            // address spaces), and on GPUs the user-style all-gather too.
+            let cfg = SuiteConfig {
+                timeout: a.timeout.max(Duration::from_secs(60)),
+                ..SuiteConfig::default()
+            };
+            let mut report = ferrocomm::testing::heap::run_heap_suite(&comm, store.as_ref(), &cfg)?;
+            if comm.device().facts().backend != ferrocomm::device::BackendKind::Host {
+                let user = ferrocomm::testing::heap::run_user_allgather(&comm, store.as_ref(), &cfg)?;
+                report.collectives += user.collectives;
+                report.elements_checked += user.elements_checked;
+                report.failures.extend(user.failures);
+            }
+            comm.finalize()?;
+            if report.is_ok() {
+                Ok(format!(
+                    "rank={rank} heap checks={} elements={}",
+                    report.collectives, report.elements_checked
+                ))
+            } else {
+                Err(Error::Aborted(format!(
+                    "heap suite failures on rank {rank}: {:#?}",
                     report.failures
                 )))
             }

@@ -883,13 +883,28 @@ impl<D: Device> Communicator<D> {
     // ---------------------------------------------------------------- barrier
 
     /// Wait until every rank reaches the barrier (a one-element all-reduce
-    /// on the communicator's scratch memory).
+    /// on the communicator's scratch memory: the kernels', NCCL/RCCL's where
+    /// there is no workspace, or the levels' across nodes).
     pub fn barrier(&self, call: &Call<'_, D>) -> Result<Work<D>> {
+        if !self.inner.kernels {
+            if let Some(levels) = &self.inner.levels {
+                return levels.barrier(&self.inner.stream, call);
+            }
+        }
         self.submit(call, "barrier", |s| {
             if s.inner.world == 1 {
                 return Ok(());
             }
             let ptr = s.res.scratch.ptr();
+            if s.res.ws.is_none() {
+                let op = VendorOp::AllReduce {
+                    send: ptr,
+                    recv: ptr,
+                    count: 1,
+                    red: ReduceOp::Sum.into(),
+                };
+                return run_vendor(s, DType::I32, op);
+            }
             let c = CollectiveCall::new(KernelKind::OneShot, DType::I32, ReduceOp::Sum, 1, ptr, ptr);
             enqueue(s, &c)
         })

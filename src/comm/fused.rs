@@ -5,15 +5,19 @@
 //! Shapes are `tokens x hidden`, row-major, f16 or bf16; sum only. The math
 //! is fixed in fp32 (docs/protocol.md, "Fused epilogues"), so every backend
 //! and every rank writes the same bits as the host reference.
+//!
+//! With [`Fusion::with_moe_finalize`] the call's input is a MoE layer's
+//! expert outputs instead, and each token's row is first finalized from its
+//! top-k expert rows ([`MoeFinalize`]), inside the same kernel.
 
 use super::call::Call;
 use super::communicator::Communicator;
 use super::tensor::Tensor;
 use super::work::Work;
 use crate::algo::fused::{
-    choose_fused, fused_rows_per_chunk, fused_segment_rows, FusedCall, FusedKind, FusionPattern, FUSED_DTYPES,
-    FUSED_MAX_HIDDEN, PTR_ALLREDUCE_OUT, PTR_NORM_OUT, PTR_QUANT_OUT, PTR_RESIDUAL_IN, PTR_RESIDUAL_OUT, PTR_SCALE,
-    PTR_WEIGHT,
+    choose_fused, fused_rows_per_chunk, fused_segment_rows, FusedCall, FusedKind, FusionPattern, MoeCall, FUSED_DTYPES,
+    FUSED_MAX_HIDDEN, MOE_MAX_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT, PTR_QUANT_OUT, PTR_RESIDUAL_IN, PTR_RESIDUAL_OUT,
+    PTR_SCALE, PTR_WEIGHT,
 };
 use crate::algo::kernels::FUSED;
 use crate::algo::layout::push_oneshot_stride;
@@ -48,8 +52,56 @@ pub struct Fusion {
     /// `ResidualRmsNormFp8`, `tokens` (written) for the per-token patterns.
     pub scale: Option<Tensor>,
     /// The all-reduced rows before the residual add (optional; may be the
-    /// input itself).
+    /// input itself, except with a MoE prologue).
     pub allreduce_out: Option<Tensor>,
+    /// The MoE-finalize prologue: the call's input is then the experts'
+    /// output, and `tokens` comes from `residual_in`.
+    pub moe: Option<MoeFinalize>,
+}
+
+/// The MoE-finalize prologue of a fused call (the arguments of
+/// TensorRT-LLM's `moe_finalize_allreduce_fusion`). The call's input is
+/// then the experts' output, `permuted_rows x hidden` (the FC2 rows in
+/// expert order), and what each rank contributes to the all-reduce is, per
+/// token `t` and element `j`, rounded to the dtype once:
+///
+/// `shared_expert_output[t][j] + sum over k in 0..topk, in k order, of
+/// expert_scales[t][k] * input[expanded_idx_to_permuted_idx[t][k]][j]`
+///
+/// in f32 (docs/protocol.md, "MoE finalize"). The indices are device data,
+/// read by the kernel: one outside `[0, permuted_rows)` skips its term (the
+/// host twin does the same); nothing out of range is read.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeFinalize {
+    /// i32, `tokens x topk`: expanded index `t * topk + k` to a row of the
+    /// experts' output.
+    pub expanded_idx_to_permuted_idx: Tensor,
+    /// The router's weights, `tokens x topk`, f32 or the input's dtype.
+    pub expert_scales: Tensor,
+    /// Experts per token, 1 to [`MOE_MAX_TOPK`].
+    pub topk: usize,
+    /// The shared expert's output, `tokens x hidden` of the input's dtype
+    /// (added first; optional).
+    pub shared_expert_output: Option<Tensor>,
+}
+
+impl MoeFinalize {
+    /// `topk` experts per token, routed by `expanded_idx_to_permuted_idx`
+    /// and weighted by `expert_scales`.
+    pub fn new(expanded_idx_to_permuted_idx: Tensor, expert_scales: Tensor, topk: usize) -> Self {
+        MoeFinalize {
+            expanded_idx_to_permuted_idx,
+            expert_scales,
+            topk,
+            shared_expert_output: None,
+        }
+    }
+
+    /// Add the shared expert's output.
+    pub fn with_shared_expert_output(mut self, shared_expert_output: Tensor) -> Self {
+        self.shared_expert_output = Some(shared_expert_output);
+        self
+    }
 }
 
 impl Fusion {
@@ -67,6 +119,7 @@ impl Fusion {
             quant_out: None,
             scale: None,
             allreduce_out: None,
+            moe: None,
         }
     }
 
@@ -95,6 +148,13 @@ impl Fusion {
         self.allreduce_out = Some(allreduce_out);
         self
     }
+
+    /// Finalize a MoE layer first: the call's input is the experts' output
+    /// (see [`MoeFinalize`]).
+    pub fn with_moe_finalize(mut self, moe: MoeFinalize) -> Self {
+        self.moe = Some(moe);
+        self
+    }
 }
 
 /// A tensor's role, for messages.
@@ -114,6 +174,12 @@ impl<D: Device> Communicator<D> {
     /// but what they may replace (`residual_out` = `residual_in`,
     /// `allreduce_out` = `input`). Results are bitwise those of the host
     /// reference (docs/protocol.md, "Fused epilogues") on every rank.
+    ///
+    /// With a MoE prologue ([`Fusion::with_moe_finalize`]), `input` is the
+    /// experts' output (`permuted_rows x hidden`), `tokens` is
+    /// `residual_in`'s rows, and no output may overlap any of the
+    /// prologue's tensors (the kernel gathers expert rows from anywhere
+    /// while other rows are written).
     pub fn all_reduce_fused(&self, input: Tensor, fusion: &Fusion, call: &Call<'_, D>) -> Result<Work<D>> {
         let c = self.checked_fusion(&input, fusion, call)?;
         self.submit(call, "all_reduce_fused", |s| {
@@ -163,12 +229,27 @@ impl<D: Device> Communicator<D> {
         }
         if input.count() % hidden != 0 {
             return bad(format!(
-                "the input has {} elements, not a whole number of rows of {hidden}",
+                "the input{} has {} elements, not a whole number of rows of {hidden}",
+                if f.moe.is_some() { " (the experts' output)" } else { "" },
                 input.count()
             ));
         }
-        let tokens = input.count() / hidden;
-        let n = input.count();
+        // Rows of the call: the input's, or with a MoE prologue the
+        // residual's (the input is then the experts' rows).
+        let tokens = match f.moe {
+            None => input.count() / hidden,
+            Some(_) => {
+                if f.residual_in.count() % hidden != 0 {
+                    return bad(format!(
+                        "residual_in has {} elements, not a whole number of rows of {hidden} \
+                         (with a MoE prologue it gives the tokens)",
+                        f.residual_in.count()
+                    ));
+                }
+                f.residual_in.count() / hidden
+            }
+        };
+        let n = tokens * hidden;
         let world = self.size();
         // The workspace's slots (what Workspace::create was given).
         let slot_bytes = self.options().slot_bytes_for(self.device().facts().backend);
@@ -291,6 +372,60 @@ impl<D: Device> Communicator<D> {
                 output: true,
             });
         }
+        let mut moe_call = None;
+        if let Some(m) = &f.moe {
+            if m.topk == 0 || m.topk > MOE_MAX_TOPK {
+                return bad(format!("topk = {} must be 1 to {MOE_MAX_TOPK}", m.topk));
+            }
+            let pairs = tokens * m.topk;
+            let idx = m.expanded_idx_to_permuted_idx;
+            if idx.dtype() != DType::I32 || idx.count() != pairs {
+                return bad(format!(
+                    "expanded_idx_to_permuted_idx must be {pairs} x i32 ({tokens} tokens x topk {}), not {} x {}",
+                    m.topk,
+                    idx.count(),
+                    idx.dtype()
+                ));
+            }
+            let sc = m.expert_scales;
+            if !(sc.dtype() == DType::F32 || sc.dtype() == dtype) || sc.count() != pairs {
+                return bad(format!(
+                    "expert_scales must be {pairs} x f32 or {pairs} x {dtype} ({tokens} tokens x topk {}), \
+                     not {} x {}",
+                    m.topk,
+                    sc.count(),
+                    sc.dtype()
+                ));
+            }
+            if let Some(t) = m.shared_expert_output {
+                expect("shared_expert_output", &t, dtype, n)?;
+            }
+            roles.push(Role {
+                what: "expanded_idx_to_permuted_idx",
+                t: idx,
+                output: false,
+            });
+            roles.push(Role {
+                what: "expert_scales",
+                t: sc,
+                output: false,
+            });
+            if let Some(t) = m.shared_expert_output {
+                roles.push(Role {
+                    what: "shared_expert_output",
+                    t,
+                    output: false,
+                });
+            }
+            moe_call = Some(MoeCall {
+                topk: m.topk,
+                permuted_rows: input.count() / hidden,
+                scales_f32: sc.dtype() == DType::F32,
+                idx: idx.ptr().0,
+                scales: sc.ptr().0,
+                shared: m.shared_expert_output.map_or(0, |t| t.ptr().0),
+            });
+        }
 
         // Memory: on this device, aligned, and no output overlapping
         // anything it may not replace.
@@ -302,19 +437,31 @@ impl<D: Device> Communicator<D> {
                     .check_memory(r.t.ptr(), bytes)
                     .map_err(|e| Error::invalid(format!("all_reduce_fused ({}): {}: {e}", f.pattern, r.what)))?;
             }
-            let align = if r.what == "scale" { 4 } else { 16 };
-            if r.t.ptr().0 % align != 0 {
+            // Rows move in 16-byte packs; the scale and the MoE index and
+            // router weights are read an element at a time.
+            let align = match r.what {
+                "scale" | "expanded_idx_to_permuted_idx" | "expert_scales" => r.t.dtype().size(),
+                _ => 16,
+            };
+            if r.t.ptr().0 % align as u64 != 0 {
                 return bad(format!(
-                    "{} at {:#x} is not {align}-byte aligned (the kernels move 16-byte packs)",
+                    "{} at {:#x} is not {align}-byte aligned ({})",
                     r.what,
-                    r.t.ptr().0
+                    r.t.ptr().0,
+                    if align == 16 {
+                        "the kernels move 16-byte packs"
+                    } else {
+                        "read an element at a time"
+                    }
                 ));
             }
         }
         let same = |a: &Tensor, b: &Tensor| a.ptr() == b.ptr() && a.count() == b.count();
+        // With a MoE prologue the input (the experts' rows) is gathered
+        // from anywhere while rows are written: nothing may replace it.
         let allowed = |out: &Role, other: &Role| {
             (out.what == "residual_out" && other.what == "residual_in" && same(&out.t, &other.t))
-                || (out.what == "allreduce_out" && other.what == "input" && same(&out.t, &other.t))
+                || (out.what == "allreduce_out" && other.what == "input" && f.moe.is_none() && same(&out.t, &other.t))
         };
         for (i, a) in roles.iter().enumerate() {
             for b in roles.iter().skip(i + 1) {
@@ -376,7 +523,8 @@ impl<D: Device> Communicator<D> {
         };
         crate::fc_log!(
             tracing::Level::DEBUG,
-            "dispatch: all_reduce_fused {} {tokens} x {hidden} {dtype} ({bytes} bytes, world {world}) -> {}",
+            "dispatch: all_reduce_fused {}{} {tokens} x {hidden} {dtype} ({bytes} bytes, world {world}) -> {}",
+            if f.moe.is_some() { "moe_" } else { "" },
             f.pattern,
             kind.name()
         );
@@ -389,6 +537,7 @@ impl<D: Device> Communicator<D> {
             eps: if f.pattern.norms() { f.eps } else { 0.0 },
             input: input.ptr(),
             ptrs,
+            moe: moe_call,
         })
     }
 }

@@ -14,8 +14,9 @@ impl<D: Device> Communicator<D> {
     /// ([`Communicator::translate`]). Collective: every rank calls it, in the
     /// same order, with the same size (the sizes and offsets are checked
     /// across ranks). The first call reserves the heap
-    /// (`FERROCOMM_HEAP_BYTES`). The memory comes back zeroed the first time
-    /// a range is handed out; a reused range holds what its last user left.
+    /// (`FERROCOMM_HEAP_BYTES`). The memory comes back zeroed, on every rank
+    /// before any rank's call returns, so signal words in it start at zero
+    /// even where an earlier allocation left counts behind.
     pub fn heap_alloc(&self, bytes: usize) -> Result<HeapBuffer> {
         let inner = &*self.inner;
         if !inner.kernels {
@@ -25,18 +26,37 @@ impl<D: Device> Communicator<D> {
                 inner.topology.describe()
             )));
         }
-        let key = inner.next_key("heap");
         let (rank, world, timeout) = (inner.rank, inner.world, inner.opts.timeout);
-        // The reservation is collective; taking it here, under the
-        // communicator's lock, orders it with every other setup step.
-        let (offset, base) = self.with_resources(|res| -> Result<(Result<usize>, DevicePtr)> {
+        if inner.device.is_capturing(&inner.stream)? {
+            return Err(Error::invalid(
+                "heap_alloc while the communicator's stream is capturing a graph: allocate before the capture",
+            ));
+        }
+        // The key and the reservation are taken under the communicator's
+        // lock, so threads of one rank that race take them in one order.
+        type Taken = (Result<usize>, DevicePtr, String, u64);
+        let (offset, base, key, heap_id) = self.with_resources(|res| -> Result<Taken> {
+            let key = inner.next_key("heap");
             if res.heap.is_none() {
                 let bytes = inner.opts.heap_bytes_for(inner.device.facts().backend);
                 let heap = Heap::create(&inner.device, inner.store.as_ref(), &key, rank, world, bytes, timeout)?;
                 res.heap = Some(heap);
             }
             let heap = res.heap.as_mut().expect("reserved above");
-            Ok((heap.alloc().alloc(bytes), heap.bases()[rank]))
+            let offset = heap.alloc().alloc(bytes);
+            if let Ok(o) = offset {
+                // Zeroed before this rank reports below, so no peer (which
+                // waits for the reports) can write into it first.
+                let zeroed = inner
+                    .device
+                    .memset(heap.own(), o, bytes, 0, &inner.stream)
+                    .and_then(|()| inner.device.synchronize(&inner.stream));
+                if let Err(e) = zeroed {
+                    let _ = heap.alloc().free(o);
+                    return Ok((Err(e), heap.bases()[rank], key, heap.id()));
+                }
+            }
+            Ok((offset, heap.bases()[rank], key, heap.id()))
         })??;
         // Every rank reports what it got, so a rank that took a different
         // sequence of allocations is named instead of reading a wrong offset.
@@ -71,18 +91,21 @@ impl<D: Device> Communicator<D> {
             let theirs = |i: usize| {
                 all[peer]
                     .get(8 * i..8 * i + 8)
-                    .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+                    .map_or(0, |w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+            };
+            let at = match theirs(0) {
+                u64::MAX => "no offset (its allocation failed; its own error says why)".to_string(),
+                o => format!("offset {o}"),
             };
             return Err(Error::Mismatch {
                 rank,
                 peer,
                 detail: format!(
                     "heap_alloc of communicator {}: this rank allocated {bytes} bytes at offset {offset}, rank {peer} \
-                     {:?} bytes at offset {:?} (every rank must allocate and free the same sizes in the same order; \
-                     u64::MAX means its heap was full)",
+                     asked for {} bytes and got {at} (every rank must allocate and free the same sizes in the same \
+                     order)",
                     inner.name,
                     theirs(1),
-                    theirs(0)
                 ),
             });
         }
@@ -90,7 +113,7 @@ impl<D: Device> Communicator<D> {
             ptr: base.offset(offset),
             offset,
             bytes,
-            heap_id: self.heap_id(),
+            heap_id,
         })
     }
 
@@ -132,9 +155,11 @@ impl<D: Device> Communicator<D> {
 
     /// The device API's context (`FcDevCtx`), to pass by value to kernels
     /// that include `kernels-cuda/device_api.cuh`. Valid while the
-    /// communicator is; a kernel's deadline is the communicator's timeout,
-    /// and a wait past it makes the communicator's next call fail with a
-    /// [`Error::Timeout`] naming the rank that never signalled.
+    /// communicator is. A kernel's deadline is the communicator's timeout
+    /// (`timeout_ns`; lower it in the copy to match a shorter
+    /// `Call::timeout`): a wait past it makes the launch's `Work::wait`
+    /// fail with an [`Error::Timeout`] naming the rank that never
+    /// signalled, and aborts the communicator.
     pub fn device_ctx(&self) -> Result<DevCtx> {
         let inner = &*self.inner;
         self.with_resources(|res| {
@@ -185,9 +210,10 @@ impl<D: Device> Communicator<D> {
         self.with_resources(|res| res.heap.as_mut().map(|h| h.alloc().free_bytes()))
     }
 
-    /// Identifies this communicator's heap (its `Inner` address: unique while it lives).
+    /// This communicator's heap's id, or 0 before it is reserved.
     fn heap_id(&self) -> u64 {
-        std::sync::Arc::as_ptr(&self.inner) as u64
+        self.with_resources(|res| res.heap.as_ref().map_or(0, |h| h.id()))
+            .unwrap_or(0)
     }
 }
 

@@ -60,6 +60,9 @@ pub(crate) struct Levels<D: Device> {
     /// `grid[m][j]`: the rank (in the whole communicator) of local rank `j`
     /// on node `m`, when every node has the same number of ranks.
     grid: Option<Vec<Vec<usize>>>,
+    /// Whether every node has one rank: the between-nodes level is then the
+    /// whole communicator and carries each call alone.
+    singles: bool,
     /// Staging of the reduce-scatter's partial sums (grown outside captures).
     staging: Mutex<Option<D::Buffer>>,
 }
@@ -96,9 +99,11 @@ impl<D: Device> Levels<D> {
             inter_shape,
         )?;
         let uniform = node_ranks.iter().all(|r| r.len() == topology.local_size);
+        let singles = node_ranks.iter().all(|r| r.len() == 1);
         Ok(Some(Levels {
             intra,
             inter,
+            singles,
             grid: uniform.then_some(node_ranks),
             staging: Mutex::new(None),
         }))
@@ -151,8 +156,11 @@ impl<D: Device> Levels<D> {
         call: &Call<'_, D>,
     ) -> Result<Work<D>> {
         let sc = Self::sub_call(call, own);
-        if self.intra.size() == 1 {
+        if self.singles {
             // One rank a node: the between-nodes level is the whole call.
+            // (Only when every node has one rank: a lone rank among larger
+            // nodes runs the levels like the others, or its reduction would
+            // differ from theirs in the between-nodes call.)
             return Ok(self.finish(self.inter.all_reduce_into(input, output, red, &sc)?));
         }
         let (first, rest) = split_reduction(red, world);
@@ -174,6 +182,22 @@ impl<D: Device> Levels<D> {
             self.inter.all_reduce(output, rest, &sc)?;
         }
         let last = self.intra.broadcast(output, 0, &sc)?;
+        Ok(self.finish(last))
+    }
+
+    /// A barrier in three steps: the node's, its first ranks' (local rank
+    /// 0's column holds every node), the node's again (which the others
+    /// leave only after their first rank left the second).
+    pub(crate) fn barrier(&self, own: &D::Stream, call: &Call<'_, D>) -> Result<Work<D>> {
+        let sc = Self::sub_call(call, own);
+        if self.singles {
+            return Ok(self.finish(self.inter.barrier(&sc)?));
+        }
+        self.intra.barrier(&sc)?;
+        if self.intra.rank() == 0 {
+            self.inter.barrier(&sc)?;
+        }
+        let last = self.intra.barrier(&sc)?;
         Ok(self.finish(last))
     }
 

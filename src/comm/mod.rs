@@ -26,7 +26,7 @@ pub use autotune::{TuneReport, TuneSource};
 pub use call::{Call, Factor, Reduction};
 pub use collectives::P2p;
 pub use communicator::Communicator;
-pub use fused::Fusion;
+pub use fused::{Fusion, MoeFinalize};
 pub(crate) use heap::heap_module;
 pub use mapping::{Axis, Coords, Mapping};
 pub use mixed::{MixedComm, MixedMode, MixedOp};

@@ -38,9 +38,9 @@ fn strip_own_includes(text: &str) -> String {
         .map(|l| {
             let t = l.trim_start();
             let own = t.starts_with("#include")
-                && ["\"device_api.cuh\"", "\"prelude.cuh\"", "\"prelude.hip.h\""]
+                && ["device_api.cuh", "prelude.cuh", "prelude.hip.h"]
                     .iter()
-                    .any(|h| t.contains(h));
+                    .any(|h| t.contains(&format!("{h}\"")) || t.contains(&format!("{h}>")));
             if own {
                 "// (include supplied by ferrocomm)"
             } else {
@@ -126,9 +126,9 @@ mod tests {
 
     #[test]
     fn own_includes_are_dropped_and_others_kept() {
-        let t = "#include \"device_api.cuh\"\n  #include \"prelude.cuh\"\n#include <cstdint>\nint x;";
+        let t = "#include \"../device_api.cuh\"\n  #include <prelude.cuh>\n#include <cstdint>\nint x;";
         let s = strip_own_includes(t);
-        assert!(!s.contains("\"device_api.cuh\"") && !s.contains("\"prelude.cuh\""));
+        assert!(!s.contains("device_api.cuh\"") && !s.contains("<prelude.cuh>"));
         assert!(s.contains("#include <cstdint>") && s.ends_with("int x;"));
     }
 }

@@ -85,9 +85,16 @@ impl<D: Device> Communicator<D> {
     /// A window with no buffer yet (torchcomms' `new_window`). Collective:
     /// it takes its signal words from the symmetric heap.
     pub fn new_window(&self) -> Result<Window<D>> {
+        // Loaded and made ready first (it is local), so that a failure leaves
+        // no allocation on this rank alone, and so that no rank launches a
+        // waiting kernel (after heap_alloc's exchange) while another still
+        // loads the module: in a context shared by ranks, a module load
+        // can wait behind a spinning kernel.
+        self.with_resources(|res| {
+            let m = super::heap::heap_module(res, &self.inner.device, &WINDOWS)?;
+            self.inner.device.prepare(m, &[])
+        })??;
         let signals = self.heap_alloc(2 * MAX_RANKS * 8)?;
-        // Loaded now, so that `prepare` before a capture covers its kernels.
-        self.with_resources(|res| super::heap::heap_module(res, &self.inner.device, &WINDOWS).map(drop))??;
         Ok(Window {
             comm: Communicator {
                 inner: self.inner.clone(),
@@ -114,9 +121,14 @@ impl<D: Device> Window<D> {
         let offset = self
             .comm
             .with_resources(|res| res.heap.as_ref().and_then(|h| h.offset_of(t.ptr(), bytes.max(1))))?;
+        // The heap's sync area is ferrocomm's: a window over it is refused
+        // (on every rank, below, so nobody waits for this one).
+        let in_sync_area = offset.is_some_and(|o| o < crate::heap::HEAP_RESERVED);
         let mut blob = vec![offset.is_some() as u8];
         blob.extend_from_slice(&(offset.unwrap_or(0) as u64).to_le_bytes());
         blob.extend_from_slice(&(t.count() as u64).to_le_bytes());
+        blob.extend_from_slice(&(t.dtype() as u64).to_le_bytes());
+        blob.extend_from_slice(&(in_sync_area as u64).to_le_bytes());
         let key = inner.next_key("win");
         let all = store_all_gather(inner.store.as_ref(), &key, rank, world, &blob, inner.opts.timeout)?;
         let word = |b: &[u8], i: usize| -> Result<u64> {
@@ -127,6 +139,25 @@ impl<D: Device> Window<D> {
         let mut peer_counts = [0usize; MAX_RANKS];
         for (p, b) in all.iter().enumerate() {
             peer_counts[p] = word(b, 1)? as usize;
+            if word(b, 3)? != 0 {
+                return Err(Error::invalid(format!(
+                    "window register: rank {p}'s tensor overlaps the heap's first {} bytes, ferrocomm's sync area",
+                    crate::heap::HEAP_RESERVED
+                )));
+            }
+            // Puts are bounded in the destination's elements, so every
+            // rank's buffer must hold the same element type.
+            if word(b, 2)? != t.dtype() as u64 {
+                return Err(Error::Mismatch {
+                    rank,
+                    peer: p,
+                    detail: format!(
+                        "window register: this rank's buffer is {:?}, rank {p}'s another dtype (code {})",
+                        t.dtype(),
+                        word(b, 2)?
+                    ),
+                });
+            }
         }
         let buffer = if all.iter().all(|b| b.first() == Some(&1)) {
             let bases = self.comm.device_ctx()?.heap;
@@ -263,8 +294,12 @@ impl<D: Device> Window<D> {
 
     /// Release the window: its buffer (as [`Window::deregister`]) and its
     /// signal words. Every rank frees its windows in the same order (the heap
-    /// is symmetric), once no queued work uses them.
+    /// is symmetric). Work queued on the communicator's stream is waited
+    /// for here; work on other streams, and graphs that captured the
+    /// window's calls, must be finished (graphs destroyed) by the caller:
+    /// a replay after `free` would count signals in someone else's memory.
     pub fn free(mut self) -> Result<()> {
+        self.comm.inner.device.synchronize(&self.comm.inner.stream)?;
         if self.buffer.is_some() {
             self.deregister()?;
         }

@@ -54,9 +54,20 @@ impl<D: Device> Work<D> {
 
     /// A failure the kernels of this call reported, and where.
     fn device_error(&self) -> Option<(Error, &Inner<D>)> {
-        std::iter::once(&self.inner)
-            .chain(&self.parts)
-            .find_map(|i| i.device_error().map(|e| (e, &**i)))
+        let after = self.timeout;
+        std::iter::once(&self.inner).chain(&self.parts).find_map(|i| {
+            i.device_error()
+                .map(|e| match e {
+                    // The kernels waited as long as this call asked.
+                    Error::Timeout { what, missing, .. } if after.is_some() => Error::Timeout {
+                        what,
+                        after: after.unwrap_or_default(),
+                        missing,
+                    },
+                    e => e,
+                })
+                .map(|e| (e, &**i))
+        })
     }
 
     pub(crate) fn event(&self) -> Option<Arc<D::Event>> {

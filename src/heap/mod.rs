@@ -25,7 +25,7 @@ pub use ctx::{Cmp, DevCtx, DEV_CTX_BYTES, ERR_EPOCH_DEVICE_API};
 use std::time::Duration;
 
 use crate::algo::PeerMaps;
-use crate::bootstrap::Store;
+use crate::bootstrap::{store_all_gather, Store};
 use crate::device::{Device, DeviceBuffer, DevicePtr, MemKind, MAX_RANKS};
 use crate::error::{Error, Result};
 
@@ -42,7 +42,12 @@ pub(crate) struct Heap<D: Device> {
     maps: PeerMaps<D>,
     own: D::Buffer,
     alloc: SymmetricAlloc,
+    /// Unique in the process, so a buffer of a dead heap is never freed
+    /// into a new one.
+    id: u64,
 }
+
+static NEXT_HEAP_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl<D: Device> Heap<D> {
     /// Reserve `bytes`, map every peer's heap. Collective over `world` ranks.
@@ -55,21 +60,45 @@ impl<D: Device> Heap<D> {
         bytes: usize,
         timeout: Duration,
     ) -> Result<Heap<D>> {
-        if bytes <= HEAP_RESERVED || bytes % 4096 != 0 {
-            return Err(Error::invalid(format!(
+        let own = if bytes <= HEAP_RESERVED || bytes % 4096 != 0 {
+            Err(Error::invalid(format!(
                 "symmetric heap of {bytes} bytes: FERROCOMM_HEAP_BYTES must be a multiple of 4096 above {HEAP_RESERVED}"
+            )))
+        } else {
+            dev.alloc(bytes, MemKind::Shareable).map_err(|e| {
+                Error::invalid(format!(
+                    "reserving a symmetric heap of {bytes} bytes failed ({e}); lower FERROCOMM_HEAP_BYTES on every rank"
+                ))
+            })
+        };
+        // Every rank says whether it got its heap, and its size, before any
+        // waits for the others' handles: one rank's failure or a size that
+        // differs is every rank's error now, not the others' timeout.
+        let mut blob = vec![own.is_ok() as u8];
+        blob.extend_from_slice(&(bytes as u64).to_le_bytes());
+        let all = store_all_gather(store, &format!("{key}/reserved"), rank, world, &blob, timeout)?;
+        let own = own?;
+        if let Some(bad) = all.iter().position(|b| b.first() != Some(&1)) {
+            return Err(Error::invalid(format!(
+                "rank {bad} could not reserve its symmetric heap (its own error says why)"
             )));
         }
-        let own = dev.alloc(bytes, MemKind::Shareable).map_err(|e| {
-            Error::invalid(format!(
-                "reserving a symmetric heap of {bytes} bytes failed ({e}); lower FERROCOMM_HEAP_BYTES on every rank"
-            ))
-        })?;
+        if let Some(bad) = all.iter().position(|b| b.get(1..9) != Some(&blob[1..9])) {
+            return Err(Error::Mismatch {
+                rank,
+                peer: bad,
+                detail: format!(
+                    "symmetric heap of {bytes} bytes here, another size at rank {bad}: set the same \
+                     FERROCOMM_HEAP_BYTES on every rank"
+                ),
+            });
+        }
         let maps = PeerMaps::exchange(dev, store, key, "heap", &own, rank, world, timeout)?;
         Ok(Heap {
             maps,
             alloc: SymmetricAlloc::new(HEAP_RESERVED, bytes - HEAP_RESERVED),
             own,
+            id: NEXT_HEAP_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -80,6 +109,10 @@ impl<D: Device> Heap<D> {
 
     pub(crate) fn bytes(&self) -> usize {
         self.own.len()
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     pub(crate) fn own(&self) -> &D::Buffer {
@@ -106,8 +139,8 @@ pub struct HeapBuffer {
     pub(crate) ptr: DevicePtr,
     pub(crate) offset: usize,
     pub(crate) bytes: usize,
-    /// Which communicator's heap (its lineage key), so a buffer cannot be
-    /// freed into another heap.
+    /// Which heap ([`Heap`]'s process-unique id), so a buffer cannot be
+    /// freed into another.
     pub(crate) heap_id: u64,
 }
 

@@ -121,6 +121,16 @@ impl<D: Device> Suite<'_, D> {
 
     /// Everything beyond all-reduce.
     pub(super) fn collectives(&mut self) -> Result<()> {
+        if self.reference.levels_only {
+            // Only the levels: all-gather and reduce-scatter (nodes of equal
+            // sizes) run, the rest must be refused.
+            self.refusals()?;
+            if self.reference.gathers {
+                self.all_gathers()?;
+                self.reduce_scatters()?;
+            }
+            return Ok(());
+        }
         self.broadcast_dtypes()?;
         if self.runs("reduce") {
             self.reduces()?;
@@ -139,6 +149,50 @@ impl<D: Device> Suite<'_, D> {
         }
         if self.runs("send/recv") {
             self.sends_and_receives()?;
+        }
+        Ok(())
+    }
+
+    /// A communicator with only its levels ([`Reference::levels_only`](super::conformance::Reference)):
+    /// every entry point that needs a workspace over every rank or
+    /// NCCL/RCCL is refused (`Error::Unsupported`), each a checked case.
+    fn refusals(&mut self) -> Result<()> {
+        let comm = self.comm;
+        let (rank, world) = (comm.rank(), comm.size());
+        let n = 5;
+        let one = self.view(0, 0, DType::F32, n, false)?;
+        let whole = self.view(1, 0, DType::F32, n * world, false)?;
+        let blocks: Vec<Tensor> = (0..world).map(|q| whole.slice(q * n, n)).collect::<Result<_>>()?;
+        let counts = vec![n; world];
+        let peer = (rank + 1) % world;
+        let call = Call::new();
+        let mut cases: Vec<(&str, Result<crate::comm::Work<D>>)> = vec![
+            ("broadcast", comm.broadcast(one, 0, &call)),
+            ("reduce", comm.reduce(one, ReduceOp::Sum, 0, &call)),
+            ("all_to_all_single", comm.all_to_all_single(whole, whole, &call)),
+            (
+                "all_to_all_v_single",
+                comm.all_to_all_v_single(whole, whole, &counts, &counts, &call),
+            ),
+            ("all_to_all", comm.all_to_all(&blocks, &blocks, &call)),
+            ("gather", comm.gather(&blocks, one, 0, &call)),
+            ("scatter", comm.scatter(one, &blocks, 0, &call)),
+            ("send", comm.send(one, peer, &call)),
+            ("recv", comm.recv(one, peer, &call)),
+            (
+                "batch_p2p",
+                comm.batch_p2p(&[P2p::Send(one, peer), P2p::Recv(blocks[0], peer)], &call),
+            ),
+        ];
+        if !self.reference.gathers {
+            cases.push(("all_gather", comm.all_gather_single(whole, one, &call)));
+            cases.push((
+                "reduce_scatter",
+                comm.reduce_scatter_single(one, whole, ReduceOp::Sum, &call),
+            ));
+        }
+        for (what, result) in cases {
+            self.refused(&format!("{what} rank={rank}"), result)?;
         }
         Ok(())
     }
@@ -175,12 +229,9 @@ impl<D: Device> Suite<'_, D> {
             }
         };
         let x = |r: usize, i: usize| T::from_f64(data::input_value(seed, r, i, ReduceOp::Sum, Values::Random));
+        let order = &self.reference.all_reduce;
         let want: Vec<T> = (0..count)
-            .map(|i| {
-                let term = |r: usize| T::premul(x(r, i).to_acc(), factor_of(r));
-                let acc = (1..world).fold(term(0), |a, r| T::combine(ReduceOp::Sum, a, term(r)));
-                T::from_acc(acc)
-            })
+            .map(|i| order.combine::<T>(ReduceOp::PreMulSum, |r| T::premul(x(r, i).to_acc(), factor_of(r))))
             .collect();
         let sums = || {
             let exact: Vec<f64> = (0..count)
@@ -200,7 +251,8 @@ impl<D: Device> Suite<'_, D> {
         let input = data::to_bytes(&(0..count).map(|i| x(rank, i)).collect::<Vec<T>>());
         // Dispatch's choice (which must steer clear of LL), then on the host
         // every custom algorithm that carries factors.
-        let algos: Vec<Option<crate::algo::Algorithm>> = if self.host() {
+        // Across nodes the levels run whatever is asked: dispatch's only.
+        let algos: Vec<Option<crate::algo::Algorithm>> = if self.host() && !self.reference.two_levels() {
             std::iter::once(None)
                 .chain(
                     crate::algo::Algorithm::CUSTOM
@@ -442,7 +494,8 @@ impl<D: Device> Suite<'_, D> {
         let seed = self.cfg.seed ^ data::hash_bytes(format!("rs{dtype}{op}{n}").as_bytes());
         let case = format!("reduce_scatter {dtype} {op} {values:?} n={n} mode={mode} rank={rank}");
         let input = data::to_bytes(&data::make_input::<T>(seed, rank, 0, n * world, op, values));
-        let want = data::reference::<T>(seed, world, rank * n, n, op, values);
+        let order = &self.reference.reduce_scatter;
+        let want = data::reference_in::<T>(order, seed, rank * n, n, op, values);
         let (slot, at) = match mode {
             1 => {
                 self.put(0, 0, &input)?;
@@ -694,7 +747,8 @@ impl<D: Device> Suite<'_, D> {
     /// all-gather, reduce-scatter and all-to-all captured once and replayed
     /// with new input each time.
     pub(super) fn graph_replay_collectives(&mut self, stream: &D::Stream) -> Result<()> {
-        if !self.runs("graph replays of all_gather/reduce_scatter/all_to_all") {
+        if !self.runs("graph replays of all_gather/reduce_scatter/all_to_all") || !self.reference.gathers {
+            // (Refused collectives are checked as such by `refusals`.)
             return Ok(());
         }
         let comm = self.comm;
@@ -707,14 +761,25 @@ impl<D: Device> Suite<'_, D> {
         let rs_out = self.view(3, 0, DType::F32, n, false)?;
         let a2a_in = self.view(4, 0, DType::I32, n * world, false)?;
         let a2a_out = self.view(5, 0, DType::I32, n * world, false)?;
+        let levels_only = self.reference.levels_only;
         dev.begin_capture(stream)?;
         let call = Call::on(stream);
         let captured = comm
             .all_gather_single(ag_out, ag_in, &call)
-            .and_then(|_| comm.reduce_scatter_single(rs_out, rs_in, ReduceOp::Sum, &call))
-            .and_then(|_| comm.all_to_all_single(a2a_out, a2a_in, &call));
+            .and_then(|_| comm.reduce_scatter_single(rs_out, rs_in, ReduceOp::Sum, &call));
+        let a2a = captured
+            .as_ref()
+            .ok()
+            .map(|_| comm.all_to_all_single(a2a_out, a2a_in, &call));
         let graph = dev.end_capture(stream)?;
         captured?;
+        match a2a {
+            // Refused inside the capture, before anything was queued: the
+            // graph holds the other two.
+            Some(refused) if levels_only => self.refused(&format!("all_to_all in a capture rank={rank}"), refused)?,
+            Some(ran) => drop(ran?),
+            None => {}
+        }
         for replay in 0..self.cfg.graph_replays {
             let case = format!("graph replay {replay} of all_gather + reduce_scatter + all_to_all rank={rank}");
             let seed = self.cfg.seed ^ (replay as u64 + 1).wrapping_mul(0x5851_f42d);
@@ -730,8 +795,12 @@ impl<D: Device> Suite<'_, D> {
             let got = self.get(1, 0, n * world * 2)?;
             self.check_bytes(&format!("{case}: all_gather"), &got, &ag_blocks.concat(), true);
             let got = self.get(3, 0, n * 4)?;
-            let want = data::reference::<f32>(seed, world, rank * n, n, ReduceOp::Sum, Values::Exact);
+            let order = &self.reference.reduce_scatter;
+            let want = data::reference_in::<f32>(order, seed, rank * n, n, ReduceOp::Sum, Values::Exact);
             self.check_local(&format!("{case}: reduce_scatter"), &got, &want)?;
+            if levels_only {
+                continue;
+            }
             let got = self.get(5, 0, n * world * 4)?;
             let want: Vec<u8> = (0..world)
                 .flat_map(|s| a2a[s][rank * n * 4..(rank + 1) * n * 4].to_vec())

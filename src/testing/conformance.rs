@@ -7,18 +7,20 @@
 //! compared bit for bit with the exact reference rule; float sums also
 //! against fp64 with a stated bound; one-shot and two-shot bitwise equal;
 //! outputs bitwise equal across ranks; in place and out of place; graph
-//! replays with the input changed between replays.
+//! replays with the input changed between replays. On a communicator that
+//! spans (pseudo-)nodes the reference follows its two levels and the calls
+//! it cannot run must be refused ([`Reference`]).
 
 use std::time::Duration;
 
 use half::{bf16, f16};
 
-use super::data::{self, FromF64, Values};
+use super::data::{self, FromF64, Order, Values};
 use crate::algo::kernels::KERNEL_OPS;
 use crate::algo::{AlgoChoice, Algorithm};
 use crate::bootstrap::{store_all_gather, Store};
 use crate::comm::{Call, CommOptions, Communicator, Tensor};
-use crate::device::{Device, DeviceBuffer};
+use crate::device::{Device, DeviceBuffer, MAX_RANKS};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -87,6 +89,78 @@ impl SuiteReport {
     }
 }
 
+/// What the suite expects of a communicator, picked from its topology by
+/// [`Reference::of`]: the order each reduction combines the ranks in (its
+/// bits), and what it refuses.
+///
+/// One node: every reduction in rank order. Across (pseudo-)nodes
+/// (`src/comm/layered.rs`): all-reduce (premul_sum included) in two levels;
+/// reduce-scatter in two levels when the nodes have equal sizes; the rest
+/// over the whole group in rank order (the host's workspace over every rank,
+/// or NCCL/RCCL), and where there is neither (the host backend above 8
+/// ranks) everything but all-reduce, all-gather, reduce-scatter (equal
+/// nodes) and barrier is refused with [`Error::Unsupported`], which the
+/// suite checks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reference {
+    /// All-reduce and premul_sum.
+    pub all_reduce: Order,
+    /// Reduce-scatter.
+    pub reduce_scatter: Order,
+    /// Whether all-gather and reduce-scatter run (in two levels, or over
+    /// the whole group).
+    pub gathers: bool,
+    /// Whether only the levels run: broadcast, reduce, all-to-all, gather,
+    /// scatter, sends and receives and fused epilogues are refused.
+    pub levels_only: bool,
+}
+
+impl Reference {
+    /// One level over `world` ranks: nothing refused.
+    pub fn flat(world: usize) -> Reference {
+        Reference {
+            all_reduce: Order::Flat(world),
+            reduce_scatter: Order::Flat(world),
+            gathers: true,
+            levels_only: false,
+        }
+    }
+
+    /// What `comm` computes, from its topology (the rule the communicator
+    /// follows when it builds its levels).
+    pub fn of<D: Device>(comm: &Communicator<D>) -> Reference {
+        let t = comm.topology();
+        let world = comm.size();
+        let nodes: Vec<Vec<usize>> = (0..t.nodes).map(|m| t.ranks_on(m)).collect();
+        if nodes.len() < 2 || nodes.iter().any(|r| r.len() > MAX_RANKS) {
+            // One node, or nodes too large for the kernels: no levels.
+            return Reference::flat(world);
+        }
+        let uniform = nodes.iter().all(|r| r.len() == nodes[0].len());
+        let singles = nodes.iter().all(|r| r.len() == 1);
+        // Nodes of one rank: the between-nodes level is the whole group.
+        let levels = |two: bool| match two && !singles {
+            true => Order::Levels(nodes.clone()),
+            false => Order::Flat(world),
+        };
+        let host = comm.device().facts().backend == crate::device::BackendKind::Host;
+        // A workspace over every rank (the host's stand-in for NCCL between
+        // pseudo-nodes), or NCCL/RCCL, carries the rest.
+        let whole_group = (host && world <= MAX_RANKS) || comm.has_vendor_library();
+        Reference {
+            all_reduce: levels(true),
+            reduce_scatter: levels(uniform),
+            gathers: uniform || whole_group,
+            levels_only: !whole_group,
+        }
+    }
+
+    /// Whether all-reduce combines in two levels.
+    pub fn two_levels(&self) -> bool {
+        matches!(self.all_reduce, Order::Levels(_))
+    }
+}
+
 /// Element counts every dtype and op is checked at: empty, tiny, odd, not a
 /// multiple of 16 bytes, and around vector and segment boundaries.
 const MATRIX_COUNTS: [usize; 10] = [0, 1, 2, 3, 7, 17, 255, 1000, 4099, 65_541];
@@ -98,6 +172,8 @@ pub(super) const OFFSETS: [usize; 2] = [0, 3];
 pub(super) struct Suite<'a, D: Device> {
     pub(super) comm: &'a Communicator<D>,
     pub(super) cfg: &'a SuiteConfig,
+    /// The reference rule and the refusals this communicator's layout gives.
+    pub(super) reference: Reference,
     pub(super) report: SuiteReport,
     /// Output hashes (of results every rank must agree on) in case order,
     /// compared across ranks at the end.
@@ -134,7 +210,11 @@ pub fn run_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &Sui
     lap("graph replays");
     s.quick_reduce()?;
     lap("quick-reduce");
-    s.fused()?;
+    if s.reference.levels_only {
+        s.fused_refused()?;
+    } else {
+        s.fused()?;
+    }
     lap("fused epilogues");
     comm.barrier(&Call::new())?.wait(Some(cfg.timeout))?;
     s.report.collectives += 1;
@@ -208,6 +288,7 @@ impl<'a, D: Device> Suite<'a, D> {
         Suite {
             comm,
             cfg,
+            reference: Reference::of(comm),
             report: SuiteReport::default(),
             hashes: Vec::new(),
             bufs: Vec::new(),
@@ -357,16 +438,22 @@ impl<D: Device> Suite<'_, D> {
         let bytes = count * dtype.size();
         let seed = self.cfg.seed ^ data::hash_bytes(format!("{dtype}{op}{values:?}{count}{in_place}").as_bytes());
         let input = data::to_bytes(&data::make_input::<T>(seed, rank, 0, count, op, values));
-        let want = data::reference::<T>(seed, world, 0, count, op, values);
+        let want = data::reference_in::<T>(&self.reference.all_reduce, seed, 0, count, op, values);
         let mut outputs = Vec::new();
         // The LL one-shot moves 4 data bytes in 8, one unit at a time on the
         // host: above a few MiB it only costs time, and its chunking is
         // already crossed at 1 MiB (a chunk is slot / 4 / world bytes).
         let host = self.host_backend();
-        let algos: Vec<Algorithm> = Algorithm::CUSTOM
+        let mut algos: Vec<Algorithm> = Algorithm::CUSTOM
             .into_iter()
             .filter(|&a| !(a == Algorithm::OneShotLl && bytes > (4 << 20) && host))
             .collect();
+        if self.reference.two_levels() {
+            // Across nodes the levels run whatever algorithm is asked: one
+            // run a case, the fixed algorithm taking turns across cases.
+            let turn = data::hash_bytes(format!("{count}{in_place}{offset}").as_bytes()) as usize;
+            algos = vec![algos[turn % algos.len()]];
+        }
         for algo in algos {
             let case = format!(
                 "all_reduce {dtype} {op} {values:?} count={count} in_place={in_place} offset={offset} {algo} \
@@ -445,6 +532,7 @@ impl<D: Device> Suite<'_, D> {
 
     fn check_fp64_bound<T: FromF64>(&mut self, case: &str, seed: u64, got: &[u8], op: ReduceOp, values: Values) {
         let world = self.comm.size();
+        let levels = self.reference.two_levels();
         let got: Vec<T> = data::from_bytes(got);
         // The bit-exact check already covers every element; the fp64 bound is
         // about the rule itself, so a few thousand samples suffice.
@@ -452,7 +540,11 @@ impl<D: Device> Suite<'_, D> {
         for (i, g) in got.iter().enumerate().step_by(step) {
             let xs = (0..world).map(|r| T::from_f64(data::input_value(seed, r, i, op, values)).to_f64());
             let (exact, abs) = xs.fold((0.0, 0.0), |(s, a), x| (s + x, a + f64::abs(x)));
-            let bound = data::sum_error_bound(T::DTYPE, world, abs, exact);
+            let mut bound = data::sum_error_bound(T::DTYPE, world, abs, exact);
+            if levels {
+                // Each node's partial is rounded to the dtype too.
+                bound += data::sum_error_bound(T::DTYPE, 0, 0.0, abs);
+            }
             if (g.to_f64() - exact).abs() > bound {
                 self.fail(format!(
                     "{case}: element {i} = {g:?} is off the fp64 sum {exact} by more than {bound}"
@@ -465,6 +557,11 @@ impl<D: Device> Suite<'_, D> {
     fn broadcasts(&mut self) -> Result<()> {
         let comm = self.comm;
         let (rank, world) = (comm.rank(), comm.size());
+        if self.reference.levels_only {
+            let t = self.view(0, 0, DType::F32, 4099, false)?;
+            let refused = comm.broadcast_into(t, t, world - 1, &Call::new());
+            return self.refused(&format!("broadcast f32 rank={rank}"), refused);
+        }
         for root in 0..world {
             for (k, count) in [1usize, 4099, 300_001].into_iter().enumerate() {
                 let offset = OFFSETS[(root + k) % OFFSETS.len()];
@@ -490,7 +587,7 @@ impl<D: Device> Suite<'_, D> {
     fn graph_replay(&mut self) -> Result<()> {
         let comm = self.comm;
         let dev = comm.device();
-        let (rank, world) = (comm.rank(), comm.size());
+        let rank = comm.rank();
         let count = 3000;
         let inp = self.view(0, 0, DType::BF16, count, false)?;
         let out = self.view(1, 0, DType::BF16, count, false)?;
@@ -518,7 +615,8 @@ impl<D: Device> Suite<'_, D> {
                 let mut got = vec![0u8; count * 2];
                 dev.copy_to_host(ob, 0, &mut got, &stream)
                     .map_err(|e| context(e, &case))?;
-                let want = data::reference::<bf16>(seed, world, 0, count, ReduceOp::Sum, Values::Random);
+                let order = &self.reference.all_reduce;
+                let want = data::reference_in::<bf16>(order, seed, 0, count, ReduceOp::Sum, Values::Random);
                 self.check(&case, &got, &want)?;
             }
         }
@@ -556,6 +654,39 @@ impl<D: Device> Suite<'_, D> {
         if !self.report.skipped.contains(&msg) {
             self.report.skipped.push(msg);
         }
+    }
+
+    /// A call this communicator must refuse ([`Reference::levels_only`]):
+    /// `Error::Unsupported` before anything is queued, a checked case; it
+    /// running, or another error, is a failure.
+    pub(super) fn refused<W>(&mut self, case: &str, result: Result<W>) -> Result<()> {
+        self.report.collectives += 1;
+        match result {
+            Err(Error::Unsupported(_)) => Ok(()),
+            Err(e) => {
+                self.fail(format!("{case}: refused with {e}, not as unsupported"));
+                Ok(())
+            }
+            Ok(_) => {
+                self.fail(format!(
+                    "{case}: ran on a communicator with no workspace over every rank and no NCCL/RCCL"
+                ));
+                Ok(())
+            }
+        }
+    }
+
+    /// A fused all-reduce on a communicator with only its levels: refused
+    /// (the fused kernels need a workspace over every rank).
+    fn fused_refused(&mut self) -> Result<()> {
+        let (tokens, hidden) = (3, 64);
+        let dtype = DType::BF16;
+        let input = self.view(0, 0, dtype, tokens * hidden, false)?;
+        let residual = self.view(1, 0, dtype, tokens * hidden, false)?;
+        let fusion = crate::comm::Fusion::new(crate::comm::FusionPattern::ResidualAdd, hidden, residual, residual);
+        let refused = self.comm.all_reduce_fused(input, &fusion, &Call::new());
+        let case = format!("all_reduce_fused residual-add rank={}", self.comm.rank());
+        self.refused(&case, refused)
     }
 }
 

@@ -100,11 +100,70 @@ pub fn make_input<T: FromF64>(
         .collect()
 }
 
+/// The order a reduction combines the ranks' values in, which fixes its
+/// bits (floats round differently in another order).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Order {
+    /// One level over `world` ranks: widened, combined in rank order 0..world,
+    /// finished (avg), narrowed once (docs/protocol.md's rule).
+    Flat(usize),
+    /// Two levels (`src/comm/layered.rs`), `nodes[m]` the ranks of node `m`
+    /// in local-rank order. Each node combines its ranks in that order and
+    /// stores the partial as the dtype (the node level's reduce-scatter or
+    /// all-reduce writes it to memory); then the nodes' partials, widened
+    /// again, are combined in node order and narrowed (the between-nodes
+    /// all-reduce or reduce-scatter). Avg is premul_sum by `1/world` (as
+    /// f32) in the node level and a sum between nodes; premul_sum's factors
+    /// apply in the node level only.
+    Levels(Vec<Vec<usize>>),
+}
+
+impl Order {
+    /// The ranks it combines.
+    pub fn world(&self) -> usize {
+        match self {
+            Order::Flat(world) => *world,
+            Order::Levels(nodes) => nodes.iter().map(Vec::len).sum(),
+        }
+    }
+
+    /// One element's result: `term(r)` is rank `r`'s value widened to the
+    /// accumulator (and already scaled by its own factor for premul_sum).
+    pub fn combine<T: FromF64>(&self, op: ReduceOp, term: impl Fn(usize) -> T::Acc) -> T {
+        match self {
+            Order::Flat(world) => {
+                let acc = (1..*world).fold(term(0), |acc, r| T::combine(op, acc, term(r)));
+                T::from_acc(T::finish(op, acc, *world))
+            }
+            Order::Levels(nodes) => {
+                let (first, rest) = match op {
+                    // The node level's premul_sum by 1/world: the factor as
+                    // the kernels get it (f64, then f32).
+                    ReduceOp::Avg => (ReduceOp::PreMulSum, ReduceOp::Sum),
+                    ReduceOp::PreMulSum => (ReduceOp::PreMulSum, ReduceOp::Sum),
+                    other => (other, other),
+                };
+                let factor = (1.0 / self.world() as f64) as f32;
+                let scaled = |r: usize| match op {
+                    ReduceOp::Avg => T::premul(term(r), factor),
+                    _ => term(r),
+                };
+                let partial = |ranks: &Vec<usize>| -> T {
+                    let acc = ranks[1..]
+                        .iter()
+                        .fold(scaled(ranks[0]), |acc, &r| T::combine(first, acc, scaled(r)));
+                    T::from_acc(T::finish(first, acc, ranks.len()))
+                };
+                let acc = nodes[1..].iter().fold(partial(&nodes[0]).to_acc(), |acc, ranks| {
+                    T::combine(rest, acc, partial(ranks).to_acc())
+                });
+                T::from_acc(T::finish(rest, acc, nodes.len()))
+            }
+        }
+    }
+}
+
 /// The exact expected output: the rule applied in rank order 0..world-1.
-///
-/// Every rank of a test asks for the same reference, and it costs `world`
-/// draws per element, so thread ranks of one process share it: the last few
-/// references are kept (by their arguments) and handed out again.
 pub fn reference<T: FromF64>(
     seed: u64,
     world: usize,
@@ -113,11 +172,27 @@ pub fn reference<T: FromF64>(
     op: ReduceOp,
     values: Values,
 ) -> Vec<T> {
-    type Key = (DType, u64, usize, usize, usize, ReduceOp, Values);
+    reference_in(&Order::Flat(world), seed, first, count, op, values)
+}
+
+/// The exact expected output of a reduction that combines in `order`.
+///
+/// Every rank of a test asks for the same reference, and it costs `world`
+/// draws per element, so thread ranks of one process share it: the last few
+/// references are kept (by their arguments) and handed out again.
+pub fn reference_in<T: FromF64>(
+    order: &Order,
+    seed: u64,
+    first: usize,
+    count: usize,
+    op: ReduceOp,
+    values: Values,
+) -> Vec<T> {
+    type Key = (DType, u64, Order, usize, usize, ReduceOp, Values);
     type Cell = Arc<OnceLock<Vec<u8>>>;
     static CACHE: Mutex<Vec<(Key, Cell)>> = Mutex::new(Vec::new());
     const KEEP: usize = 4;
-    let key: Key = (T::DTYPE, seed, world, first, count, op, values);
+    let key: Key = (T::DTYPE, seed, order.clone(), first, count, op, values);
     let cell = {
         let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
         match cache.iter().position(|(k, _)| *k == key) {
@@ -141,11 +216,7 @@ pub fn reference<T: FromF64>(
     // key wait on the cell, not on the whole cache.
     let bytes = cell.get_or_init(|| {
         let v: Vec<T> = (first..first + count)
-            .map(|i| {
-                let x = |r: usize| T::from_f64(input_value(seed, r, i, op, values)).to_acc();
-                let acc = (1..world).fold(x(0), |acc, r| T::combine(op, acc, x(r)));
-                T::from_acc(T::finish(op, acc, world))
-            })
+            .map(|i| order.combine::<T>(op, |r| T::from_f64(input_value(seed, r, i, op, values)).to_acc()))
             .collect();
         to_bytes(&v)
     });
@@ -206,4 +277,40 @@ pub fn sum_error_bound(dtype: DType, world: usize, abs_sum: f64, exact: f64) -> 
         _ => 0.0,
     };
     world as f64 * f32::EPSILON as f64 * abs_sum + out_eps * exact.abs() + f64::MIN_POSITIVE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two levels round each node's partial to the dtype: bf16 values whose
+    /// node sums round away what the flat sum keeps.
+    #[test]
+    fn levels_round_each_node() {
+        let x = [1.0f32, 2f32.powi(-8), 2f32.powi(-8), 0.0];
+        let term = |r: usize| bf16::from_f32(x[r]).to_f32();
+        let flat: bf16 = Order::Flat(4).combine(ReduceOp::Sum, term);
+        let levels: bf16 = Order::Levels(vec![vec![0, 1], vec![2, 3]]).combine(ReduceOp::Sum, term);
+        // Flat: 1 + 2^-8 + 2^-8 = 1 + 2^-7, exact in bf16. Levels: node 0's
+        // 1 + 2^-8 is a tie, rounded to 1; plus node 1's 2^-8 ties again.
+        assert_eq!(flat.to_f32(), 1.0 + 2f32.powi(-7));
+        assert_eq!(levels.to_f32(), 1.0);
+        // Nodes in node order, each node's ranks in local order.
+        let other: bf16 = Order::Levels(vec![vec![0, 3], vec![1, 2]]).combine(ReduceOp::Sum, term);
+        assert_eq!(other.to_f32(), 1.0 + 2f32.powi(-7));
+    }
+
+    /// Avg is premul_sum by 1/world (as f32) in the node level, then a sum.
+    #[test]
+    fn levels_average_as_premul_then_sum() {
+        let x = [0.1f32, 0.7, 1.3, -2.9, 5.5, 0.01];
+        let nodes = Order::Levels(vec![vec![0, 1], vec![2, 3], vec![4, 5]]);
+        let got: f32 = nodes.combine(ReduceOp::Avg, |r| x[r]);
+        let f = (1.0 / 6.0f64) as f32;
+        let want = (x[0] * f + x[1] * f) + (x[2] * f + x[3] * f) + (x[4] * f + x[5] * f);
+        assert_eq!(got.to_bits(), want.to_bits());
+        let flat: f32 = Order::Flat(6).combine(ReduceOp::Avg, |r| x[r]);
+        assert_eq!(flat.to_bits(), (x.iter().fold(0.0f32, |a, b| a + b) / 6.0).to_bits());
+        assert_eq!(nodes.world(), 6);
+    }
 }

@@ -3,7 +3,9 @@
 //! unfused reference computed here step by step (all-reduce, residual add,
 //! RMSNorm, quantization) in the fp32 order docs/protocol.md ("Fused
 //! epilogues") defines; NaN/Inf/zero rows; graph replays; and every
-//! validation error, raised before anything is launched.
+//! validation error, raised before anything is launched. The MoE-finalize
+//! prologue likewise: each rank's rows finalized step by step from its
+//! expert outputs ([`moe_finalize_reference`]), then the same reference.
 
 use half::{bf16, f16};
 
@@ -12,7 +14,7 @@ use super::data::{self, FromF64, Values};
 use crate::algo::fused::{fp8_min_scale, int8_min_scale, FusedKind, FusionPattern, FP8_MAX, INT8_MAX};
 use crate::algo::{AlgoChoice, Algorithm};
 use crate::codec::{Fp8Flavor, Half16};
-use crate::comm::{Call, Fusion, Tensor};
+use crate::comm::{Call, Fusion, MoeFinalize, Tensor};
 use crate::device::Device;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -153,6 +155,41 @@ pub fn fused_reference<S: Half16>(
     out
 }
 
+/// One rank's MoE-finalized rows (`tokens x hidden`, `tokens =
+/// idx.len() / topk`), in the stated order (docs/protocol.md, "MoE
+/// finalize"): per element, `acc = shared` (or +0), then for k in order
+/// `acc = acc + scale * expert`, the product rounded before the add, a
+/// permuted index outside the experts' rows skipping its term; rounded to
+/// the dtype once. `scales` are the router weights as f32 (a 16-bit
+/// dtype's converted exactly).
+pub fn moe_finalize_reference<S: Half16>(
+    hidden: usize,
+    topk: usize,
+    expert_out: &[S],
+    idx: &[i32],
+    scales: &[f32],
+    shared: Option<&[S]>,
+) -> Vec<S> {
+    let tokens = idx.len() / topk;
+    let rows = expert_out.len() / hidden;
+    let mut out = Vec::with_capacity(tokens * hidden);
+    for t in 0..tokens {
+        for j in 0..hidden {
+            let mut acc = shared.map_or(0.0, |s| s[t * hidden + j].to_f32());
+            for k in 0..topk {
+                let r = idx[t * topk + k];
+                if r < 0 || r as usize >= rows {
+                    continue;
+                }
+                let p = scales[t * topk + k] * expert_out[r as usize * hidden + j].to_f32();
+                acc += p;
+            }
+            out.push(round(acc));
+        }
+    }
+    out
+}
+
 /// (tokens, hidden) of the matrix: single tokens to thousands, hidden from
 /// one pack to 16384, 5008 (not a multiple of 256 lanes' worth of packs).
 const SHAPES: [(usize, usize); 10] = [
@@ -194,6 +231,119 @@ fn special_value(row: usize, col: usize, rank: usize, residual: bool, dtype: DTy
     }
 }
 
+/// The router weights of a MoE case, as the device gets them.
+enum MoeScales<S> {
+    F32(Vec<f32>),
+    Dtype(Vec<S>),
+}
+
+/// A MoE case's tensors: every rank's experts' output and shared expert's
+/// output (the partial sums of tensor parallelism differ by rank), and the
+/// routing, the same on every rank.
+struct MoeData<S> {
+    topk: usize,
+    experts: Vec<Vec<S>>,
+    shared: Option<Vec<Vec<S>>>,
+    idx: Vec<i32>,
+    scales: MoeScales<S>,
+}
+
+impl<S: Half16> MoeData<S> {
+    /// The router weights as the stated order uses them (exact conversion).
+    fn scales_f32(&self) -> Vec<f32> {
+        match &self.scales {
+            MoeScales::F32(v) => v.clone(),
+            MoeScales::Dtype(v) => v.iter().map(|s| s.to_f32()).collect(),
+        }
+    }
+}
+
+/// `pairs` distinct rows of `0..rows` in a random order (a Fisher-Yates
+/// shuffle seeded by `seed`): an `expanded_idx_to_permuted_idx` as a MoE
+/// router's sort makes it.
+pub fn moe_permutation(seed: u64, rows: usize, pairs: usize) -> Vec<i32> {
+    let mut perm: Vec<i32> = (0..rows as i32).collect();
+    for i in (1..rows).rev() {
+        let j = (data::draw(seed ^ 0x7065, 0, i) % (i as u64 + 1)) as usize;
+        perm.swap(i, j);
+    }
+    perm.truncate(pairs);
+    perm
+}
+
+/// Generate a MoE case: `tokens * topk + MOE_SPARE_ROWS` expert rows, the
+/// expanded indices a random permutation of them (so some rows are never
+/// read), router weights around 0 (either sign: the kernel does not care).
+/// `special` (tokens >= 5): token 0's odd-k indices out of range (-1,
+/// `rows`, i32::MAX, i32::MIN in turn; with top-1 its only index is -1),
+/// token 1 a NaN in rank 1's first expert row, token 2 an infinite weight,
+/// token 3 an infinity in rank 0's shared row (or first expert row), token
+/// 4 a weight at the dtype's largest finite value, so its row overflows.
+fn moe_data<S: FromF64 + Half16>(
+    seed: u64,
+    world: usize,
+    tokens: usize,
+    hidden: usize,
+    m: MoeCase,
+    special: bool,
+) -> MoeData<S> {
+    let topk = m.topk;
+    let pairs = tokens * topk;
+    let rows = pairs + MOE_SPARE_ROWS;
+    let gen = |salt: u64, r: usize, len: usize| -> Vec<S> {
+        (0..len)
+            .map(|i| <S as FromF64>::from_f64(data::input_value(seed ^ salt, r, i, ReduceOp::Sum, Values::Random)))
+            .collect()
+    };
+    let mut experts: Vec<Vec<S>> = (0..world).map(|r| gen(0x6578, r, rows * hidden)).collect();
+    let mut shared: Option<Vec<Vec<S>>> = m
+        .shared
+        .then(|| (0..world).map(|r| gen(0x7368, r, tokens * hidden)).collect());
+    let mut idx = moe_permutation(seed, rows, pairs);
+    let mut scales: Vec<f64> = (0..pairs)
+        .map(|i| 0.5 * data::input_value(seed ^ 0x7363, 0, i, ReduceOp::Sum, Values::Random))
+        .collect();
+    if special && tokens >= 5 {
+        let outside = [-1, rows as i32, i32::MAX, i32::MIN];
+        if topk == 1 {
+            idx[0] = -1;
+        }
+        for k in (1..topk).step_by(2) {
+            idx[k] = outside[(k / 2) % outside.len()];
+        }
+        let row_of = |t: usize| idx[t * topk] as usize * hidden;
+        if world > 1 {
+            let at = row_of(1) + 3;
+            experts[1][at] = <S as FromF64>::from_f64(f64::NAN);
+        }
+        scales[2 * topk + topk - 1] = f64::INFINITY;
+        match shared.as_mut() {
+            Some(sh) => sh[0][3 * hidden + 5] = <S as FromF64>::from_f64(f64::NEG_INFINITY),
+            None => {
+                let at = row_of(3) + 5;
+                experts[0][at] = <S as FromF64>::from_f64(f64::INFINITY);
+            }
+        }
+        scales[4 * topk] = if <S as Half16>::DTYPE == DType::F16 {
+            65504.0
+        } else {
+            3.0e38
+        };
+    }
+    let scales = if m.scales_f32 {
+        MoeScales::F32(scales.iter().map(|&v| v as f32).collect())
+    } else {
+        MoeScales::Dtype(scales.iter().map(|&v| <S as FromF64>::from_f64(v)).collect())
+    };
+    MoeData {
+        topk,
+        experts,
+        shared,
+        idx,
+        scales,
+    }
+}
+
 #[derive(Clone, Copy)]
 struct Case {
     kind: FusedKind,
@@ -205,7 +355,29 @@ struct Case {
     with_allreduce_out: bool,
     with_norm_out: bool,
     special: bool,
+    /// The MoE-finalize prologue, when the case has one.
+    moe: Option<MoeCase>,
 }
+
+/// A MoE-finalize case's routing.
+#[derive(Clone, Copy)]
+struct MoeCase {
+    topk: usize,
+    shared: bool,
+    /// Router weights in f32 (else in the call's dtype).
+    scales_f32: bool,
+}
+
+/// (tokens, hidden) of the MoE matrix: one token to 300, odd ones; hidden
+/// of 1, 3, 5, 33 and 129 packs (odd multiples of 8, below and above one
+/// 32-lane group's packs).
+const MOE_SHAPES: [(usize, usize); 5] = [(1, 8), (5, 24), (33, 264), (300, 40), (64, 1032)];
+
+/// Top-k values of the MoE matrix.
+const MOE_TOPK: [usize; 3] = [1, 2, 8];
+
+/// Experts' rows beyond `tokens * topk` (rows no token routes to).
+const MOE_SPARE_ROWS: usize = 3;
 
 impl<D: Device> Suite<'_, D> {
     /// The fused matrix, special values, graph replays and validation.
@@ -228,6 +400,7 @@ impl<D: Device> Suite<'_, D> {
                     with_allreduce_out: (k + j) % 3 == 0,
                     with_norm_out: pattern == FusionPattern::ResidualRmsNorm || (k + j) % 2 == 1,
                     special: false,
+                    moe: None,
                 };
                 let flipped = Case {
                     in_place: !case.in_place,
@@ -252,6 +425,7 @@ impl<D: Device> Suite<'_, D> {
                     with_allreduce_out: true,
                     with_norm_out: pattern.norms(),
                     special: true,
+                    moe: None,
                 };
                 for kind in FusedKind::ALL {
                     self.fused_case::<bf16>(&Case { kind, ..case })?;
@@ -260,7 +434,81 @@ impl<D: Device> Suite<'_, D> {
             }
         }
         self.fused_graph_replay()?;
-        self.fused_validation()
+        self.fused_validation()?;
+        self.fused_moe()
+    }
+
+    /// The MoE-finalize matrix (every dtype, top-k 1, 2 and 8, with and
+    /// without a shared expert, f32 and 16-bit router weights, both
+    /// families, every pattern in turn), its special values, a graph
+    /// replay and its validation errors.
+    fn fused_moe(&mut self) -> Result<()> {
+        for (k, &(tokens, hidden)) in MOE_SHAPES.iter().enumerate() {
+            for (i, &topk) in MOE_TOPK.iter().enumerate() {
+                for shared in [false, true] {
+                    // Every pattern in turn, the optional outputs alternating.
+                    let j = k + i + shared as usize;
+                    let pattern = FusionPattern::ALL[j % FusionPattern::ALL.len()];
+                    let case = Case {
+                        kind: FusedKind::OneShot,
+                        pattern,
+                        tokens,
+                        hidden,
+                        eps: 1e-6,
+                        in_place: j % 2 == 0,
+                        with_allreduce_out: j % 3 == 0,
+                        with_norm_out: pattern.norms() && (pattern == FusionPattern::ResidualRmsNorm || j % 2 == 1),
+                        special: false,
+                        moe: Some(MoeCase {
+                            topk,
+                            shared,
+                            scales_f32: (k + i) % 2 == 0,
+                        }),
+                    };
+                    let flipped = Case {
+                        in_place: !case.in_place,
+                        with_allreduce_out: !case.with_allreduce_out,
+                        moe: case.moe.map(|m| MoeCase {
+                            scales_f32: !m.scales_f32,
+                            ..m
+                        }),
+                        ..case
+                    };
+                    for kind in FusedKind::ALL {
+                        self.fused_case::<bf16>(&Case { kind, ..case })?;
+                        self.fused_case::<f16>(&Case { kind, ..flipped })?;
+                    }
+                }
+            }
+        }
+        for pattern in FusionPattern::ALL {
+            for (tokens, hidden, topk, shared, eps) in
+                [(7, 24, 2, true, 1e-5), (6, 264, 8, false, 1e-6), (5, 16, 1, true, 0.0)]
+            {
+                let case = Case {
+                    kind: FusedKind::OneShot,
+                    pattern,
+                    tokens,
+                    hidden,
+                    eps,
+                    in_place: false,
+                    with_allreduce_out: true,
+                    with_norm_out: pattern.norms(),
+                    special: true,
+                    moe: Some(MoeCase {
+                        topk,
+                        shared,
+                        scales_f32: topk != 8,
+                    }),
+                };
+                for kind in FusedKind::ALL {
+                    self.fused_case::<bf16>(&Case { kind, ..case })?;
+                    self.fused_case::<f16>(&Case { kind, ..case })?;
+                }
+            }
+        }
+        self.fused_moe_graph_replay()?;
+        self.fused_moe_validation()
     }
 
     /// One small, checked call of each fused kernel (every pattern, both
@@ -278,8 +526,17 @@ impl<D: Device> Suite<'_, D> {
                     with_allreduce_out: true,
                     with_norm_out: pattern.norms(),
                     special: false,
+                    moe: None,
                 };
                 self.fused_case::<bf16>(&case)?;
+                if pattern == FusionPattern::ResidualRmsNorm {
+                    let moe = Some(MoeCase {
+                        topk: 8,
+                        shared: true,
+                        scales_f32: true,
+                    });
+                    self.fused_case::<bf16>(&Case { moe, ..case })?;
+                }
             }
         }
         Ok(())
@@ -291,8 +548,16 @@ impl<D: Device> Suite<'_, D> {
         let dtype = <S as Half16>::DTYPE;
         let (tokens, hidden, pattern) = (c.tokens, c.hidden, c.pattern);
         let n = tokens * hidden;
+        let moe_name = c.moe.map_or(String::new(), |m| {
+            format!(
+                " moe topk={} shared={} scales={}",
+                m.topk,
+                m.shared,
+                if m.scales_f32 { "f32" } else { dtype.name() }
+            )
+        });
         let name = format!(
-            "fused {} {pattern} {dtype} {tokens}x{hidden} eps={} in_place={} ar_out={} norm_out={} special={} world={world}",
+            "fused {} {pattern} {dtype} {tokens}x{hidden} eps={} in_place={} ar_out={} norm_out={} special={}{moe_name} world={world}",
             c.kind.name(),
             c.eps,
             c.in_place,
@@ -303,17 +568,34 @@ impl<D: Device> Suite<'_, D> {
         let case = format!("{name} rank={rank}");
         let seed = self.cfg.seed ^ data::hash_bytes(name.as_bytes());
         let value = |r: usize, i: usize, residual: bool| -> S {
-            let special = c
-                .special
+            // With a MoE prologue the special values are in its routing
+            // ([`moe_data`]); the residual keeps its own.
+            let special = (c.special && (residual || c.moe.is_none()))
                 .then(|| special_value(i / hidden, i % hidden, r, residual, dtype));
             let v = special
                 .flatten()
                 .unwrap_or_else(|| data::input_value(seed ^ residual as u64, r, i, ReduceOp::Sum, Values::Random));
             <S as FromF64>::from_f64(v)
         };
-        let inputs: Vec<Vec<S>> = (0..world)
-            .map(|r| (0..n).map(|i| value(r, i, false)).collect())
-            .collect();
+        // What each rank all-reduces, and (MoE) what it is computed from.
+        let moe = c.moe.map(|m| moe_data::<S>(seed, world, tokens, hidden, m, c.special));
+        let inputs: Vec<Vec<S>> = match &moe {
+            None => (0..world)
+                .map(|r| (0..n).map(|i| value(r, i, false)).collect())
+                .collect(),
+            Some(d) => (0..world)
+                .map(|r| {
+                    moe_finalize_reference(
+                        hidden,
+                        d.topk,
+                        &d.experts[r],
+                        &d.idx,
+                        &d.scales_f32(),
+                        d.shared.as_ref().map(|s| s[r].as_slice()),
+                    )
+                })
+                .collect(),
+        };
         // The residual stream and the weight are the same on every rank (as
         // in tensor parallelism), so every rank's outputs agree.
         let residual: Vec<S> = (0..n).map(|i| value(usize::MAX, i, true)).collect();
@@ -325,12 +607,22 @@ impl<D: Device> Suite<'_, D> {
         let want = fused_reference(pattern, hidden, c.eps, &inputs, &residual, &weight, STATIC_SCALE);
 
         // Buffers: 0 input, 1 residual in, 2 residual out, 3 weight, 4 norm
-        // out, 5 quant out, 6 scale, 7 all-reduce out. Outputs poisoned.
+        // out, 5 quant out, 6 scale, 7 all-reduce out; MoE: 0 the experts'
+        // output, 8 the permuted indices, 9 the router weights, 10 the
+        // shared expert's output. Outputs poisoned.
         let es = dtype.size();
-        self.put(0, 0, &data::to_bytes(&inputs[rank]))?;
+        let input = match &moe {
+            None => {
+                self.put(0, 0, &data::to_bytes(&inputs[rank]))?;
+                self.view(0, 0, dtype, n, false)?
+            }
+            Some(d) => {
+                self.put(0, 0, &data::to_bytes(&d.experts[rank]))?;
+                self.view(0, 0, dtype, d.experts[rank].len(), false)?
+            }
+        };
         self.put(1, 0, &data::to_bytes(&residual))?;
         self.put(3, 0, &data::to_bytes(&weight))?;
-        let input = self.view(0, 0, dtype, n, false)?;
         let residual_in = self.view(1, 0, dtype, n, false)?;
         let residual_out = if c.in_place {
             residual_in
@@ -356,6 +648,27 @@ impl<D: Device> Suite<'_, D> {
         }
         if c.with_allreduce_out {
             f = f.with_allreduce_out(self.view(7, 0, dtype, n, true)?);
+        }
+        if let Some(d) = &moe {
+            self.put(8, 0, &data::to_bytes(&d.idx))?;
+            let pairs = d.idx.len();
+            let idx = self.view(8, 0, DType::I32, pairs, false)?;
+            let scales = match &d.scales {
+                MoeScales::F32(v) => {
+                    self.put(9, 0, &data::to_bytes(v))?;
+                    self.view(9, 0, DType::F32, pairs, false)?
+                }
+                MoeScales::Dtype(v) => {
+                    self.put(9, 0, &data::to_bytes(v))?;
+                    self.view(9, 0, dtype, pairs, false)?
+                }
+            };
+            let mut m = MoeFinalize::new(idx, scales, d.topk);
+            if let Some(sh) = &d.shared {
+                self.put(10, 0, &data::to_bytes(&sh[rank]))?;
+                m = m.with_shared_expert_output(self.view(10, 0, dtype, n, false)?);
+            }
+            f = f.with_moe_finalize(m);
         }
         comm.all_reduce_fused(input, &f, &Call::new().algo(kind_algo(c.kind)))?
             .wait(Some(self.cfg.timeout))
@@ -637,6 +950,265 @@ impl<D: Device> Suite<'_, D> {
     }
 }
 
+impl<D: Device> Suite<'_, D> {
+    /// Capture one MoE-finalize call per family (RMSNorm, top-4, shared
+    /// expert, f32 weights), then replay it with fresh expert rows,
+    /// routing, weights and residual each time: the prologue reads its
+    /// indices and weights on the device at run time.
+    fn fused_moe_graph_replay(&mut self) -> Result<()> {
+        let comm = self.comm;
+        let dev = comm.device();
+        let (rank, world) = (comm.rank(), comm.size());
+        let (tokens, hidden, topk) = (9usize, 1024usize, 4usize);
+        let n = tokens * hidden;
+        let pairs = tokens * topk;
+        let rows = pairs + MOE_SPARE_ROWS;
+        let stream = dev.create_stream()?;
+        let routing = MoeCase {
+            topk,
+            shared: true,
+            scales_f32: true,
+        };
+        for kind in FusedKind::ALL {
+            let call = Call::new().algo(kind_algo(kind));
+            let bufs = [
+                rows * hidden * 2,
+                n * 2,
+                n * 2,
+                hidden * 2,
+                n * 2,
+                pairs * 4,
+                pairs * 4,
+                n * 2,
+            ]
+            .into_iter()
+            .map(|b| comm.alloc(b))
+            .collect::<Result<Vec<_>>>()?;
+            let t = |k: usize, dt: DType, count: usize| Tensor::view(&bufs[k], dt, 0, count);
+            let bf = DType::BF16;
+            let moe = MoeFinalize::new(t(5, DType::I32, pairs)?, t(6, DType::F32, pairs)?, topk)
+                .with_shared_expert_output(t(7, bf, n)?);
+            let f = Fusion::new(FusionPattern::ResidualRmsNorm, hidden, t(1, bf, n)?, t(2, bf, n)?)
+                .with_norm(t(3, bf, hidden)?, 1e-5)
+                .with_norm_out(t(4, bf, n)?)
+                .with_moe_finalize(moe);
+            let input = t(0, bf, rows * hidden)?;
+            // The first call loads (GPUs: compiles) the kernel outside the capture.
+            comm.all_reduce_fused(input, &f, &call)?.wait(Some(self.cfg.timeout))?;
+            comm.prepare()?;
+            dev.begin_capture(&stream)?;
+            let captured = comm.all_reduce_fused(input, &f, &Call::on(&stream).algo(kind_algo(kind)));
+            let graph = dev.end_capture(&stream)?;
+            captured?;
+            for replay in 0..self.cfg.graph_replays.min(4) {
+                let case = format!(
+                    "graph replay {replay} fused {} moe rms bf16 {tokens}x{hidden} topk={topk} rank={rank}",
+                    kind.name()
+                );
+                let seed = self.cfg.seed ^ ((replay as u64 + 1) * 32_452_843);
+                let d = moe_data::<bf16>(seed, world, tokens, hidden, routing, false);
+                let gen = |r: usize, k: usize| -> Vec<bf16> {
+                    (0..k)
+                        .map(|i| bf16::from_f64(data::input_value(seed, r, i, ReduceOp::Sum, Values::Random)))
+                        .collect()
+                };
+                let residual = gen(100, n);
+                let weight = gen(101, hidden);
+                let shared = d.shared.as_ref().map(|s| s[rank].clone()).unwrap_or_default();
+                let xs: Vec<Vec<bf16>> = (0..world)
+                    .map(|r| {
+                        let sh = d.shared.as_ref().map(|s| s[r].as_slice());
+                        moe_finalize_reference(hidden, topk, &d.experts[r], &d.idx, &d.scales_f32(), sh)
+                    })
+                    .collect();
+                let want = fused_reference(
+                    FusionPattern::ResidualRmsNorm,
+                    hidden,
+                    1e-5,
+                    &xs,
+                    &residual,
+                    &weight,
+                    1.0,
+                );
+                dev.memset(&bufs[2], 0, n * 2, POISON, &stream)?;
+                dev.memset(&bufs[4], 0, n * 2, POISON, &stream)?;
+                dev.copy_from_host(&bufs[0], 0, &data::to_bytes(&d.experts[rank]), &stream)?;
+                dev.copy_from_host(&bufs[1], 0, &data::to_bytes(&residual), &stream)?;
+                dev.copy_from_host(&bufs[3], 0, &data::to_bytes(&weight), &stream)?;
+                dev.copy_from_host(&bufs[5], 0, &data::to_bytes(&d.idx), &stream)?;
+                dev.copy_from_host(&bufs[6], 0, &data::to_bytes(&d.scales_f32()), &stream)?;
+                dev.copy_from_host(&bufs[7], 0, &data::to_bytes(&shared), &stream)?;
+                dev.launch_graph(&graph, &stream)?;
+                let read = |k: usize, len: usize| -> Result<Vec<u8>> {
+                    let mut got = vec![0u8; len];
+                    dev.copy_to_host(&bufs[k], 0, &mut got, &stream)
+                        .map_err(|e| context(e, &case))?;
+                    Ok(got)
+                };
+                let (res, norm) = (read(2, n * 2)?, read(4, n * 2)?);
+                self.check(&format!("{case} residual_out"), &res, &want.residual)?;
+                self.check(&format!("{case} norm_out"), &norm, &want.norm)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The MoE prologue's validation errors: refused with
+    /// `InvalidArgument` before anything is queued, outputs untouched.
+    fn fused_moe_validation(&mut self) -> Result<()> {
+        let comm = self.comm;
+        let (tokens, hidden, topk) = (4usize, 64usize, 2usize);
+        let n = tokens * hidden;
+        let pairs = tokens * topk;
+        let rows = pairs + 1;
+        let bf = DType::BF16;
+        // Inputs written (the indices in range), outputs poisoned.
+        self.put(8, 0, &data::to_bytes(&(0..pairs as i32).collect::<Vec<_>>()))?;
+        self.put(9, 0, &data::to_bytes(&vec![0.5f32; pairs]))?;
+        let experts = self.view(0, 0, bf, rows * hidden, false)?;
+        let res_in = self.view(1, 0, bf, n, false)?;
+        let res_out = self.view(2, 0, bf, n, true)?;
+        let weight = self.view(3, 0, bf, hidden, false)?;
+        let norm = self.view(4, 0, bf, n, true)?;
+        self.view(7, 0, bf, n, true)?; // poisoned: checked untouched below
+        let idx = self.view(8, 0, DType::I32, pairs, false)?;
+        let scales = self.view(9, 0, DType::F32, pairs, false)?;
+        let shared = self.view(10, 0, bf, n, false)?;
+        let moe = MoeFinalize::new(idx, scales, topk);
+        let rms = |m: MoeFinalize| {
+            Fusion::new(FusionPattern::ResidualRmsNorm, hidden, res_in, res_out)
+                .with_norm(weight, 1e-6)
+                .with_norm_out(norm)
+                .with_moe_finalize(m)
+        };
+        let f16_scales = self.view(9, 0, DType::F16, pairs, false)?;
+        let idx_f32 = self.view(8, 0, DType::F32, pairs, false)?;
+        let idx_short = self.view(8, 0, DType::I32, pairs - 1, false)?;
+        let idx_misaligned = self.view(8, 2, DType::I32, pairs, false)?;
+        let scales_long = self.view(9, 0, DType::F32, pairs + 1, false)?;
+        let shared_f16 = self.view(10, 0, DType::F16, n, false)?;
+        let shared_short = self.view(10, 0, bf, n - 8, false)?;
+        let shared_misaligned = self.view(10, 8, bf, n, false)?;
+        let experts_ragged = self.view(0, 0, bf, rows * hidden + 8, false)?;
+        let res_ragged = self.view(1, 0, bf, n + 8, false)?;
+        // An output over the router weights (slot 9) and over the experts (slot 0).
+        let over_scales = self.view(9, 0, bf, n, true)?;
+        let over_experts = self.view(0, 0, bf, n, true)?;
+        let cases: Vec<(&str, Tensor, Fusion)> = vec![
+            ("topk 0", experts, rms(MoeFinalize { topk: 0, ..moe })),
+            (
+                "topk too large",
+                experts,
+                rms(MoeFinalize {
+                    topk: crate::algo::fused::MOE_MAX_TOPK + 1,
+                    ..moe
+                }),
+            ),
+            ("topk not the index's", experts, rms(MoeFinalize { topk: 3, ..moe })),
+            (
+                "index dtype",
+                experts,
+                rms(MoeFinalize {
+                    expanded_idx_to_permuted_idx: idx_f32,
+                    ..moe
+                }),
+            ),
+            (
+                "index short",
+                experts,
+                rms(MoeFinalize {
+                    expanded_idx_to_permuted_idx: idx_short,
+                    ..moe
+                }),
+            ),
+            (
+                "index misaligned",
+                experts,
+                rms(MoeFinalize {
+                    expanded_idx_to_permuted_idx: idx_misaligned,
+                    ..moe
+                }),
+            ),
+            (
+                "weights of another dtype",
+                experts,
+                rms(MoeFinalize {
+                    expert_scales: f16_scales,
+                    ..moe
+                }),
+            ),
+            (
+                "weights long",
+                experts,
+                rms(MoeFinalize {
+                    expert_scales: scales_long,
+                    ..moe
+                }),
+            ),
+            ("shared dtype", experts, rms(moe.with_shared_expert_output(shared_f16))),
+            (
+                "shared short",
+                experts,
+                rms(moe.with_shared_expert_output(shared_short)),
+            ),
+            (
+                "shared misaligned",
+                experts,
+                rms(moe.with_shared_expert_output(shared_misaligned)),
+            ),
+            ("experts' rows not whole", experts_ragged, rms(moe)),
+            (
+                "residual rows not whole",
+                experts,
+                Fusion::new(FusionPattern::ResidualAdd, hidden, res_ragged, res_ragged).with_moe_finalize(moe),
+            ),
+            (
+                "allreduce_out = input",
+                over_experts,
+                Fusion::new(FusionPattern::ResidualAdd, hidden, res_in, res_out)
+                    .with_allreduce_out(over_experts)
+                    .with_moe_finalize(moe),
+            ),
+            (
+                "residual_out over the weights",
+                experts,
+                Fusion::new(FusionPattern::ResidualAdd, hidden, res_in, over_scales).with_moe_finalize(moe),
+            ),
+            (
+                "allreduce_out over the shared output",
+                experts,
+                Fusion::new(FusionPattern::ResidualAdd, hidden, res_in, res_out)
+                    .with_allreduce_out(shared)
+                    .with_moe_finalize(moe.with_shared_expert_output(shared)),
+            ),
+        ];
+        let rank = comm.rank();
+        for (what, inp, f) in cases {
+            let case = format!("fused moe validation: {what} rank={rank}");
+            self.report.collectives += 1;
+            match comm.all_reduce_fused(inp, &f, &Call::new()) {
+                Err(Error::InvalidArgument(m)) if m.contains("all_reduce_fused") => {}
+                Err(e) => self.fail(format!("{case}: wrong error {e}")),
+                Ok(w) => {
+                    w.wait(Some(self.cfg.timeout))?;
+                    self.fail(format!("{case}: accepted"));
+                }
+            }
+        }
+        // Nothing ran: the outputs are still poison.
+        for (slot, len) in [(2, n * 2), (4, n * 2), (7, n * 2)] {
+            let got = self.get(slot, 0, len)?;
+            self.check_bytes(
+                &format!("fused moe validation: slot {slot} untouched rank={rank}"),
+                &got,
+                &vec![POISON; len],
+                true,
+            );
+        }
+        Ok(())
+    }
+}
+
 /// Only the fused part of the suite (matrix, special values, graph
 /// replays, validation), e.g. for a quick run on one backend.
 pub fn run_fused<D: Device>(
@@ -671,10 +1243,22 @@ pub fn run_fused_chunked<D: Device>(
                 with_allreduce_out: true,
                 with_norm_out: true,
                 special: false,
+                moe: None,
             };
             s.fused_case::<bf16>(&case)?;
             s.fused_case::<f16>(&Case {
                 kind: FusedKind::ALL[(k + 1) % 2],
+                ..case
+            })?;
+            // The MoE prologue over the same chunks (top-8, shared expert).
+            let moe = Some(MoeCase {
+                topk: 8,
+                shared: true,
+                scales_f32: k == 0,
+            });
+            s.fused_case::<bf16>(&Case {
+                kind: FusedKind::ALL[(k + 1) % 2],
+                moe,
                 ..case
             })?;
         }

@@ -147,7 +147,9 @@ pub fn run_heap_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg:
     c.check_err("signal outside", win.signal(world, &call), "not in a world");
 
     // A captured put/signal/wait, replayed with new data: the signal counts
-    // live on the device, so each replay waits for its own signal.
+    // live on the device, so each replay waits for its own signal. Replays
+    // write round 0's region again: nobody starts before everyone has read it.
+    barrier("rounds")?;
     let dev = comm.device();
     let stream = dev.create_stream()?;
     dev.begin_capture(&stream)?;
@@ -196,15 +198,34 @@ pub fn run_heap_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg:
     barrier("registered")?;
     reg.free()?;
 
+    // Buffers of different dtypes, or over the heap's sync area: errors on
+    // every rank at register (puts are bounded in the peer's elements).
+    let mut odd = comm.new_window()?;
+    let mixed = if rank == 0 { src } else { src.reinterpret(DType::F32)? };
+    c.check_err("register of different dtypes", odd.register(mixed), "dtype");
+    // SAFETY: the first 64 bytes of this rank's heap (its sync area), only
+    // handed to register, which must refuse them.
+    let sync_area = unsafe { Tensor::from_raw(ctx.heap[rank].0, 64, DType::U8) };
+    c.check_err("register over the sync area", odd.register(sync_area), "sync area");
+    odd.free()?;
+
     // Out of heap: every rank gets the error, and the heap stays usable.
     c.check_err("heap exhausted", comm.heap_alloc(1 << 40), "out of memory");
     let (a_off, b_off) = (a.offset(), b.offset());
+    comm.heap_write(&a, 0, &[0xAB; 1000])?;
     comm.heap_free(b)?;
     comm.heap_free(a)?;
     let again = comm.heap_alloc(1000)?;
     c.check("first fit after free", again.offset() == a_off && a_off < b_off, || {
         format!("{} after {a_off}", again.offset())
     });
+    let mut reused = vec![1u8; 1000];
+    comm.heap_read(&again, 0, &mut reused)?;
+    c.check(
+        "a reused range comes back zeroed",
+        reused.iter().all(|&x| x == 0),
+        || format!("{} nonzero bytes", reused.iter().filter(|&&x| x != 0).count()),
+    );
     comm.heap_free(again)?;
     barrier("end")?;
     Ok(c.report)
@@ -238,5 +259,156 @@ pub fn run_heap_timeout<D: Device>(
     store_barrier(store, "fc/heap-suite/timeout", rank, world, cfg.timeout)?;
     // Rank 0's communicator is aborted now; the window's words go with its heap.
     drop(win);
+    Ok(c.report)
+}
+
+/// The user-style all-gather of `kernels-cuda/examples/user_allgather.cu`
+/// (about 50 lines on the device API, compiled at run time), set up as a
+/// user would: its heap buffers and its module. GPU backends only.
+pub struct UserAllgather<D: Device> {
+    module: crate::comm::UserModule<D>,
+    /// `world * max_bytes` bytes: rank r's input lands at `r * bytes`.
+    pub out: crate::heap::HeapBuffer,
+    signal: crate::heap::HeapBuffer,
+    epoch: crate::heap::HeapBuffer,
+}
+
+/// `UserAllgatherArgs` of the example kernel.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct UserAllgatherArgs {
+    ctx: crate::heap::DevCtx,
+    input: u64,
+    heap_out: u64,
+    bytes_per_rank: u64,
+    signal: u64,
+    epoch_word: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<UserAllgatherArgs>() == 144);
+
+/// The example kernel's text.
+pub const USER_ALLGATHER_SOURCE: &str = include_str!("../../kernels-cuda/examples/user_allgather.cu");
+
+impl<D: Device> UserAllgather<D> {
+    /// Collective: heap buffers for `max_bytes` per rank, and the module.
+    pub fn new(comm: &Communicator<D>, max_bytes: usize) -> Result<Self> {
+        let module = comm.load_user_module("user_allgather", USER_ALLGATHER_SOURCE)?;
+        Ok(UserAllgather {
+            module,
+            out: comm.heap_alloc(comm.size() * max_bytes)?,
+            signal: comm.heap_alloc(2 * crate::device::MAX_RANKS * 8)?,
+            epoch: comm.heap_alloc(8)?,
+        })
+    }
+
+    /// Gather `bytes` of `input` from every rank into [`UserAllgather::out`].
+    pub fn launch(
+        &self,
+        comm: &Communicator<D>,
+        input: Tensor,
+        bytes: usize,
+        grid: u32,
+        call: &Call<'_, D>,
+    ) -> Result<crate::comm::Work<D>> {
+        if bytes * comm.size() > self.out.len() || input.bytes()? < bytes {
+            return Err(Error::invalid("user all-gather: more bytes than its buffers hold"));
+        }
+        let args = UserAllgatherArgs {
+            ctx: comm.device_ctx()?,
+            input: input.ptr().0,
+            heap_out: self.out.ptr().0,
+            bytes_per_rank: bytes as u64,
+            signal: self.signal.ptr().0,
+            epoch_word: self.epoch.ptr().0,
+        };
+        // SAFETY: a #[repr(C)] struct of integers with no padding (asserted
+        // size), viewed as its bytes for the launch.
+        let bytes_of = unsafe {
+            std::slice::from_raw_parts(
+                (&args as *const UserAllgatherArgs).cast::<u8>(),
+                std::mem::size_of_val(&args),
+            )
+        };
+        // SAFETY: the struct is the kernel's `UserAllgatherArgs`; its
+        // addresses are the caller's live input and this object's heap buffers.
+        unsafe { comm.launch_user(&self.module, "user_allgather", grid, 256, bytes_of, call) }
+    }
+
+    /// Return the heap buffers (every rank, in the same order).
+    pub fn free(self, comm: &Communicator<D>) -> Result<()> {
+        comm.heap_free(self.epoch)?;
+        comm.heap_free(self.signal)?;
+        comm.heap_free(self.out)
+    }
+}
+
+/// The user-style all-gather against the exact result: sizes from one byte
+/// to 1 MiB (odd ones too), grids of 1 to 16 blocks, back to back launches
+/// and graph replays. GPU backends (the host has no compiler; the CPU
+/// emulation in `ci/check-kernels-emu.sh` runs the same kernel in CI).
+pub fn run_user_allgather<D: Device>(
+    comm: &Communicator<D>,
+    store: &dyn Store,
+    cfg: &SuiteConfig,
+) -> Result<SuiteReport> {
+    let (rank, world) = (comm.rank(), comm.size());
+    let mut c = Checker {
+        report: SuiteReport::default(),
+    };
+    let max = 1 << 20;
+    let ag = UserAllgather::new(comm, max)?;
+    let inp = comm.alloc(max)?;
+    let pattern = |r: usize, round: usize, i: usize| ((r * 131 + round * 17 + i * 7) % 251) as u8;
+    let call = Call::new();
+    for (round, (bytes, grid)) in [(1usize, 1u32), (15, 2), (4096, 4), (100_003, 16), (max, 8), (max, 16)]
+        .into_iter()
+        .enumerate()
+    {
+        let mine: Vec<u8> = (0..bytes).map(|i| pattern(rank, round, i)).collect();
+        comm.write(&inp, 0, &mine)?;
+        let t = Tensor::view(&inp, DType::U8, 0, bytes)?;
+        ag.launch(comm, t, bytes, grid, &call)?.wait(None)?;
+        let mut got = vec![0u8; world * bytes];
+        comm.heap_read(&ag.out, 0, &mut got)?;
+        let want: Vec<u8> = (0..world)
+            .flat_map(|r| (0..bytes).map(move |i| pattern(r, round, i)))
+            .collect();
+        let bad = got.iter().zip(&want).position(|(g, w)| g != w);
+        c.report.elements_checked += want.len();
+        c.check(&format!("user all-gather {bytes} B grid {grid}"), bad.is_none(), || {
+            format!("byte {bad:?} differs")
+        });
+    }
+    // Captured once, replayed with new input: the kernel's counters are on the device.
+    let dev = comm.device();
+    let stream = dev.create_stream()?;
+    let bytes = 65_536;
+    let t = Tensor::view(&inp, DType::U8, 0, bytes)?;
+    comm.prepare()?;
+    dev.begin_capture(&stream)?;
+    let captured = ag.launch(comm, t, bytes, 4, &Call::on(&stream));
+    let graph = dev.end_capture(&stream)?;
+    captured?;
+    for replay in 0..cfg.graph_replays.clamp(1, 10) {
+        let round = 50 + replay;
+        let mine: Vec<u8> = (0..bytes).map(|i| pattern(rank, round, i)).collect();
+        comm.write(&inp, 0, &mine)?;
+        dev.synchronize(comm.stream())?;
+        dev.launch_graph(&graph, &stream)?;
+        dev.synchronize(&stream)?;
+        let mut got = vec![0u8; world * bytes];
+        comm.heap_read(&ag.out, 0, &mut got)?;
+        let want: Vec<u8> = (0..world)
+            .flat_map(|r| (0..bytes).map(move |i| pattern(r, round, i)))
+            .collect();
+        c.report.elements_checked += want.len();
+        c.check(&format!("user all-gather replay {replay}"), got == want, || {
+            "bytes differ".into()
+        });
+        store_barrier(store, &format!("fc/user-ag/{replay}"), rank, world, cfg.timeout)?;
+    }
+    drop(graph);
+    ag.free(comm)?;
     Ok(c.report)
 }

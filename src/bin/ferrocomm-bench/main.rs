@@ -21,6 +21,7 @@
 mod colls;
 mod ep;
 mod fused;
+mod heap;
 mod plot;
 
 use std::fmt::Write as _;
@@ -58,7 +59,9 @@ const USAGE: &str =
                        [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|oneshot-push|twoshot-push|oneshot-ll|nccl|all]
                        [--graph] [--graph-only] [--eager-only] [--json FILE] [--plot FILE.svg] [--timeout-secs S]
                        [--quantization int4,int6,int8,fp8]
-                       [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok|all [--tokens 1,32,128,2048] [--hidden 4096]]
+                       [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok|all [--tokens 1,32,128,2048] [--hidden 4096]
+                        [--fused-moe TOPK,..]]
+                       [--heap]  (device put vs copy engine, user all-gather vs all_gather)
                        [--ep [--tokens 1,8,32,128,512,1024,4096] [--hidden 7168] [--experts 256] [--topk 8] [--eager-only]]
 sizes take K, M, G suffixes (powers of 1024); --iters and --warmup default to 20 and 5 on GPUs, 5 and 1 on the host";
 
@@ -85,8 +88,13 @@ struct Args {
     /// `--fused`: time the fused all-reduce epilogues of these patterns
     /// (rows of `hidden`, `tokens` each) instead of the collectives.
     fused: Option<Vec<ferrocomm::FusionPattern>>,
+    /// `--fused-moe`: top-k values of MoE-finalize rows (fused, and the
+    /// unfused pipeline beside them) added to the fused table.
+    fused_moe: Vec<usize>,
     tokens: Vec<usize>,
     hidden: usize,
+    /// `--heap`: the symmetric heap's rows (`heap.rs`) instead of the collectives.
+    heap: bool,
     /// `--ep`: time EP dispatch + combine against an all-to-all-v pipeline.
     ep: bool,
     /// Whether `--tokens` / `--hidden` were given (`--ep` has its own defaults).
@@ -226,6 +234,8 @@ fn parse_args() -> Result<Args> {
         timeout: Duration::from_secs(60),
         quantization: Vec::new(),
         fused: None,
+        heap: false,
+        fused_moe: Vec::new(),
         tokens: vec![1, 32, 128, 2048],
         hidden: 4096,
         ep: false,
@@ -275,6 +285,8 @@ fn parse_args() -> Result<Args> {
                     .collect::<Result<_>>()?
             }
             "--fused" => a.fused = Some(fused::parse_patterns(&value()?)?),
+            "--heap" => a.heap = true,
+            "--fused-moe" => a.fused_moe = fused::parse_topks(&value()?)?,
             "--ep" => a.ep = true,
             "--experts" => {
                 a.experts = Some(
@@ -317,6 +329,10 @@ fn parse_args() -> Result<Args> {
     }
     if !a.quantization.is_empty() && (a.op != ReduceOp::Sum || a.dtypes.iter().any(|d| !QR_DTYPES.contains(d))) {
         return Err(Error::invalid("--quantization runs f16/bf16 sums only"));
+    }
+    if !a.fused_moe.is_empty() && a.fused.is_none() {
+        // MoE rows alone: the pattern of a MoE layer's end.
+        a.fused = Some(vec![ferrocomm::FusionPattern::ResidualRmsNorm]);
     }
     if a.algos.iter().any(|x| x == "all") {
         a.algos = [
@@ -495,6 +511,9 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     if let Some(patterns) = &a.fused {
         // --algo auto, oneshot-push or twoshot-push pick the fused family.
         return fused::bench_fused(&comm, a, patterns);
+    }
+    if a.heap {
+        return heap::bench_heap(&comm, a);
     }
     let quantized = !a.quantization.is_empty();
     let mut subjects: Vec<(String, Subject)> = Vec::new();

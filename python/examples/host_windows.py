@@ -1,0 +1,58 @@
+"""One-sided windows on the symmetric heap, on CPU (host backend, NumPy):
+three processes in a ring, each puts a row into the next rank's window,
+signals it, waits for the previous rank's signal and reads its row. The
+same code runs on GPUs with torch tensors (torch.from_dlpack). Run it as
+it is (it starts the ranks itself):
+
+    python python/examples/host_windows.py
+"""
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+import ferrocomm
+
+
+def rank_main() -> None:
+    comm = ferrocomm.init(backend="host")
+    r, w = comm.rank, comm.size
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    rows = comm.heap_tensor((w, 4), np.int32)  # symmetric: same offset on every rank
+    win = comm.new_window()
+    win.tensor_register(rows)
+    win.put(np.arange(4, dtype=np.int32) + 100 * r, nxt, target_offset=4 * r)  # elements
+    win.signal(nxt)
+    win.wait_signal(prv)
+    mine = np.from_dlpack(rows)  # the heap memory itself, no copy
+    assert (mine[prv] == np.arange(4) + 100 * prv).all(), mine
+    theirs = np.from_dlpack(win.map_remote_tensor(nxt))  # the next rank's buffer, mapped here
+    assert (theirs[r] == np.arange(4) + 100 * r).all(), theirs
+    print(f"rank {r}: got {mine[prv].tolist()} from rank {prv}", flush=True)
+    del mine, theirs  # views hold the memory: free and finalize refuse while they live
+    comm.barrier()
+    win.free()  # frees in the same order on every rank
+    rows.free()
+    comm.finalize()
+
+
+def launch(world: int = 3) -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+               FERROCOMM_TOKEN=secrets.token_hex(16))
+    procs = [subprocess.Popen([sys.executable, __file__], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(world)]
+    return max(p.wait(timeout=120) for p in procs)
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        rank_main()
+    else:
+        sys.exit(launch())
