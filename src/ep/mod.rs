@@ -63,6 +63,14 @@ pub const EP_MODULE: ModuleSource = ModuleSource::raw(
     ),
 );
 
+/// Every kernel of [`EP_MODULE`].
+pub const EP_KERNELS: [&str; 4] = [
+    "fc_ep_layout",
+    "fc_ep_dispatch",
+    "fc_ep_combine",
+    "fc_ep_combine_reduce",
+];
+
 /// Blocks of the dispatch and combine kernels on GPUs. Every rank must use
 /// the same grid (a rank waits for `epoch * grid` signals from each peer),
 /// so it is fixed. Only block 0 of a kernel waits, so the blocks need not be
@@ -216,14 +224,16 @@ impl<D: Device> EpBuffer<D> {
         let heap = comm.heap_alloc(layout.total)?;
         let inner = &*comm.inner;
         let ready = (|| -> Result<()> {
-            // Compiled and loaded now, on every rank before the barrier below:
-            // a first dispatch then never waits for a compiler, a capture
-            // never holds a load, and no rank loads a module (which may wait
-            // for the context's running kernels) while a peer's kernel in
-            // the same context spins waiting for it (ranks sharing a GPU).
+            // Compiled, loaded and every function looked up now (with CUDA's
+            // lazy loading a lookup loads the function), on every rank before
+            // the barrier below: a first dispatch then never waits for a
+            // compiler, a capture never holds a load, and no rank loads code
+            // (which may wait for the context's running kernels) while a
+            // peer's kernel in the same context spins waiting for it (ranks
+            // sharing a GPU).
             comm.with_resources(|res| {
                 let module = crate::comm::heap_module(res, &inner.device, &EP_MODULE)?;
-                inner.device.prepare(module, &[])
+                inner.device.prepare(module, &EP_KERNELS)
             })??;
             // A reused heap range holds its last user's bytes: the counters
             // start at zero, on every rank, before any peer may signal.
