@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 
 use super::queue::{Lane, Priority, TaskQueue};
 
+/// Stack of each compile pool thread (see `Pool::start`).
+const COMPILE_STACK_BYTES: usize = 64 << 20;
+
 type Task = Box<dyn FnOnce() + Send>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -130,6 +133,12 @@ impl Pool {
             .filter(|i| {
                 std::thread::Builder::new()
                     .name(format!("{name}-{i}"))
+                    // NVRTC and hipRTC compile on the calling thread, and
+                    // their front ends recurse deeply on the larger
+                    // kernels: a compile pool thread overflowed Rust's
+                    // default 2 MiB (seen at process exit on an H100 run
+                    // of the EP bench). Stacks are reserved, not touched.
+                    .stack_size(COMPILE_STACK_BYTES)
                     .spawn(move || self.work())
                     .is_ok()
             })
