@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use half::bf16;
 
+use super::check::Checker;
 use super::conformance::{SuiteConfig, SuiteReport};
 use crate::bootstrap::{store_barrier, Store};
 use crate::comm::{Call, Communicator, Tensor};
@@ -19,36 +20,6 @@ use crate::dtype::DType;
 use crate::ep::reference::{self, RankInput, Received};
 use crate::ep::{DispatchOut, EpBuffer, EpConfig, EpPayload, SCALE_BLOCK};
 use crate::error::{Error, Result};
-
-struct Checker {
-    report: SuiteReport,
-}
-
-impl Checker {
-    fn check(&mut self, case: &str, ok: bool, detail: impl FnOnce() -> String) {
-        self.report.collectives += 1;
-        if !ok {
-            self.report.failures.push(format!("{case}: {}", detail()));
-        }
-    }
-
-    fn check_bytes(&mut self, case: &str, got: &[u8], want: &[u8]) {
-        self.report.elements_checked += want.len();
-        let bad = got.iter().zip(want).position(|(g, w)| g != w);
-        self.check(case, bad.is_none() && got.len() == want.len(), || match bad {
-            Some(i) => format!("byte {i}: got {:#04x} want {:#04x}", got[i], want[i]),
-            None => format!("{} bytes, want {}", got.len(), want.len()),
-        });
-    }
-
-    fn check_err<T>(&mut self, case: &str, r: Result<T>, needle: &str) {
-        let ok = matches!(&r, Err(Error::InvalidArgument(m)) if m.contains(needle));
-        self.check(case, ok, || match r {
-            Ok(_) => "succeeded, want an error".into(),
-            Err(e) => format!("error {e:?} is not an InvalidArgument mentioning {needle:?}"),
-        });
-    }
-}
 
 /// SplitMix64: every rank draws the same numbers for the same seed.
 struct Rng(u64);
@@ -508,46 +479,46 @@ fn bad_inputs<D: Device>(comm: &Communicator<D>, c: &mut Checker, ep: &EpBuffer<
     let call = Call::new();
     let max = cfg.max_tokens_per_rank;
     let n = max.min(3);
-    c.check_err("combine before dispatch", ep.combine(expert, out, &call), "no dispatch");
-    c.check_err(
+    c.check_invalid("combine before dispatch", ep.combine(expert, out, &call), "no dispatch");
+    c.check_invalid(
         "too many tokens",
         ep.dispatch(x, scales, idx, w, max + 1, &call),
         "exceed max_tokens_per_rank",
     );
     let x16 = x.reinterpret(DType::F16).or_else(|_| x.reinterpret(DType::U8))?;
-    c.check_err("x of another dtype", ep.dispatch(x16, scales, idx, w, n, &call), "x is");
-    c.check_err(
+    c.check_invalid("x of another dtype", ep.dispatch(x16, scales, idx, w, n, &call), "x is");
+    c.check_invalid(
         "x too short",
         ep.dispatch(x.slice(0, (n - 1) * cfg.hidden)?, scales, idx, w, n, &call),
         "at least",
     );
-    c.check_err(
+    c.check_invalid(
         "x not whole rows",
         ep.dispatch(x.slice(0, n * cfg.hidden - 1)?, scales, idx, w, n, &call),
         "whole rows",
     );
-    c.check_err(
+    c.check_invalid(
         "topk_idx of another dtype",
         ep.dispatch(x, scales, idx.reinterpret(DType::F32)?, w, n, &call),
         "topk_idx is",
     );
-    c.check_err(
+    c.check_invalid(
         "topk_weights of another dtype",
         ep.dispatch(x, scales, idx, w.reinterpret(DType::I32)?, n, &call),
         "topk_weights is",
     );
-    c.check_err(
+    c.check_invalid(
         "topk_idx too short",
         ep.dispatch(x, scales, idx.slice(0, cfg.topk)?, w, n, &call),
         "at least",
     );
     match cfg.payload {
-        EpPayload::Fp8 => c.check_err(
+        EpPayload::Fp8 => c.check_invalid(
             "fp8 without scales",
             ep.dispatch(x, None, idx, w, n, &call),
             "need their scales",
         ),
-        EpPayload::Bf16 => c.check_err(
+        EpPayload::Bf16 => c.check_invalid(
             "bf16 with scales",
             ep.dispatch(x, Some(w), idx, w, n, &call),
             "take no scales",
@@ -557,28 +528,28 @@ fn bad_inputs<D: Device>(comm: &Communicator<D>, c: &mut Checker, ep: &EpBuffer<
     let inputs = make_input(&cfg, 0x5150, comm.rank(), n);
     bufs.write_input(comm, &inputs)?;
     ep.dispatch(x, scales, idx, w, n, &call)?;
-    c.check_err(
+    c.check_invalid(
         "dispatch twice",
         ep.dispatch(x, scales, idx, w, n, &call),
         "must alternate",
     );
-    c.check_err(
+    c.check_invalid(
         "expert_out of another dtype",
         ep.combine(expert.reinterpret(DType::F16)?, out, &call),
         "expert_out is",
     );
-    c.check_err(
+    c.check_invalid(
         "expert_out too short",
         ep.combine(expert.slice(0, cfg.hidden)?, out, &call),
         "at least",
     );
-    c.check_err(
+    c.check_invalid(
         "out too short",
         ep.combine(expert, out.slice(0, (n - 1) * cfg.hidden)?, &call),
         "at least",
     );
     let inside = unsafe_out(&ep.received()?.recv_x, n * cfg.hidden);
-    c.check_err(
+    c.check_invalid(
         "out inside the EP buffer",
         ep.combine(expert, inside, &call),
         "overlaps",
@@ -632,7 +603,7 @@ fn bad_configs<D: Device>(comm: &Communicator<D>, c: &mut Checker) {
         ("fp8 hidden", EpConfig { hidden: 200, ..good }, "not a multiple"),
     ];
     for (case, cfg, needle) in bad {
-        c.check_err(case, EpBuffer::new(comm, cfg).map(drop), needle);
+        c.check_invalid(case, EpBuffer::new(comm, cfg).map(drop), needle);
     }
     // The heap's own error, on every rank.
     let huge = EpConfig {
@@ -640,7 +611,7 @@ fn bad_configs<D: Device>(comm: &Communicator<D>, c: &mut Checker) {
         max_tokens_per_rank: 1 << 20,
         ..good
     };
-    c.check_err("heap too small", EpBuffer::new(comm, huge).map(drop), "out of memory");
+    c.check_invalid("heap too small", EpBuffer::new(comm, huge).map(drop), "out of memory");
 }
 
 /// The EP suite; every rank runs it in step. A rank that fails says so on
@@ -656,9 +627,7 @@ pub fn run_ep_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &
 
 fn ep_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &SuiteConfig) -> Result<SuiteReport> {
     let (rank, world) = (comm.rank(), comm.size());
-    let mut c = Checker {
-        report: SuiteReport::default(),
-    };
+    let mut c = Checker::default();
     // Every kernel compiled and loaded first: ranks that share a GPU share
     // its context, where a module load (a background compile finishing) may
     // wait for the running kernels, which may be one rank's EP kernel waiting
@@ -695,9 +664,7 @@ fn ep_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &SuiteCon
 /// timeout naming rank 1, within the call's bound plus grace.
 pub fn run_ep_timeout<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &SuiteConfig) -> Result<SuiteReport> {
     let (rank, world) = (comm.rank(), comm.size());
-    let mut c = Checker {
-        report: SuiteReport::default(),
-    };
+    let mut c = Checker::default();
     let ep_cfg = EpConfig {
         hidden: 128,
         max_tokens_per_rank: 4,

@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use super::check::Checker;
 use super::conformance::{SuiteConfig, SuiteReport};
 use crate::bootstrap::{store_barrier, Store};
 use crate::comm::{Call, Communicator, Tensor};
@@ -29,42 +30,10 @@ fn from_bytes(b: &[u8]) -> Vec<i32> {
         .collect()
 }
 
-struct Checker {
-    report: SuiteReport,
-}
-
-impl Checker {
-    fn check(&mut self, case: &str, ok: bool, detail: impl FnOnce() -> String) {
-        self.report.collectives += 1;
-        if !ok {
-            self.report.failures.push(format!("{case}: {}", detail()));
-        }
-    }
-
-    fn check_values(&mut self, case: &str, got: &[i32], want: &[i32]) {
-        self.report.elements_checked += want.len();
-        let bad = got.iter().zip(want).position(|(g, w)| g != w);
-        self.check(case, bad.is_none() && got.len() == want.len(), || match bad {
-            Some(i) => format!("element {i}: got {} want {}", got[i], want[i]),
-            None => format!("{} elements, want {}", got.len(), want.len()),
-        });
-    }
-
-    fn check_err<T>(&mut self, case: &str, r: Result<T>, needle: &str) {
-        let ok = matches!(&r, Err(e) if e.to_string().contains(needle));
-        self.check(case, ok, || match r {
-            Ok(_) => "succeeded, want an error".into(),
-            Err(e) => format!("error {e:?} does not mention {needle:?}"),
-        });
-    }
-}
-
 /// Heap, translation, context and windows; every rank runs it in step.
 pub fn run_heap_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &SuiteConfig) -> Result<SuiteReport> {
     let (rank, world) = (comm.rank(), comm.size());
-    let mut c = Checker {
-        report: SuiteReport::default(),
-    };
+    let mut c = Checker::default();
     let barrier = |what: &str| store_barrier(store, &format!("fc/heap-suite/{what}"), rank, world, cfg.timeout);
 
     // Symmetric allocation and translation.
@@ -239,9 +208,7 @@ pub fn run_heap_timeout<D: Device>(
     cfg: &SuiteConfig,
 ) -> Result<SuiteReport> {
     let (rank, world) = (comm.rank(), comm.size());
-    let mut c = Checker {
-        report: SuiteReport::default(),
-    };
+    let mut c = Checker::default();
     let win = comm.new_window()?;
     if rank == 0 {
         let start = std::time::Instant::now();
@@ -353,9 +320,7 @@ pub fn run_user_allgather<D: Device>(
     cfg: &SuiteConfig,
 ) -> Result<SuiteReport> {
     let (rank, world) = (comm.rank(), comm.size());
-    let mut c = Checker {
-        report: SuiteReport::default(),
-    };
+    let mut c = Checker::default();
     let max = 1 << 20;
     let ag = UserAllgather::new(comm, max)?;
     let inp = comm.alloc(max)?;
