@@ -205,17 +205,32 @@ if [[ " $STEPS " == *" heap "* ]]; then
     # The symmetric heap, windows, the user-style all-gather on the device
     # API and EP dispatch/combine (conformance, then the benches). With one
     # GPU the ranks share it (FERROCOMM_TEST_SHARE_GPU): the protocols run,
-    # the times mean nothing.
+    # the times mean nothing. NCCL refuses two ranks on one GPU ("Duplicate
+    # GPU detected"), so shared ranks run without it (FERROCOMM_CCL=0); these
+    # suites use ferrocomm's own kernels only.
     share=()
-    [ "$NGPU" -ge 2 ] || share=(env FERROCOMM_TEST_SHARE_GPU=1)
-    step heap_cuda "${share[@]}" "$BIN/heap_cuda" --include-ignored --test-threads=1
-    if [ "$NGPU" -ge 2 ]; then
-        step heap_torchrun torchrun --nproc_per_node="$NGPU" --no-python "$BIN/ferrocomm-worker" heap --backend cuda --timeout-secs 120
-    fi
+    [ "$NGPU" -ge 2 ] || share=(env FERROCOMM_TEST_SHARE_GPU=1 FERROCOMM_CCL=0)
+    # One step per test, so that one hang cannot hide the others' results.
+    for t in heap_and_windows_world_2 heap_and_windows_world_4 a_peer_that_never_signals_is_named \
+        user_allgather_on_the_device_api_world_2; do
+        step "heap_cuda_$t" "${share[@]}" "$BIN/heap_cuda" --include-ignored --test-threads=1 --exact "$t" --nocapture
+    done
+    # Processes (fds, separate address spaces); shared, they time-slice the GPU.
+    hprocs=$((NGPU >= 2 ? NGPU : 2))
+    step heap_torchrun "${share[@]}" torchrun --nproc_per_node="$hprocs" --no-python "$BIN/ferrocomm-worker" heap \
+        --backend cuda --timeout-secs 120
     [ -x "$BIN/ep_cuda" ] && step ep_cuda "${share[@]}" "$BIN/ep_cuda" --include-ignored --test-threads=1
     if [ "${SANITIZE_HEAP:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
-        step heap_memcheck "${share[@]}" compute-sanitizer --tool memcheck --error-exitcode 9 \
-            "$BIN/heap_cuda" --include-ignored --test-threads=1 heap_and_windows_world_2 user_allgather
+        # Every rank a process under its own sanitizer: memcheck serializes
+        # the kernels of a process, so ranks as threads would wait on each
+        # other's spinning kernels. FERROCOMM_CCL=0 as in the sanitizer step:
+        # NCCL's init probes trip memcheck's API-error report.
+        wrapper=/tmp/ferrocomm-sanitize-heap.sh
+        printf '#!/bin/sh\nexec compute-sanitizer --tool memcheck --error-exitcode 9 "%s" "$@"\n' \
+            "$BIN/ferrocomm-worker" >"$wrapper"
+        chmod +x "$wrapper"
+        step heap_memcheck env FERROCOMM_CCL=0 "${share[@]}" torchrun --nproc_per_node=2 --no-python "$wrapper" heap \
+            --backend cuda --timeout-secs 300
     fi
     for w in $(bench_worlds heapbench); do
         step "heapbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --heap --graph \
@@ -244,8 +259,8 @@ if [[ " $STEPS " == *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/nu
         python3 -m pip install -q --no-index --find-links .carry/pywheels --target "$site" pytest >>"$LOG/python_install.log" 2>&1
     fi
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-    step python_gpu_tests python3 -m pytest -x -v -rs python/tests/test_gpu_torch.py
     if [ "$NGPU" -ge 2 ]; then
+        step python_gpu_tests python3 -m pytest -x -v -rs python/tests/test_gpu_torch.py
         step python_bench torchrun --nproc_per_node=2 python/bench/bench_torch.py
         # Eager calls back to back: when the CPU cannot issue them as fast
         # as the GPU runs them, eager us/op minus graph us/op is the Python
@@ -254,6 +269,8 @@ if [[ " $STEPS " == *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/nu
             --min-bytes 4K --max-bytes 4K --fused --no-symm-mem
         step python_bench_eager torchrun --nproc_per_node=2 python/bench/bench_torch.py --collectives all_reduce \
             --min-bytes 4K --max-bytes 64K --eager --no-symm-mem --k 200
+    else
+        not_run "python GPU tests and benches (ranks on GPUs of their own)" 2
     fi
 fi
 

@@ -9,6 +9,7 @@
 //! suite prepares every module first, and `EpBuffer::new` looks up every EP
 //! function (which loads it under CUDA's lazy loading) before its barrier.
 //! Autotune is off: EP does not use the all-reduce ladder it measures.
+//! Shared ranks need `FERROCOMM_CCL=0`: NCCL refuses two ranks on one GPU.
 
 #![cfg(feature = "cuda")]
 

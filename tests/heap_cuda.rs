@@ -5,6 +5,7 @@
 //! `FERROCOMM_REQUIRE_GPU=1`. With `FERROCOMM_TEST_SHARE_GPU=1` every rank
 //! opens GPU `rank % count`, so a one-GPU machine runs the protocol (two
 //! contexts' worth of streams on one device; no performance meaning).
+//! Shared ranks need `FERROCOMM_CCL=0`: NCCL refuses two ranks on one GPU.
 
 #![cfg(feature = "cuda")]
 

@@ -166,7 +166,7 @@ fn run() -> Result<String> {
         ),
         #[cfg(feature = "cuda")]
         "cuda" => scenario(
-            ferrocomm::backends::cuda::CudaDevice::new(local)?,
+            ferrocomm::backends::cuda::CudaDevice::new(cuda_index(local)?)?,
             store,
             rank,
             world,
@@ -192,6 +192,19 @@ fn run() -> Result<String> {
         }),
         other => Err(Error::invalid(format!("unknown backend {other:?}"))),
     }
+}
+
+/// The GPU a rank opens: its local rank, or with `FERROCOMM_TEST_SHARE_GPU=1`
+/// that modulo the GPUs there are, so that a one-GPU machine runs the
+/// multi-process protocols (processes time-slice the GPU; no performance
+/// meaning). Shared ranks need `FERROCOMM_CCL=0`: NCCL refuses two ranks on
+/// one GPU.
+#[cfg(feature = "cuda")]
+fn cuda_index(local: usize) -> Result<usize> {
+    if std::env::var("FERROCOMM_TEST_SHARE_GPU").as_deref() != Ok("1") {
+        return Ok(local);
+    }
+    Ok(local % ferrocomm::backends::cuda::device_count()?.max(1))
 }
 
 fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize, a: &Args) -> Result<String> {
