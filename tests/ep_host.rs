@@ -1,63 +1,39 @@
 //! EP dispatch and combine on the host backend (the suite every backend
 //! runs: `ferrocomm::testing::ep`), ranks as threads.
 
-use std::time::Duration;
+#[path = "common/host_suite.rs"]
+mod host_suite;
 
-use ferrocomm::backends::host::HostDevice;
-use ferrocomm::testing::conformance::{run_thread_suite, SuiteConfig};
 use ferrocomm::testing::ep::{run_ep_suite, run_ep_timeout};
+use host_suite::HostSuite;
 
-fn cfg() -> SuiteConfig {
-    SuiteConfig {
-        timeout: Duration::from_secs(60),
-        graph_replays: 3,
-        ..SuiteConfig::default()
-    }
-}
-
-fn run(world: usize) {
-    run_thread_suite(
-        "host",
-        world,
-        None,
-        &HostDevice::new,
-        |o| o.with_heap_bytes(8 << 20),
-        |comm, store, cfg| run_ep_suite(comm, store, cfg),
-        &cfg(),
-        50,
-    );
-}
+const EP: HostSuite = HostSuite {
+    heap_bytes: 8 << 20,
+    graph_replays: 3,
+    min_collectives: 50,
+};
 
 #[test]
 fn ep_world_2() {
-    run(2)
+    EP.run(2, run_ep_suite)
 }
 
 #[test]
 fn ep_world_3() {
-    run(3)
+    EP.run(3, run_ep_suite)
 }
 
 #[test]
 fn ep_world_4() {
-    run(4)
+    EP.run(4, run_ep_suite)
 }
 
 #[test]
 fn ep_world_8() {
-    run(8)
+    EP.run(8, run_ep_suite)
 }
 
 #[test]
 fn a_peer_that_never_dispatches_is_named() {
-    run_thread_suite(
-        "host",
-        2,
-        None,
-        &HostDevice::new,
-        |o| o.with_heap_bytes(1 << 20),
-        |comm, store, cfg| run_ep_timeout(comm, store, cfg),
-        &cfg(),
-        1,
-    );
+    EP.run_timeout(run_ep_timeout)
 }

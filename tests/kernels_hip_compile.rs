@@ -33,8 +33,13 @@ use std::sync::OnceLock;
 use ferrocomm::algo::kernels::{all_kernel_names, ALL_MODULES};
 use ferrocomm::device::ModuleSource;
 
+#[path = "common/kernel_compile.rs"]
+mod kernel_compile;
+use kernel_compile::{
+    Failures, CUDA_PRELUDE, DEVICE_API, DEVICE_API_SOURCES, EP_KERNELS, PUT_BENCH, USER_ALLGATHER, WINDOWS,
+};
+
 const PRELUDE: &str = include_str!("../kernels-hip/prelude.hip.h");
-const CUDA_PRELUDE: &str = include_str!("../kernels-cuda/prelude.cuh");
 const SHARED_BODY: &str = include_str!("../kernels-cuda/collectives.cu");
 /// Every vendor-neutral file the modules are assembled from.
 const SHARED_FILES: [(&str, &str); 9] = [
@@ -51,13 +56,6 @@ const SHARED_FILES: [(&str, &str); 9] = [
     ("kernels-cuda/windows.cu", WINDOWS),
     ("kernels-cuda/ep.cu", EP_KERNELS),
 ];
-const DEVICE_API: &str = include_str!("../kernels-cuda/device_api.cuh");
-const USER_ALLGATHER: &str = include_str!("../kernels-cuda/examples/user_allgather.cu");
-const PUT_BENCH: &str = include_str!("../kernels-cuda/examples/put_bench.cu");
-const UNFUSED_BENCH: &str = include_str!("../kernels-cuda/examples/unfused_bench.cu");
-const WINDOWS: &str = include_str!("../kernels-cuda/windows.cu");
-/// The EP module's kernels (src/ep), compiled as the module is: prelude + API + ep.cu.
-const EP_KERNELS: &str = include_str!("../kernels-cuda/ep.cu");
 
 /// Threads per block the backend compiles for (`ferrocomm::algo::BLOCK_THREADS`).
 fn block_threads() -> u32 {
@@ -385,9 +383,8 @@ fn compile_all_for(arch: &str) {
     let Some(clang) = clang_or_skip(arch, must) else { return };
     println!("{arch}: {} ({clang})", version(&clang));
     let dir = scratch_dir(arch);
-    let allow_spills = env_flag("FERROCOMM_ALLOW_SPILLS");
     let mut exported: BTreeSet<(String, u8)> = BTreeSet::new();
-    let mut failures = Vec::new();
+    let mut failures = Failures::new(env_flag("FERROCOMM_ALLOW_SPILLS"));
 
     for module in ALL_MODULES {
         let src = dir.join(format!("{}-{arch}.hip", module.name));
@@ -454,15 +451,10 @@ fn compile_all_for(arch: &str) {
         }
         for (name, u) in &usage {
             if u.vgpr_spill > 0 || u.scratch > 0 {
-                let msg = format!(
+                failures.spill(format!(
                     "{arch}: kernel {name} spills {} VGPRs / uses {} B of scratch per lane",
                     u.vgpr_spill, u.scratch
-                );
-                if allow_spills {
-                    println!("warning: {msg}");
-                } else {
-                    failures.push(format!("{msg}; set FERROCOMM_ALLOW_SPILLS=1 to accept"));
-                }
+                ));
             }
         }
         exported.extend(symbols);
@@ -501,7 +493,7 @@ fn compile_all_for(arch: &str) {
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    failures.assert_none();
 }
 
 #[test]
@@ -515,52 +507,11 @@ fn kernels_compile_gfx950() {
 }
 
 // ---------------------------------------------------------------------------
-// The device API (kernels-cuda/device_api.cuh) and the example user kernel,
-// as ferrocomm compiles them at run time: HIP prelude + device_api.cuh + the
-// user's source.
+// The device API (kernels-cuda/device_api.cuh) and the kernels written on it,
+// with the HIP prelude.
 
-/// A kernel that calls every function of the device API once, so every
-/// template is instantiated (the same probe as tests/kernels_cuda_compile.rs).
-const DEVICE_API_PROBE: &str = r#"
-struct FcProbeArgs {
-    FcDevCtx ctx;
-    fc_u64 buf;  // heap
-    fc_u64 sig;  // heap u64[8]
-    fc_u64 out;  // u64 per thread
-};
-FC_HEAP_KERNEL(fc_devapi_probe, FcProbeArgs) {
-    const FcDevCtx& ctx = a.ctx;
-    char* buf = fc_ptr<char>(a.buf);
-    fc_u64* sig = fc_ptr<fc_u64>(a.sig);
-    const fc_u32 peer = (ctx.rank + 1u) % ctx.world;
-    fc_u64 acc = fc_peer_ok(ctx, peer) + fc_in_heap(ctx, buf, 64);
-    acc += reinterpret_cast<fc_u64>(fc_remote_ptr(ctx, peer, sig));
-    fc_put_thread(ctx, peer, buf, buf + 4096, 33);
-    fc_put_warp(ctx, peer, buf + 64, buf + 4097, 1000);
-    fc_put_block(ctx, peer, buf + 2048, buf + 8192, 3000);
-    fc_get_thread(ctx, peer, buf + 16384, buf, 17);
-    fc_get_warp(ctx, peer, buf + 16384 + 3, buf + 7, 999);
-    fc_get_block(ctx, peer, buf + 20480, buf + 2048, 4001);
-    fc_put_signal_thread(ctx, peer, buf, buf + 4096, 17, sig, 1, FC_SIGNAL_ADD);
-    fc_put_signal_warp(ctx, peer, buf + 64, buf + 4096, 100, sig + 1, 2, FC_SIGNAL_SET);
-    fc_put_signal_block(ctx, peer, buf + 256, buf + 4096, 4096, sig + 2, 3, FC_SIGNAL_ADD);
-    fc_signal_set(ctx, peer, sig + 3, 5);
-    fc_signal_add(ctx, peer, sig + 4, 1);
-    fc_fence();
-    fc_quiet();
-    acc += fc_wait_until(ctx, sig, FC_CMP_GE, 1, peer);
-    acc += fc_wait_until(ctx, sig + 1, FC_CMP_EQ, 2, peer);
-    acc += fc_barrier_all_block(ctx);
-    acc += fc_atomic_add(ctx, peer, sig + 5, 1);
-    acc += fc_atomic_cas(ctx, peer, sig + 6, 0, 1);
-    acc += fc_atomic_fetch(ctx, peer, sig + 7);
-    fc_ptr<fc_u64>(a.out)[fc_block_id() * fc_block_threads() + fc_thread_id()] = acc;
-}
-"#;
-
-/// Compiles the device API with the probe (also with FC_DEVICE_API_CHECKS),
-/// and the example all-gather, for `arch`: each must compile, export its
-/// kernel and descriptor, and not spill.
+/// Compiles every source on the device API for `arch`: each must compile,
+/// export its kernel and descriptor, and not spill.
 fn compile_device_api_for(arch: &str) {
     let must = if arch == "gfx950" {
         env_flag("FERROCOMM_REQUIRE_GFX950")
@@ -570,25 +521,12 @@ fn compile_device_api_for(arch: &str) {
     let Some(clang) = clang_or_skip(arch, must) else { return };
     println!("{arch}: {} ({clang})", version(&clang));
     let dir = scratch_dir(&format!("devapi-{arch}"));
-    let allow_spills = env_flag("FERROCOMM_ALLOW_SPILLS");
-    let mut failures = Vec::new();
-    for (name, defines, user, entry) in [
-        ("device_api_probe", "", DEVICE_API_PROBE, "fc_devapi_probe"),
-        (
-            "device_api_probe_checks",
-            "#define FC_DEVICE_API_CHECKS 1\n",
-            DEVICE_API_PROBE,
-            "fc_devapi_probe",
-        ),
-        ("user_allgather", "", USER_ALLGATHER, "user_allgather"),
-        ("put_bench", "", PUT_BENCH, "put_bench"),
-        ("unfused_bench", "", UNFUSED_BENCH, "fcb_add_rms_norm_bf16"),
-        ("windows", "", WINDOWS, "fc_win_wait"),
-        ("ep", "", EP_KERNELS, "fc_ep_dispatch"),
-    ] {
+    let mut failures = Failures::new(env_flag("FERROCOMM_ALLOW_SPILLS"));
+    for source in &DEVICE_API_SOURCES {
+        let (name, entry) = (source.name, source.entry);
         let src = dir.join(format!("{name}-{arch}.hip"));
         let out = dir.join(format!("{name}-{arch}.hsaco"));
-        std::fs::write(&src, format!("{defines}{PRELUDE}\n{DEVICE_API}\n{user}")).expect("writing the source");
+        std::fs::write(&src, source.text(PRELUDE)).expect("writing the source");
         let o = Command::new(&clang)
             .args(compile_options(arch))
             .arg("-c")
@@ -625,20 +563,15 @@ fn compile_device_api_for(arch: &str) {
                 u.vgprs, u.sgprs, u.scratch, u.occupancy
             );
             if u.vgpr_spill > 0 || u.scratch > 0 {
-                let msg = format!(
+                failures.spill(format!(
                     "{arch}: kernel {kernel} spills {} VGPRs / uses {} B of scratch per lane",
                     u.vgpr_spill, u.scratch
-                );
-                if allow_spills {
-                    println!("warning: {msg}");
-                } else {
-                    failures.push(format!("{msg}; set FERROCOMM_ALLOW_SPILLS=1 to accept"));
-                }
+                ));
             }
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    failures.assert_none();
 }
 
 #[test]

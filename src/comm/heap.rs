@@ -170,7 +170,7 @@ impl<D: Device> Communicator<D> {
                 heap: heap.bases(),
                 heap_bytes: heap.bytes() as u64,
                 error_flags: inner.flags.device_ptr(),
-                timeout_ns: inner.opts.timeout.as_nanos().min(u64::MAX as u128) as u64,
+                timeout_ns: DevCtx::timeout_ns_of(inner.opts.timeout),
                 sync_offset: 0,
                 rank: inner.rank as u32,
                 world: inner.world as u32,

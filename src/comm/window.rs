@@ -276,7 +276,7 @@ impl<D: Device> Window<D> {
     fn launch(&self, kernel: &'static str, peer: usize, call: &Call<'_, D>) -> Result<Work<D>> {
         let signals = self.signals.as_ref().ok_or(Error::Finalized)?.ptr();
         let mut ctx = self.comm.device_ctx()?;
-        ctx.timeout_ns = self.comm.inner.timeout_of(call).as_nanos().min(u64::MAX as u128) as u64;
+        ctx.timeout_ns = DevCtx::timeout_ns_of(self.comm.inner.timeout_of(call));
         let args = WinArgs {
             ctx,
             signals,

@@ -465,7 +465,7 @@ impl<D: Device> EpBuffer<D> {
     /// The arguments every kernel shares: the context and the regions.
     fn args(&self, call: &Call<'_, D>) -> Result<EpArgs> {
         let mut ctx = self.comm.device_ctx()?;
-        ctx.timeout_ns = self.comm.inner.timeout_of(call).as_nanos().min(u64::MAX as u128) as u64;
+        ctx.timeout_ns = DevCtx::timeout_ns_of(self.comm.inner.timeout_of(call));
         let l = &self.layout;
         let r = |o: usize| self.region(o);
         Ok(EpArgs {

@@ -63,6 +63,15 @@ impl Cmp {
     }
 }
 
+impl DevCtx {
+    /// `timeout` as [`DevCtx::timeout_ns`]. Saturating: a `Duration` can be
+    /// longer than u64 nanoseconds (584 years), and such a bound must not wrap
+    /// to a short one.
+    pub(crate) fn timeout_ns_of(timeout: Duration) -> u64 {
+        timeout.as_nanos().min(u64::MAX as u128) as u64
+    }
+}
+
 // The twin offers the device API whole; each host kernel uses what it needs.
 #[allow(dead_code)]
 impl DevCtx {
@@ -283,6 +292,13 @@ mod tests {
             world: 2,
         };
         [ctx(0), ctx(1)]
+    }
+
+    #[test]
+    fn a_timeout_past_u64_nanoseconds_saturates() {
+        assert_eq!(DevCtx::timeout_ns_of(Duration::from_millis(1500)), 1_500_000_000);
+        assert_eq!(DevCtx::timeout_ns_of(Duration::from_nanos(u64::MAX)), u64::MAX);
+        assert_eq!(DevCtx::timeout_ns_of(Duration::MAX), u64::MAX);
     }
 
     #[test]
