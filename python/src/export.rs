@@ -287,6 +287,14 @@ pub fn dlpack_args(
     Ok(max_version.is_some_and(|(major, _)| major >= 1))
 }
 
+/// Refused as [`gone`] once `c` is closed (what it counts holds on is gone).
+pub fn ensure_open(c: &Counter, what: &str) -> PyResult<()> {
+    match c.closed() {
+        Some(why) => Err(gone(what, why)),
+        None => Ok(()),
+    }
+}
+
 /// The Python error for a hold refused because the memory is gone.
 pub fn gone(what: &str, why: &'static str) -> PyErr {
     let e = match why {

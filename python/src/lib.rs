@@ -12,6 +12,7 @@
 //! The public API is the Python package (`python/ferrocomm`); this module is
 //! its engine and is not meant to be imported by itself.
 
+mod args;
 mod backend;
 mod comm;
 mod dlpack;
