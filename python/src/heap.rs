@@ -28,7 +28,7 @@ use crate::export::{self, capsule, dlpack_args, ensure_open, gone, Counter, Expo
 use crate::work::{lock, PyWork};
 
 /// The DLPack device of a communicator's memory (CPU memory is device 0).
-fn dl_device<D: Backend>(c: &Communicator<D>) -> (i32, i32) {
+pub(crate) fn dl_device<D: Backend>(c: &Communicator<D>) -> (i32, i32) {
     match D::DL_DEVICE {
         KDL_CPU => (KDL_CPU, 0),
         t => (t, c.device().facts().ordinal as i32),
@@ -91,6 +91,7 @@ impl PyHeapTensor {
             shape: self.shape.clone(),
             dtype: self.dtype,
             device: self.device,
+            bits: false,
         }
     }
 
@@ -241,12 +242,18 @@ pub struct PyWindow {
 }
 
 fn comm_for<'a, D: Backend>(_: &Window<D>, any: &'a AnyComm) -> Result<&'a Communicator<D>, Failure> {
-    D::comm_of(any).ok_or_else(|| Failure::Panic("a window of one backend on a communicator of another".into()))
+    comm_as(any, "a window")
+}
+
+/// The communicator inside `any` as backend `D`'s: `what` (a window, an EP
+/// buffer) was made on it, so another backend is a bug.
+pub(crate) fn comm_as<'a, D: Backend>(any: &'a AnyComm, what: &str) -> Result<&'a Communicator<D>, Failure> {
+    D::comm_of(any).ok_or_else(|| Failure::Panic(format!("{what} of one backend on a communicator of another")))
 }
 
 /// Queue `f` on `c` with the per-call options (the caller's stream
 /// borrowed for the call), with the GIL released.
-fn enqueue<D: Backend>(
+pub(crate) fn enqueue<D: Backend>(
     py: Python<'_>,
     c: &Communicator<D>,
     opts: &Opts,
@@ -470,6 +477,7 @@ impl PyWindow {
                 shape,
                 dtype: t.dtype(),
                 device,
+                bits: false,
             },
         })
     }
