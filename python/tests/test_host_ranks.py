@@ -90,3 +90,13 @@ def test_ep_peer_never_dispatches():
     expect_ok(results)
     assert "raised CommTimeout" in results[0].output, results[0].output
 
+
+def test_ep_example_runs():
+    """python/examples/host_ep.py (the README's EP example) as a user runs it."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "host_ep.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, str(example)], env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout + p.stderr
+    # The ranks share stdout: their lines may interleave.
+    assert sorted(re.findall(r"rank (\d): sent", p.stdout)) == ["0", "1"], p.stdout
+    assert p.stdout.count("combined rows match") == 2, p.stdout
