@@ -35,6 +35,7 @@ from ._errors import (
 )
 from ._ops import ReduceOp
 from ._comm import Communicator, HeapTensor, P2POp, RemoteTensor, Window, Work
+from ._ep import DispatchOut, EpBuffer, EpTensor
 from ._bootstrap import from_store, from_torch, init
 
 __all__ = [
@@ -50,6 +51,9 @@ __all__ = [
     "HeapTensor",
     "Window",
     "RemoteTensor",
+    "EpBuffer",
+    "DispatchOut",
+    "EpTensor",
     "ReduceOp",
     "FerrocommError",
     "InvalidArgument",

@@ -17,16 +17,19 @@ collective has completed. ``async_op=True`` returns a :class:`Work`.
 from __future__ import annotations
 
 import datetime
+import operator
 import threading
+import weakref
 from numbers import Real
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from . import _ferrocomm as _native
+from ._ep import EpBuffer
 from ._errors import InvalidArgument
 from ._ops import ReduceOp, as_op
 from ._tensors import HOST_MEMORY, current_device_stream, current_stream, device_type, prepare, stream_handle
 
-__all__ = ["Communicator", "Work", "P2POp", "HeapTensor", "Window", "RemoteTensor", "seconds"]
+__all__ = ["Communicator", "Work", "P2POp", "HeapTensor", "Window", "RemoteTensor", "EpBuffer", "seconds"]
 
 Work = _native.Work
 HeapTensor = _native.HeapTensor
@@ -195,6 +198,9 @@ class Communicator:
         self._native = native
         self._host = native if native.backend == "host" else host
         self._host_lock = threading.Lock()
+        # Their cached result tensors hold heap memory, which finalize
+        # would otherwise refuse to release.
+        self._ep_buffers: "weakref.WeakSet[EpBuffer]" = weakref.WeakSet()
 
     # ------------------------------------------------------------ properties
 
@@ -648,6 +654,8 @@ class Communicator:
     def finalize(self) -> None:
         """Drain queued work and release the workspace; later calls raise
         :class:`Finalized`."""
+        for b in list(self._ep_buffers):
+            b._let_go()
         if self._host is not None and self._host is not self._native:
             self._host.finalize()
         self._native.finalize()
@@ -694,6 +702,43 @@ class Communicator:
         ``win.tensor_deregister()`` and ``win.free()`` (in the same order as
         heap tensors' frees on every rank)."""
         return Window(self._native.new_window(), self)
+
+    def ep_buffer(
+        self,
+        *,
+        num_experts: int,
+        hidden: int,
+        max_tokens_per_rank: int,
+        topk: int,
+        dtype: Any = "bfloat16",
+    ) -> EpBuffer:
+        """Expert-parallel dispatch and combine (MoE, inside one node;
+        ``ferrocomm::ep``): an :class:`EpBuffer` on the symmetric heap.
+
+        ``num_experts`` over all ranks (a multiple of the world size: expert
+        ``e`` lives on rank ``e // (num_experts // size)``), ``hidden``
+        channels per token, at most ``max_tokens_per_rank`` tokens per
+        dispatch, ``topk`` experts per token; ``dtype`` of the dispatched
+        rows: bfloat16 or float8_e4m3fn (hidden a multiple of 128, one
+        float32 scale per 128 channels), as a name, a torch dtype or
+        ``"fp8"``. Combine is bfloat16 either way.
+
+        Collective, as a :meth:`heap_tensor` (every rank the same arguments
+        and the same order of heap allocations and frees). It takes
+        ``buf.layout["total"]`` bytes of the heap (``FERROCOMM_HEAP_BYTES``):
+        about ``size * max_tokens_per_rank * (4 * hidden + 8 * topk)``, or
+        ``3 * hidden`` per row with float8 rows. Bad arguments raise
+        :class:`InvalidArgument` on every rank."""
+        native = self._native.ep_buffer(
+            operator.index(num_experts),
+            operator.index(hidden),
+            operator.index(max_tokens_per_rank),
+            operator.index(topk),
+            _dtype_name(dtype),
+        )
+        buf = EpBuffer(native, self)
+        self._ep_buffers.add(buf)
+        return buf
 
     def device_ctx_bytes(self) -> bytes:
         """The device API's context (``FcDevCtx``, 104 bytes, docs/device-api.md)

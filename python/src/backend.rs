@@ -7,6 +7,7 @@ use std::sync::Arc;
 use ferrocomm::backends::host::HostDevice;
 use ferrocomm::bootstrap::{store_all_gather, Store};
 use ferrocomm::device::Device;
+use ferrocomm::ep::EpBuffer;
 use ferrocomm::{CommOptions, Communicator, Error, Result, Window, Work};
 
 #[cfg(feature = "cuda")]
@@ -40,6 +41,14 @@ pub enum AnyWindow {
     Hip(Window<HipDevice>),
 }
 
+pub enum AnyEp {
+    Host(EpBuffer<HostDevice>),
+    #[cfg(feature = "cuda")]
+    Cuda(EpBuffer<CudaDevice>),
+    #[cfg(feature = "rocm")]
+    Hip(EpBuffer<HipDevice>),
+}
+
 /// Run `$body` with `$c` bound to the communicator inside an [`AnyComm`]
 /// (or the work inside an [`AnyWork`]), whatever its device type.
 macro_rules! with_any {
@@ -66,6 +75,7 @@ pub trait Backend: Device {
     /// The DLPack device type of this backend's memory (what it exports).
     const DL_DEVICE: i32;
     fn wrap_window(w: Window<Self>) -> AnyWindow;
+    fn wrap_ep(b: EpBuffer<Self>) -> AnyEp;
     /// The communicator inside `c`, if it is this backend's.
     fn comm_of(c: &AnyComm) -> Option<&Communicator<Self>>;
 }
@@ -81,6 +91,9 @@ impl Backend for HostDevice {
     const DL_DEVICE: i32 = KDL_CPU;
     fn wrap_window(w: Window<Self>) -> AnyWindow {
         AnyWindow::Host(w)
+    }
+    fn wrap_ep(b: EpBuffer<Self>) -> AnyEp {
+        AnyEp::Host(b)
     }
     fn comm_of(c: &AnyComm) -> Option<&Communicator<Self>> {
         match c {
@@ -107,6 +120,9 @@ impl Backend for CudaDevice {
     fn wrap_window(w: Window<Self>) -> AnyWindow {
         AnyWindow::Cuda(w)
     }
+    fn wrap_ep(b: EpBuffer<Self>) -> AnyEp {
+        AnyEp::Cuda(b)
+    }
     fn comm_of(c: &AnyComm) -> Option<&Communicator<Self>> {
         match c {
             AnyComm::Cuda(c) => Some(c),
@@ -131,6 +147,9 @@ impl Backend for HipDevice {
     const DL_DEVICE: i32 = crate::dlpack::KDL_ROCM;
     fn wrap_window(w: Window<Self>) -> AnyWindow {
         AnyWindow::Hip(w)
+    }
+    fn wrap_ep(b: EpBuffer<Self>) -> AnyEp {
+        AnyEp::Hip(b)
     }
     fn comm_of(c: &AnyComm) -> Option<&Communicator<Self>> {
         match c {

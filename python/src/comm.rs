@@ -23,6 +23,7 @@ use pyo3::types::{PyBool, PyFloat, PyInt};
 
 use crate::backend::{self, with_any, AnyComm, AnyWork, Backend};
 use crate::dlpack::{self, Imported, Owner, KDL_CUDA, KDL_CUDA_MANAGED, KDL_ROCM};
+use crate::ep::{EpShape, PyEpBuffer};
 use crate::errors::{detached, run, run_interruptible, to_pyerr, Failure};
 use crate::export::Counter;
 use crate::heap::{PyHeapTensor, PyWindow};
@@ -134,7 +135,14 @@ pub(crate) struct Batch {
 }
 
 impl Batch {
-    fn import_full(&mut self, obj: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<(Tensor, usize)> {
+    /// Import `obj` (see [`Batch::import_checked`]) and keep its owner with
+    /// the call: the tensor and the length of its first dimension.
+    pub(crate) fn import_full(
+        &mut self,
+        obj: &Bound<'_, PyAny>,
+        writes: bool,
+        what: &str,
+    ) -> PyResult<(Tensor, usize)> {
         let imp = self.import_checked(obj, writes, what)?;
         let t = imp.tensor();
         let rows = imp.rows;
@@ -182,6 +190,11 @@ impl Batch {
             return invalid("it is read-only, and the collective writes into it".into());
         }
         Ok(imp)
+    }
+
+    /// Keep `owner` with the call too (memory it uses that no argument names).
+    pub(crate) fn hold(&mut self, owner: Owner) {
+        self.owners.push(owner);
     }
 
     pub(crate) fn import(&mut self, obj: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<Tensor> {
@@ -296,6 +309,15 @@ impl PyComm {
             gpu,
             dl_stream: if gpu { dl_stream } else { None },
             owners: Vec::new(),
+        }
+    }
+
+    /// Let go of completed work now (what it holds may then be freed),
+    /// raising the first failure among it, as the next call would.
+    pub(crate) fn settle(&self) -> PyResult<()> {
+        match self.prune() {
+            Some(e) => Err(to_pyerr(e)),
+            None => Ok(()),
         }
     }
 
@@ -978,8 +1000,8 @@ impl PyComm {
     fn finalize(&self, py: Python<'_>) -> PyResult<()> {
         if let Err(n) = self.lender.close("finalized") {
             return Err(to_pyerr(Error::invalid(format!(
-                "finalize: {n} DLPack view(s) of this communicator's heap tensors or windows (NumPy arrays, torch \
-                 tensors, map_remote_tensor views) are still held; let them go first"
+                "finalize: {n} DLPack view(s) of this communicator's heap tensors, windows or EP buffers (NumPy \
+                 arrays, torch tensors, map_remote_tensor views, dispatch results) are still held; let them go first"
             ))));
         }
         let comm = &*self.comm;
@@ -1018,6 +1040,30 @@ impl PyComm {
     fn new_window(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<PyWindow> {
         let me = slf.get();
         PyWindow::create(py, slf.clone().unbind(), &me.comm, &me.lender)
+    }
+
+    /// An expert-parallel dispatch/combine buffer on the heap (collective:
+    /// every rank the same config, in the same order as its other heap
+    /// allocations). `dtype`: the dispatched rows, bfloat16 or float8_e4m3fn.
+    #[pyo3(signature = (num_experts, hidden, max_tokens_per_rank, topk, dtype="bfloat16"))]
+    fn ep_buffer(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        num_experts: i64,
+        hidden: i64,
+        max_tokens_per_rank: i64,
+        topk: i64,
+        dtype: &str,
+    ) -> PyResult<PyEpBuffer> {
+        let me = slf.get();
+        let shape = EpShape {
+            num_experts,
+            hidden,
+            max_tokens_per_rank,
+            topk,
+            dtype,
+        };
+        PyEpBuffer::create(py, slf.clone().unbind(), &me.comm, &me.lender, shape)
     }
 
     /// The device API's context (`FcDevCtx`, 104 bytes) for kernels of your

@@ -86,11 +86,28 @@ impl Drop for Loan {
 // ------------------------------------------------------------ capsules
 
 /// What a capsule describes: contiguous (row-major) memory.
+#[derive(Clone)]
 pub struct Exported {
     pub ptr: u64,
     pub shape: Vec<i64>,
     pub dtype: DType,
     pub device: (i32, i32),
+    /// Exported as unsigned integers of the element's width: NumPy has no
+    /// bfloat16 or float8, and takes their bits so.
+    pub bits: bool,
+}
+
+impl Exported {
+    /// The name of the dtype a consumer sees (`bfloat16`, or `uint16` for its bits).
+    pub fn dtype_name(&self) -> &'static str {
+        match (self.bits, self.dtype.size()) {
+            (false, _) => dtype_name(self.dtype),
+            (true, 1) => "uint8",
+            (true, 2) => "uint16",
+            (true, 4) => "uint32",
+            (true, _) => "uint64",
+        }
+    }
 }
 
 /// The DLPack dtype of a ferrocomm dtype.
@@ -144,7 +161,15 @@ fn dl_tensor(e: &Exported, dims: &[i64]) -> DLTensor {
             device_id: e.device.1,
         },
         ndim: ndim as i32,
-        dtype: dl_dtype(e.dtype),
+        dtype: if e.bits {
+            DLDataType {
+                code: KDL_UINT,
+                bits: (8 * e.dtype.size()) as u8,
+                lanes: 1,
+            }
+        } else {
+            dl_dtype(e.dtype)
+        },
         shape: dims.as_ptr(),
         strides: dims[ndim..].as_ptr(),
         byte_offset: 0,
@@ -285,6 +310,14 @@ pub fn dlpack_args(
         }
     }
     Ok(max_version.is_some_and(|(major, _)| major >= 1))
+}
+
+/// Refused as [`gone`] once `c` is closed (what it counts holds on is gone).
+pub fn ensure_open(c: &Counter, what: &str) -> PyResult<()> {
+    match c.closed() {
+        Some(why) => Err(gone(what, why)),
+        None => Ok(()),
+    }
 }
 
 /// The Python error for a hold refused because the memory is gone.

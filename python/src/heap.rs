@@ -15,44 +15,24 @@ use std::sync::{Arc, Mutex};
 
 use ferrocomm::device::DeviceBuffer;
 use ferrocomm::heap::HeapBuffer;
-use ferrocomm::{Call, Communicator, DType, Error, Window, Work};
+use ferrocomm::{Call, Communicator, DType, Window, Work};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
+use crate::args::{count_arg, element_count, invalid, rank_arg};
 use crate::backend::{with_any, AnyComm, AnyWindow, AnyWork, Backend};
 use crate::comm::{Opts, PyComm};
 use crate::dlpack::{Imported, Owner, KDL_CPU};
 use crate::errors::{detached, run, to_pyerr, Failure};
-use crate::export::{self, capsule, dlpack_args, gone, Counter, Exported, Loan};
+use crate::export::{self, capsule, dlpack_args, ensure_open, gone, Counter, Exported, Loan};
 use crate::work::{lock, PyWork};
 
 /// The DLPack device of a communicator's memory (CPU memory is device 0).
-fn dl_device<D: Backend>(c: &Communicator<D>) -> (i32, i32) {
+pub(crate) fn dl_device<D: Backend>(c: &Communicator<D>) -> (i32, i32) {
     match D::DL_DEVICE {
         KDL_CPU => (KDL_CPU, 0),
         t => (t, c.device().facts().ordinal as i32),
     }
-}
-
-fn invalid(msg: String) -> PyErr {
-    to_pyerr(Error::InvalidArgument(msg))
-}
-
-/// A rank from Python (negative ones are refused as out of range).
-fn rank_arg(what: &str, rank: i64, world: usize) -> PyResult<usize> {
-    usize::try_from(rank)
-        .ok()
-        .filter(|r| *r < world)
-        .ok_or_else(|| invalid(format!("window {what}: rank {rank} is not in a world of {world}")))
-}
-
-fn element_count(shape: &[i64]) -> PyResult<usize> {
-    shape.iter().try_fold(1usize, |n, &d| {
-        usize::try_from(d)
-            .ok()
-            .and_then(|d| n.checked_mul(d))
-            .ok_or_else(|| invalid(format!("heap_tensor: shape {shape:?} is negative or overflows")))
-    })
 }
 
 // ------------------------------------------------------------ heap tensors
@@ -84,12 +64,10 @@ impl PyHeapTensor {
         dtype: &str,
     ) -> PyResult<PyHeapTensor> {
         let dtype: DType = dtype.parse().map_err(to_pyerr)?;
-        let bytes = element_count(&shape)?
+        let bytes = element_count("heap_tensor", &shape)?
             .checked_mul(dtype.size())
             .ok_or_else(|| invalid(format!("heap_tensor: shape {shape:?} overflows")))?;
-        if let Some(why) = lender.closed() {
-            return Err(gone("heap_tensor", why));
-        }
+        ensure_open(lender, "heap_tensor")?;
         let any = &**comm;
         let (buf, device) = run(py, || {
             with_any!(any, AnyComm, |c| c.heap_alloc(bytes).map(|b| (b, dl_device(c))))
@@ -113,19 +91,18 @@ impl PyHeapTensor {
             shape: self.shape.clone(),
             dtype: self.dtype,
             device: self.device,
+            bits: false,
         }
     }
 
     /// The tensor for ferrocomm's own use (a collective, a put, a window):
     /// held so that `free` refuses until the use ends.
     pub fn lend(&self, obj: &Bound<'_, PyAny>) -> PyResult<Imported> {
-        if let Some(why) = self.lender.closed() {
-            return Err(gone("heap tensor", why));
-        }
+        ensure_open(&self.lender, "heap tensor")?;
         let loan = Loan::take(&[&self.own]).map_err(|why| gone("heap tensor", why))?;
         Ok(Imported {
             ptr: self.ptr,
-            count: element_count(&self.shape)?,
+            count: element_count("heap tensor", &self.shape)?,
             dtype: self.dtype,
             device_type: self.device.0,
             device_id: self.device.1,
@@ -265,12 +242,18 @@ pub struct PyWindow {
 }
 
 fn comm_for<'a, D: Backend>(_: &Window<D>, any: &'a AnyComm) -> Result<&'a Communicator<D>, Failure> {
-    D::comm_of(any).ok_or_else(|| Failure::Panic("a window of one backend on a communicator of another".into()))
+    comm_as(any, "a window")
+}
+
+/// The communicator inside `any` as backend `D`'s: `what` (a window, an EP
+/// buffer) was made on it, so another backend is a bug.
+pub(crate) fn comm_as<'a, D: Backend>(any: &'a AnyComm, what: &str) -> Result<&'a Communicator<D>, Failure> {
+    D::comm_of(any).ok_or_else(|| Failure::Panic(format!("{what} of one backend on a communicator of another")))
 }
 
 /// Queue `f` on `c` with the per-call options (the caller's stream
 /// borrowed for the call), with the GIL released.
-fn enqueue<D: Backend>(
+pub(crate) fn enqueue<D: Backend>(
     py: Python<'_>,
     c: &Communicator<D>,
     opts: &Opts,
@@ -295,9 +278,7 @@ fn enqueue<D: Backend>(
 
 impl PyWindow {
     pub fn create(py: Python<'_>, parent: Py<PyComm>, comm: &Arc<AnyComm>, lender: &Arc<Counter>) -> PyResult<Self> {
-        if let Some(why) = lender.closed() {
-            return Err(gone("new_window", why));
-        }
+        ensure_open(lender, "new_window")?;
         let any = &**comm;
         let win = run(py, || {
             with_any!(any, AnyComm, |c| c.new_window().map(Backend::wrap_window))
@@ -315,38 +296,59 @@ impl PyWindow {
         with_any!(&*self.comm, AnyComm, |c| c.size())
     }
 
-    /// Queue one window operation and finish it as collectives are
-    /// finished (a `Work` for `async_op`, else waited where no stream orders it).
+    /// The window, locked, for `f`; refused once freed.
+    fn with_window<T>(&self, what: &str, f: impl FnOnce(&mut AnyWindow) -> PyResult<T>) -> PyResult<T> {
+        let mut guard = lock(&self.win);
+        match guard.as_mut() {
+            Some(w) => f(w),
+            None => Err(invalid(format!("window {what}: the window was freed"))),
+        }
+    }
+
+    /// Check the peer and the per-call options, queue one window operation
+    /// and finish it as collectives are finished (a `Work` for `async_op`,
+    /// else waited where no stream orders it).
     #[allow(clippy::too_many_arguments)]
     fn op(
         &self,
         py: Python<'_>,
         what: &'static str,
         src: Option<&Bound<'_, PyAny>>,
-        rank: usize,
+        rank: i64,
         offset: usize,
-        opts: Opts,
+        async_op: bool,
+        timeout: Option<f64>,
+        stream: Option<u64>,
     ) -> PyResult<Option<PyWork>> {
+        let rank = rank_arg(&format!("window {what}"), rank, self.world())?;
+        let opts = Opts::new(async_op, timeout, None, stream)?;
         let parent = self.parent.get();
         let mut batch = parent.batch(opts.stream);
         let src = src.map(|t| batch.import(t, false, "window put tensor")).transpose()?;
-        let res = {
-            let guard = lock(&self.win);
-            let Some(w) = guard.as_ref() else {
-                return Err(invalid(format!("window {what}: the window was freed")));
-            };
+        let res = self.with_window(what, |w| {
             let any = &*self.comm;
             let o = &opts;
-            with_any!(w, AnyWindow, |w| match comm_for(w, any) {
+            Ok(with_any!(w, AnyWindow, |w| match comm_for(w, any) {
                 Ok(c) => enqueue(py, c, o, |call| match (what, src) {
                     ("put", Some(t)) => w.put(t, rank, offset, call),
                     ("signal", _) => w.signal(rank, call),
                     _ => w.wait_signal(rank, call),
                 }),
                 Err(f) => Err(f),
-            })
-        };
+            }))
+        })?;
         parent.finish(py, res, batch, &opts, what, false)
+    }
+}
+
+impl Buffer {
+    /// Mark the peers' views gone (`why`), refused while any is held.
+    fn close_views(&self, what: &str, why: &'static str) -> PyResult<()> {
+        self.views.close(why).map_err(|n| {
+            invalid(format!(
+                "window {what}: {n} DLPack view(s) from map_remote_tensor are still held; let them go first"
+            ))
+        })
     }
 }
 
@@ -380,13 +382,9 @@ impl PyWindow {
                 .unwrap_or_else(|| vec![imp.count as i64]),
         };
         let t = imp.tensor();
-        {
-            let mut guard = lock(&self.win);
-            let Some(w) = guard.as_mut() else {
-                return Err(invalid("window tensor_register: the window was freed".into()));
-            };
-            run(py, || with_any!(w, AnyWindow, |w| w.register(t)))?;
-        }
+        self.with_window("tensor_register", |w| {
+            run(py, || with_any!(w, AnyWindow, |w| w.register(t)))
+        })?;
         *lock(&self.buffer) = Some(Buffer {
             _owner: imp.owner,
             views: Counter::new(),
@@ -409,11 +407,8 @@ impl PyWindow {
         timeout: Option<f64>,
         stream: Option<u64>,
     ) -> PyResult<Option<PyWork>> {
-        let rank = rank_arg("put", dst_rank, self.world())?;
-        let offset = usize::try_from(target_offset)
-            .map_err(|_| invalid(format!("window put: target_offset {target_offset} is negative")))?;
-        let opts = Opts::new(async_op, timeout, None, stream)?;
-        self.op(py, "put", Some(tensor), rank, offset, opts)
+        let offset = count_arg("window put: target_offset", target_offset)?;
+        self.op(py, "put", Some(tensor), dst_rank, offset, async_op, timeout, stream)
     }
 
     /// Add one to `dst_rank`'s count of signals from this rank, after every
@@ -427,9 +422,7 @@ impl PyWindow {
         timeout: Option<f64>,
         stream: Option<u64>,
     ) -> PyResult<Option<PyWork>> {
-        let rank = rank_arg("signal", dst_rank, self.world())?;
-        let opts = Opts::new(async_op, timeout, None, stream)?;
-        self.op(py, "signal", None, rank, 0, opts)
+        self.op(py, "signal", None, dst_rank, 0, async_op, timeout, stream)
     }
 
     /// Wait (stream-ordered) until `peer_rank` has signalled this rank once
@@ -444,16 +437,14 @@ impl PyWindow {
         timeout: Option<f64>,
         stream: Option<u64>,
     ) -> PyResult<Option<PyWork>> {
-        let rank = rank_arg("wait_signal", peer_rank, self.world())?;
-        let opts = Opts::new(async_op, timeout, None, stream)?;
-        self.op(py, "wait_signal", None, rank, 0, opts)
+        self.op(py, "wait_signal", None, peer_rank, 0, async_op, timeout, stream)
     }
 
     /// `rank`'s buffer as mapped in this process, as an object that exports
     /// DLPack (NumPy on the host backend, torch on GPUs). Its shape is the
     /// local buffer's when the peer's has as many elements, else 1-D.
     fn map_remote_tensor(&self, py: Python<'_>, rank: i64) -> PyResult<PyRemoteTensor> {
-        let rank = rank_arg("map_remote_tensor", rank, self.world())?;
+        let rank = rank_arg("window map_remote_tensor", rank, self.world())?;
         let (views, local_shape) = match &*lock(&self.buffer) {
             Some(b) => (b.views.clone(), b.shape.clone()),
             None => {
@@ -462,15 +453,13 @@ impl PyWindow {
                 ))
             }
         };
-        let guard = lock(&self.win);
-        let Some(w) = guard.as_ref() else {
-            return Err(invalid("window map_remote_tensor: the window was freed".into()));
-        };
         let any = &*self.comm;
-        let (t, device) = run(py, || {
-            with_any!(w, AnyWindow, |w| {
-                let dev = device_for(w, any);
-                w.map_remote(rank).map(|t| (t, dev))
+        let (t, device) = self.with_window("map_remote_tensor", |w| {
+            run(py, || {
+                with_any!(w, AnyWindow, |w| {
+                    let dev = device_for(w, any);
+                    w.map_remote(rank).map(|t| (t, dev))
+                })
             })
         })?;
         let count = t.count();
@@ -488,6 +477,7 @@ impl PyWindow {
                 shape,
                 dtype: t.dtype(),
                 device,
+                bits: false,
             },
         })
     }
@@ -499,11 +489,7 @@ impl PyWindow {
         let Some(b) = buffer.as_ref() else {
             return Err(invalid("window tensor_deregister: the window has no buffer".into()));
         };
-        if let Err(n) = b.views.close("deregistered") {
-            return Err(invalid(format!(
-                "window tensor_deregister: {n} DLPack view(s) from map_remote_tensor are still held; let them go first"
-            )));
-        }
+        b.close_views("tensor_deregister", "deregistered")?;
         {
             let mut guard = lock(&self.win);
             if let Some(w) = guard.as_mut() {
@@ -521,11 +507,7 @@ impl PyWindow {
     fn free(&self, py: Python<'_>) -> PyResult<()> {
         let mut buffer = lock(&self.buffer);
         if let Some(b) = buffer.as_ref() {
-            if let Err(n) = b.views.close("freed") {
-                return Err(invalid(format!(
-                    "window free: {n} DLPack view(s) from map_remote_tensor are still held; let them go first"
-                )));
-            }
+            b.close_views("free", "freed")?;
         }
         let Some(w) = lock(&self.win).take() else {
             return Err(invalid("window free: the window was freed already".into()));

@@ -5,16 +5,20 @@
 //! - [`dlpack`]: tensors from torch, CuPy, JAX and NumPy, used in place;
 //! - [`export`]: ferrocomm's own memory handed out through DLPack;
 //! - [`heap`]: symmetric-heap tensors and one-sided windows;
+//! - [`ep`]: expert-parallel dispatch and combine buffers;
 //! - [`store`]: a ferrocomm store over a Python (torch.distributed) store;
 //! - [`backend`]: host, CUDA and ROCm communicators behind one class;
-//! - [`errors`]: Rust errors as Python exceptions, panics caught.
+//! - [`errors`]: Rust errors as Python exceptions, panics caught;
+//! - [`args`]: plain arguments (ranks, counts, shapes) checked.
 //!
 //! The public API is the Python package (`python/ferrocomm`); this module is
 //! its engine and is not meant to be imported by itself.
 
+mod args;
 mod backend;
 mod comm;
 mod dlpack;
+mod ep;
 mod errors;
 mod export;
 mod heap;
@@ -31,6 +35,8 @@ fn _ferrocomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<heap::PyHeapTensor>()?;
     m.add_class::<heap::PyWindow>()?;
     m.add_class::<heap::PyRemoteTensor>()?;
+    m.add_class::<ep::PyEpBuffer>()?;
+    m.add_class::<ep::PyEpTensor>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BACKENDS", backend::compiled())?;
     m.add("LIBRARIES", backend::libraries())?;

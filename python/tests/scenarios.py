@@ -580,5 +580,339 @@ def window_never_signalled() -> None:
         raise AssertionError("wait_signal on a peer that never signals did not raise")
 
 
+# ---------------------------------------------------------------- expert parallel (EP)
+#
+# The reference follows ferrocomm::ep::reference: a token goes once to each
+# rank owning one of its ids in 0..num_experts (ids < 0: none; larger ones
+# are ignored), in source order; combine sums a token's rows over those
+# ranks in rank order in f32 (the first term as it is) and rounds to bf16
+# once. bf16 lives in NumPy as its bits (uint16).
+
+EP_POISON = 0x7FC1  # a NaN: any stale expert_out row combine read would show
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 to bfloat16 bits, rounded to nearest even (finite values)."""
+    u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_float(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+class EpCase:
+    def __init__(self, world: int, payload: str, hidden: int = 256, max_tokens: int = 6, per_rank: int = 4,
+                 topk: int = 3) -> None:
+        self.world, self.payload, self.hidden, self.max, self.topk = world, payload, hidden, max_tokens, topk
+        self.num_experts = per_rank * world
+        self.per_rank = per_rank
+        self.scale_cols = hidden // 128 if payload == "float8_e4m3fn" else 0
+
+    def tokens(self, rnd: int, rank: int) -> int:
+        """Each rank its own count: all, a few, none on the last rank."""
+        return [self.max, 1 + rank, 0 if rank == self.world - 1 else self.max - rank][rnd % 3]
+
+    def inputs(self, rnd: int, rank: int) -> dict:
+        """Rank `rank`'s dispatch inputs in round `rnd` (every rank can make them)."""
+        n, k = self.tokens(rnd, rank), self.topk
+        rng = np.random.default_rng([77, rnd, rank, self.world])
+        if self.payload == "bfloat16":
+            x = bf16_bits(rng.uniform(-4, 4, (n, self.hidden)))
+        else:
+            x = rng.integers(0, 256, (n, self.hidden)).astype(np.uint8)
+        scales = (0.5 + 1.5 * rng.random((n, self.scale_cols))).astype(np.float32)
+        pick = rng.integers(0, 16, (n, k))
+        idx = rng.integers(0, self.num_experts, (n, k))
+        idx = np.where(pick < 2, -1, np.where(pick == 2, self.num_experts + pick % 3, idx)).astype(np.int32)
+        if rnd == 0 and rank == 0 and n > 0:
+            idx[0] = [-1, self.num_experts, self.num_experts + 7][:k] + [-1] * max(0, k - 3)  # goes nowhere
+        w = rng.random((n, k)).astype(np.float32)
+        return dict(n=n, x=x, scales=scales, idx=idx, w=w)
+
+    def owners(self, ids: np.ndarray) -> set:
+        return {int(e) // self.per_rank for e in ids if 0 <= e < self.num_experts}
+
+    def dispatch(self, rank: int, inputs: list) -> dict:
+        """What `rank` receives when rank s dispatches inputs[s]."""
+        rows, k = self.world * self.max, self.topk
+        r = dict(
+            counts=np.zeros(self.world, np.int32),
+            x=np.zeros((rows, self.hidden), inputs[0]["x"].dtype),
+            scales=np.zeros((rows, self.scale_cols), np.float32),
+            idx=np.zeros((rows, k), np.int32),
+            w=np.zeros((rows, k), np.float32),
+            src=np.zeros(rows, np.int32),
+        )
+        for s, inp in enumerate(inputs):
+            for t in range(inp["n"]):
+                ids = inp["idx"][t]
+                if rank not in self.owners(ids):
+                    continue
+                row = s * self.max + r["counts"][s]
+                r["counts"][s] += 1
+                r["x"][row], r["scales"][row], r["src"][row] = inp["x"][t], inp["scales"][t], t
+                for j, e in enumerate(ids):
+                    mine = 0 <= e < self.num_experts and e // self.per_rank == rank
+                    r["idx"][row, j] = e - rank * self.per_rank if mine else -1
+                    r["w"][row, j] = inp["w"][t, j] if mine else 0.0
+        return r
+
+    def experts(self, counts, x, scales, idx, w) -> np.ndarray:
+        """The test's experts: bf16 rows from each received row (payload,
+        scales, local ids, weights); stale rows are poison."""
+        out = np.full((self.world * self.max, self.hidden), EP_POISON, np.uint16)
+        for s, c in enumerate(counts):
+            for row in range(s * self.max, s * self.max + int(c)):
+                wsum, local = np.float32(0), 0
+                for j in range(self.topk):
+                    if idx[row, j] >= 0:
+                        wsum, local = np.float32(wsum + w[row, j]), local + 1
+                if self.payload == "bfloat16":
+                    v = bf16_float(x[row])
+                else:
+                    v = x[row].view(np.int8).astype(np.float32) * np.repeat(scales[row], 128)
+                out[row] = bf16_bits(v * wsum + np.float32(local * 0.125))
+        return out
+
+    def combine(self, rank: int, inputs: list, expert_outs: list) -> np.ndarray:
+        """What `rank`'s combine writes when rank r combines expert_outs[r]."""
+        inp = inputs[rank]
+        sent = [0] * self.world
+        out = np.zeros((inp["n"], self.hidden), np.uint16)
+        for t in range(inp["n"]):
+            acc = None
+            for r in sorted(self.owners(inp["idx"][t])):
+                v = bf16_float(expert_outs[r][rank * self.max + sent[r]])
+                sent[r] += 1
+                acc = v.copy() if acc is None else (acc + v).astype(np.float32)
+            if acc is not None:
+                out[t] = bf16_bits(acc)
+        return out
+
+
+def ep() -> None:
+    """Dispatch + combine at every payload against the NumPy reference:
+    three rounds with each rank's own token count (0 included), -1 and
+    out-of-range ids, async_op, num_tokens below the rows given, DeepEP's
+    (x, scales) pair; then the buffer's lifetime rules."""
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    for payload in ["bfloat16", "float8_e4m3fn"]:
+        case = EpCase(W, payload)
+        buf = comm.ep_buffer(num_experts=case.num_experts, hidden=case.hidden, max_tokens_per_rank=case.max,
+                             topk=case.topk, dtype=payload)
+        assert (buf.num_experts, buf.hidden, buf.max_tokens_per_rank, buf.topk, buf.dtype) == (
+            case.num_experts, case.hidden, case.max, case.topk, payload), buf
+        assert buf.experts_per_rank == case.per_rank and buf.layout["total"] > 0, buf.layout
+        first = None
+        for rnd in range(3):
+            inputs = [case.inputs(rnd, s) for s in range(W)]
+            mine = inputs[r]
+            x, kw = mine["x"], {}
+            if rnd == 2:
+                # A static batch of max rows, of which the first n are this round's.
+                x = np.zeros((case.max, case.hidden), mine["x"].dtype)
+                x[: mine["n"]] = mine["x"]
+                kw["num_tokens"] = mine["n"]
+            if payload == "float8_e4m3fn":
+                scales = np.zeros((len(x), case.scale_cols), np.float32)
+                scales[: mine["n"]] = mine["scales"]
+                if rnd == 1:
+                    x = (x, scales)  # DeepEP's spelling
+                else:
+                    kw["scales"] = scales
+            out = buf.dispatch(x, mine["idx"], mine["w"], async_op=(rnd == 1), **kw)
+            if rnd == 1:
+                assert out.work is not None and out.work.name == "ep_dispatch", out.work
+                out.work.wait(timeout=30)
+            else:
+                assert out.work is None
+            assert out.num_tokens == mine["n"], (out.num_tokens, mine["n"])
+            if first is None:
+                first = out.recv_x
+            assert out.recv_x is first, "every dispatch returns the same arrays"
+            want = case.dispatch(r, inputs)
+            same(out.recv_counts, want["counts"], f"{payload} round {rnd}: recv_counts")
+            sent = np.array([sum(q in case.owners(ids) for ids in mine["idx"]) for q in range(W)], np.int32)
+            same(out.send_counts, sent, f"{payload} round {rnd}: send_counts")
+            assert out.recv_x.dtype == (np.uint16 if payload == "bfloat16" else np.uint8), out.recv_x.dtype
+            assert out.recv_x.shape == (W * case.max, case.hidden), out.recv_x.shape
+            for s in range(W):
+                rows = slice(s * case.max, s * case.max + int(want["counts"][s]))
+                what = f"{payload} round {rnd} from rank {s}"
+                same(out.recv_x[rows], want["x"][rows], f"{what}: recv_x")
+                same(out.recv_topk_idx[rows], want["idx"][rows], f"{what}: recv_topk_idx")
+                same(out.recv_topk_weights[rows], want["w"][rows], f"{what}: recv_topk_weights")
+                same(out.recv_src_index[rows], want["src"][rows], f"{what}: recv_src_index")
+                if payload == "float8_e4m3fn":
+                    same(out.recv_scales[rows], want["scales"][rows], f"{what}: recv_scales")
+                else:
+                    assert out.recv_scales is None
+            expert_out = case.experts(out.recv_counts, out.recv_x, out.recv_scales, out.recv_topk_idx,
+                                      out.recv_topk_weights)
+            all_outs = []
+            for q in range(W):
+                rq = case.dispatch(q, inputs)
+                all_outs.append(case.experts(rq["counts"], rq["x"], rq["scales"], rq["idx"], rq["w"]))
+            same(expert_out, all_outs[r], f"{payload} round {rnd}: this rank's experts")
+            res = np.full((mine["n"], case.hidden), 0xFFFF, np.uint16)  # every row must be written
+            work = buf.combine(expert_out, res, async_op=(rnd == 1))
+            if rnd == 1:
+                work.wait(timeout=30)
+                del work  # a Work holds the buffer until it goes
+            same(res, case.combine(r, inputs, all_outs), f"{payload} round {rnd}: combine")
+            if rnd == 0 and r == 0:
+                assert not res[0].any(), "a token whose ids are all out of range combines to 0"
+        # Views hold the memory: free (and finalize) refuse while they live.
+        try:
+            buf.free()
+        except ferrocomm.InvalidArgument as e:
+            assert "still held" in str(e), e
+        else:
+            raise AssertionError("free of an EP buffer whose dispatch results are held must be refused")
+        del out, first
+        buf.free()
+        assert buf.freed and "freed" in repr(buf), repr(buf)
+        try:
+            buf.dispatch(np.zeros((1, case.hidden), np.uint16), np.zeros((1, case.topk), np.int32),
+                         np.zeros((1, case.topk), np.float32))
+        except ferrocomm.InvalidArgument as e:
+            assert "freed" in str(e), e
+        else:
+            raise AssertionError("dispatch on a freed EP buffer must be refused")
+    # Raw views: DLPack in place, bits() for NumPy, the same memory.
+    buf = comm.ep_buffer(num_experts=2 * W, hidden=8, max_tokens_per_rank=2, topk=1)
+    views = buf.received()
+    assert views["recv_x"].dtype == "bfloat16" and views["recv_x"].shape == (2 * W, 8), views["recv_x"]
+    bits = views["recv_x"].bits()
+    assert bits.dtype == "uint16" and bits.data_ptr() == views["recv_x"].data_ptr(), bits
+    ids = np.full((1, 1), (r + 1) % W * 2, np.int32)  # one token to the next rank's first expert
+    buf.dispatch(bf16_bits(np.full((1, 8), r + 1.5)), ids, np.ones((1, 1), np.float32))
+    got = np.from_dlpack(bits)
+    prv = (r - 1) % W
+    same(got[prv * 2], bf16_bits(np.full(8, prv + 1.5)), "a raw view of recv_x")
+    same(np.from_dlpack(views["recv_counts"]), np.eye(W, dtype=np.int32)[prv], "a raw view of recv_counts")
+    back = np.zeros((1, 8), np.uint16)
+    expert = np.zeros((2 * W, 8), np.uint16)
+    expert[prv * 2] = got[prv * 2]
+    buf.combine(expert, back)
+    same(back[0], bf16_bits(np.full(8, r + 1.5)), "combine of an identity expert")
+    try:
+        comm.finalize()
+    except ferrocomm.InvalidArgument as e:
+        assert "still held" in str(e), e
+    else:
+        raise AssertionError("finalize with a DLPack view of an EP buffer held must be refused")
+    del got
+    comm.barrier()  # rank 0 hosts the store: nobody leaves while others still use it
+    comm.finalize()  # an EP buffer never freed goes with the heap
+    try:
+        np.from_dlpack(bits)
+    except ferrocomm.Finalized:
+        pass
+    else:
+        raise AssertionError("a view of a finalized communicator's EP buffer must not export")
+
+
+def ep_errors() -> None:
+    """Bad EP input raises InvalidArgument (a ValueError) on the rank that
+    gave it, before anything is queued; bad configs on every rank."""
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    E, H, M, K = 2 * W, 128, 4, 2
+
+    def refused(what, call, needle="", exc=ferrocomm.InvalidArgument):
+        try:
+            call()
+        except exc as e:
+            assert isinstance(e, ValueError) or exc is not ferrocomm.InvalidArgument, type(e)
+            assert needle in str(e), f"{what}: {needle!r} not in {e}"
+            print(f"{what}: {type(e).__name__}: {e}")
+        else:
+            raise AssertionError(f"{what} must raise {exc.__name__}")
+
+    make = lambda **kw: comm.ep_buffer(**{**dict(num_experts=E, hidden=H, max_tokens_per_rank=M, topk=K), **kw})  # noqa: E731
+    refused("experts not divisible by the world", lambda: make(num_experts=2 * W + 1), "not divisible")
+    refused("topk above num_experts", lambda: make(topk=E + 1), "exceeds num_experts")
+    refused("zero hidden", lambda: make(hidden=0), "must be positive")
+    refused("negative max_tokens_per_rank", lambda: make(max_tokens_per_rank=-1), "negative")
+    refused("fp8 rows of a hidden not a multiple of 128", lambda: make(hidden=200, dtype="fp8"), "multiple")
+    refused("a float16 payload", lambda: make(dtype=np.float16), "bfloat16 or float8_e4m3fn")
+    refused("more than the heap holds", lambda: make(hidden=7168, max_tokens_per_rank=1 << 20), "out of memory")
+
+    buf = make()
+    n = 3
+    x = np.ones((n, H), np.uint16)
+    idx = np.array([[(r * 2 + t) % E, -1] for t in range(n)], np.int32)
+    w = np.ones((n, K), np.float32)
+    expert, out = np.zeros((W * M, H), np.uint16), np.zeros((n, H), np.uint16)
+    refused("combine before dispatch", lambda: buf.combine(expert, out), "no dispatch")
+    refused("x of float32", lambda: buf.dispatch(x.astype(np.float32), idx, w), "x is float32, want bfloat16")
+    refused("x of real float16", lambda: buf.dispatch(x.view(np.float16), idx, w), "x is float16")
+    refused("x of another width", lambda: buf.dispatch(np.ones((n, H + 1), np.uint16), idx, w), "want rows of 128")
+    refused("x flat", lambda: buf.dispatch(np.ones(n * H, np.uint16), idx, w), "rows of 128")
+    refused("x of too many tokens", lambda: buf.dispatch(np.ones((M + 1, H), np.uint16), np.zeros((M + 1, K), np.int32),
+                                                         np.zeros((M + 1, K), np.float32)), "max_tokens_per_rank")
+    refused("topk_idx of int64", lambda: buf.dispatch(x, idx.astype(np.int64), w), "int32")
+    refused("topk_idx of too few rows", lambda: buf.dispatch(x, idx[:2], w), "at least 3")
+    refused("topk_idx of another topk", lambda: buf.dispatch(x, np.zeros((n, K + 1), np.int32), w), "rows of 2")
+    refused("topk_weights of float64", lambda: buf.dispatch(x, idx, w.astype(np.float64)), "float32")
+    refused("negative num_tokens", lambda: buf.dispatch(x, idx, w, num_tokens=-1), "negative")
+    refused("num_tokens past the rows given", lambda: buf.dispatch(x, idx, w, num_tokens=n + 1), "at least 4")
+    refused("scales for bf16 rows", lambda: buf.dispatch(x, idx, w, scales=np.ones((n, 1), np.float32)), "no scales")
+    refused("scales twice", lambda: buf.dispatch((x, w), idx, w, scales=w), "twice")
+    refused("a stream on the host backend", lambda: buf.dispatch(x, idx, w, stream=1), "stream")
+    refused("not a tensor", lambda: buf.dispatch([[1.0]], idx, w), "expected a tensor")
+    fp8 = make(dtype="float8_e4m3fn")
+    x8 = np.ones((n, H), np.uint8)
+    refused("fp8 rows without scales", lambda: fp8.dispatch(x8, idx, w), "need their scales")
+    refused("fp8 rows of bf16 bits", lambda: fp8.dispatch(x, idx, w, scales=np.ones((n, 1), np.float32)),
+            "x is 16-bit integers, want float8_e4m3fn")
+    refused("fp8 scales of another width", lambda: fp8.dispatch(x8, idx, w, scales=np.ones((n, 2), np.float32)),
+            "rows of 1")
+
+    # Nothing was queued: a good round still works, and the alternation holds.
+    got = buf.dispatch(x, idx, w)
+    refused("dispatch twice", lambda: buf.dispatch(x, idx, w), "must alternate")
+    refused("expert_out of float32", lambda: buf.combine(expert.astype(np.float32), out), "expert_out is float32")
+    refused("expert_out of too few rows", lambda: buf.combine(expert[:-1], out), f"at least {W * M}")
+    refused("out of too few rows", lambda: buf.combine(expert, out[:2]), "at least 3 rows")
+    ro = np.zeros((n, H), np.uint16)
+    ro.flags.writeable = False
+    refused("a read-only out", lambda: buf.combine(expert, ro), "read-only")
+    refused("out inside the buffer", lambda: buf.combine(expert, got.recv_x[:n]), "overlaps")
+    expert[: W * M] = got.recv_x  # identity experts: each token comes back once per owner rank
+    buf.combine(expert, out)
+    same(out, x, "combine after the refusals")
+    del got
+    fp8.free()  # frees in the same order on every rank: the later buffer first
+    buf.free()
+    refused("free twice", buf.free, "freed")
+    comm.barrier()
+    comm.finalize()
+
+
+def ep_never_dispatched() -> None:
+    """Rank 0 dispatches; rank 1 never does: CommTimeout naming rank 1
+    after the short timeout."""
+    comm = comm_from_env(timeout=60)
+    buf = comm.ep_buffer(num_experts=4, hidden=64, max_tokens_per_rank=2, topk=1)
+    if comm.rank == 1:
+        time.sleep(6)  # long enough for rank 0's dispatch to time out; then gone
+        return
+    start = time.monotonic()
+    try:
+        buf.dispatch(np.ones((2, 64), np.uint16), np.array([[2], [3]], np.int32), np.ones((2, 1), np.float32),
+                     timeout=2)
+    except ferrocomm.CommTimeout as e:
+        took = time.monotonic() - start
+        print(f"raised CommTimeout after {took:.1f} s: {e} (missing={e.missing})")
+        assert e.missing == [1], e.missing
+        assert took < 2 * 2 + 2, took
+    else:
+        raise AssertionError("a dispatch whose peer never dispatches did not raise")
+
+
 if __name__ == "__main__":
     print("run through _worker.py", file=sys.stderr)

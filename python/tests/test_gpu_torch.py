@@ -120,3 +120,7 @@ def test_killed_rank_raises(scenario):
     for rc, out in outs[:-1]:
         assert rc == 0, out
         assert "CommTimeout" in out, out
+
+
+def test_ep_dispatch_combine_torch():
+    _torchrun("ep_torch")

@@ -73,3 +73,30 @@ def test_windows_example_runs():
     assert p.returncode == 0, p.stdout + p.stderr
     # The ranks share stdout: their lines may interleave.
     assert sorted(re.findall(r"rank (\d): got", p.stdout)) == ["0", "1", "2"], p.stdout
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ep_dispatch_combine(world):
+    """EP dispatch + combine, bf16 and fp8 rows, against the NumPy reference."""
+    expect_ok(launch(world, "ep", timeout=180))
+
+
+def test_ep_bad_input():
+    expect_ok(launch(2, "ep_errors"))
+
+
+def test_ep_peer_never_dispatches():
+    results = launch(2, "ep_never_dispatched", timeout=60)
+    expect_ok(results)
+    assert "raised CommTimeout" in results[0].output, results[0].output
+
+
+def test_ep_example_runs():
+    """python/examples/host_ep.py (the README's EP example) as a user runs it."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "host_ep.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, str(example)], env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout + p.stderr
+    # The ranks share stdout: their lines may interleave.
+    assert sorted(re.findall(r"rank (\d): sent", p.stdout)) == ["0", "1"], p.stdout
+    assert p.stdout.count("combined rows match") == 2, p.stdout
