@@ -612,9 +612,10 @@ FC_DEVICE fc_u64 agree_on_chunks(const FcParams& p, char* own, fc_u32 parity, fc
 // pair's, cut into the same pieces, and block b overwrites its piece of chunk
 // c only after it pushed that piece (chunk c, before its wait); other chunks
 // and pieces are other bytes. Peers never read our buffers, only inboxes.
-FC_DEVICE void exchange(const FcParams& p) {
+// `e0`: the first chunk's epoch (the direct exchange falls back to this one
+// from its own epoch + 1).
+FC_DEVICE void exchange_from(const FcParams& p, fc_u32 e0) {
     char* own = fc_ptr<char>(p.peer_ws[p.rank]);
-    const fc_u32 e0 = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
     const fc_u32 b = fc_block_id();
     const fc_u32 nb = fc_grid_blocks();
     const fc_u32 world = p.world;
@@ -659,6 +660,88 @@ FC_DEVICE void exchange(const FcParams& p) {
         }
     }
     complete(own, e0 + (fc_u32)(nchunk - 1));
+}
+
+FC_DEVICE void exchange(const FcParams& p) {
+    const fc_u32 e0 = fc_ld_volatile(reinterpret_cast<const fc_u32*>(fc_ptr<char>(p.peer_ws[p.rank]))) + 1;
+    exchange_from(p, e0);
+}
+
+// Direct exchange (zero copy into symmetric-heap blocks; host twin:
+// backends/host/collectives.rs `exchange_direct`). Phase 0: thread q < world
+// tells peer q what we send it and where q's block to us lands, as an offset
+// in our heap (FC_AUX_RECV_AT), or FC_AUX_NOT_DIRECT when the host found our
+// receive blocks outside our heap or overlapping what we send. Passing the
+// wait proves every receiver entered the launch (its stream is done with
+// those blocks). If every rank can take blocks in place (each rank told
+// every other, so all decide alike), piece b of every send block goes
+// straight to table[q] + offset (peers staggered by block), our own block is
+// copied across, and phase 1 tells receivers their blocks have landed.
+// Otherwise every rank runs the inbox exchange from the next epoch, whose
+// parity region the previous launch's last chunk used: passing this wait
+// proves every peer's block b is done with it, as between chunks.
+FC_DEVICE void exchange_direct(const FcParams& p) {
+    char* own = fc_ptr<char>(p.peer_ws[p.rank]);
+    const fc_u32 epoch = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
+    const fc_u32 parity = epoch & 1;
+    const fc_u32 b = fc_block_id();
+    const fc_u32 nb = fc_grid_blocks();
+    const fc_u32 world = p.world;
+    const fc_u32 rank = p.rank;
+    const fc_u64 es = dtype_bytes(p.dtype);
+    const fc_u64* bases = fc_ptr<const fc_u64>(p.table);
+    const bool direct_ok = (p.flags & FC_PARAM_DIRECT_OK) != 0 && p.table != 0;
+
+    const fc_u32 t = fc_thread_id();
+    if (t < world && t != rank) {
+        char* peer = fc_ptr<char>(p.peer_ws[t]);
+        // Empty blocks may carry any address: the offset wraps, never used.
+        const fc_u64 at = direct_ok ? recv_addr(p, t) - bases[rank] : FC_AUX_NOT_DIRECT;
+        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_PAIR_COUNT, rank), send_count(p, t));
+        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_RECV_AT, rank), at);
+    }
+    if (!arrive_wait(p, own, epoch, parity, 0, b)) return;
+
+    bool all_direct = direct_ok;
+    for (fc_u32 s = 0; s < world; ++s) {
+        bool bad;
+        if (s == rank) {
+            bad = send_count(p, s) != recv_count(p, s);
+        } else {
+            bad = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_PAIR_COUNT, s)) != recv_count(p, s);
+            all_direct = all_direct && fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_RECV_AT, s)) != FC_AUX_NOT_DIRECT;
+        }
+        if (bad) {
+            if (t == 0) raise_mismatch(p, s, epoch);
+            return;
+        }
+    }
+    if (!all_direct) {
+        exchange_from(p, epoch + 1);
+        return;
+    }
+
+    for (fc_u32 k = 0; k + 1 < world; ++k) {
+        const fc_u32 q = (rank + 1 + (k + b) % (world - 1)) % world;
+        const fc_u64 bytes = send_count(p, q) * es;
+        if (bytes == 0) continue;
+        const fc_u64 at = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_RECV_AT, q));
+        const fc_u64 from = send_addr(p, q), to = bases[q] + at;
+        const fc_u64 per = round_up16(div_ceil(bytes, nb));
+        const fc_u64 lo = min_u64((fc_u64)b * per, bytes), hi = min_u64(lo + per, bytes);
+        copy_range<1, FC_COPY_UNROLL>(fc_ptr<char>(to), fc_ptr<const char>(from), lo, hi,
+                                      aligned16(from) && aligned16(to));
+    }
+    const fc_u64 from = send_addr(p, rank), to = recv_addr(p, rank);
+    const fc_u64 bytes = recv_count(p, rank) * es;
+    if (from != to && bytes > 0) {
+        const fc_u64 per = round_up16(div_ceil(bytes, nb));
+        const fc_u64 lo = min_u64((fc_u64)b * per, bytes), hi = min_u64(lo + per, bytes);
+        copy_range<1, FC_COPY_UNROLL>(fc_ptr<char>(to), fc_ptr<const char>(from), lo, hi,
+                                      aligned16(from) && aligned16(to));
+    }
+    if (!arrive_wait(p, own, epoch, parity, 1, b)) return;
+    complete(own, epoch);
 }
 
 // premul_sum's own factor: f32 bits in `scalar`, or the address of one

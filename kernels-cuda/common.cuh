@@ -308,6 +308,8 @@ FC_DEVICE fc_u64* fp_ptr(const FcParams& p, char* ws, fc_u32 parity, fc_u32 b, f
 #define FC_AUX_PAIR_COUNT 0u
 #define FC_AUX_LARGEST 1u
 #define FC_AUX_FACTOR 2u
+#define FC_AUX_RECV_AT 3u
+#define FC_AUX_NOT_DIRECT 0xffffffffffffffffull
 FC_DEVICE fc_u64* aux_ptr(const FcParams& p, char* ws, fc_u32 parity, fc_u32 b, fc_u32 k, fc_u32 src) {
     return reinterpret_cast<fc_u64*>(
         ws + p.flags_offset + FC_FLAGS_BYTES +

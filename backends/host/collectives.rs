@@ -25,10 +25,10 @@ use super::futex;
 use super::kernels::{copy_bytes, Launch};
 use super::reduce::{Lanes, Reduction, Tiles};
 use crate::algo::layout::{
-    p2p_half_bytes, p2p_offset, push_twoshot_stride, AUX_LARGEST, AUX_PAIR_COUNT, P2P_CONSUMED, P2P_CTRL_OFFSET,
-    P2P_DELIVERED, P2P_HEADER, P2P_RECEIVED, P2P_SENT,
+    p2p_half_bytes, p2p_offset, push_twoshot_stride, AUX_LARGEST, AUX_NOT_DIRECT, AUX_PAIR_COUNT, AUX_RECV_AT,
+    P2P_CONSUMED, P2P_CTRL_OFFSET, P2P_DELIVERED, P2P_HEADER, P2P_RECEIVED, P2P_SENT,
 };
-use crate::device::{DevicePtr, KernelParams, ERR_CODE_MISMATCH, ERR_CODE_TIMEOUT, MAX_RANKS};
+use crate::device::{DevicePtr, KernelParams, ERR_CODE_MISMATCH, ERR_CODE_TIMEOUT, MAX_RANKS, PARAM_DIRECT_OK};
 use crate::dtype::DType;
 
 /// `per_peer` rows: counts and addresses of what goes to, and comes from, each peer.
@@ -193,6 +193,89 @@ pub(super) unsafe fn exchange(l: &Launch) -> Option<u32> {
         c += 1;
     }
     Some(l.epoch.wrapping_add(nchunk as u32 - 1))
+}
+
+/// The direct exchange (`fc_exchange_direct`): phase 0 carries, to each
+/// peer, what we send it and where its block to us lands in our heap (or
+/// that we cannot take blocks in place); if every rank can, each writes its
+/// blocks straight into the receivers' heaps, and phase 1 tells receivers
+/// they have landed. Phase 0 also proves each receiver has entered the
+/// launch, so nothing earlier on its stream still uses those blocks. If one
+/// rank cannot, every rank sees it (each rank told everyone) and all run
+/// the exchange from the next epoch. Returns the last epoch, or `None`.
+///
+/// # Safety: as [`exchange`]; with `PARAM_DIRECT_OK`, `p.table` holds
+/// every rank's heap base as mapped here, and our receive blocks lie in our
+/// heap.
+pub(super) unsafe fn exchange_direct(l: &Launch) -> Option<u32> {
+    let lists = Lists(l.p);
+    let me = l.me();
+    let world = l.world();
+    let size = elem_size(l.p);
+    let direct_ok = l.p.flags & PARAM_DIRECT_OK != 0 && l.p.table != DevicePtr::NULL;
+    let base = |r: usize| -> u64 {
+        // SAFETY: with PARAM_DIRECT_OK the table holds MAX_RANKS live u64s
+        // (our heap's sync area), written once before any launch.
+        unsafe { (l.p.table.0 as *const u64).add(r).read() }
+    };
+    for q in (0..world).filter(|&q| q != me) {
+        // Empty blocks may carry any address: wrapping, never read.
+        let at = if direct_ok {
+            lists.recv(q).1 .0.wrapping_sub(base(me))
+        } else {
+            AUX_NOT_DIRECT
+        };
+        // SAFETY: aux slots lie inside every mapped workspace; `arrive`'s
+        // release store publishes them.
+        unsafe {
+            dword(l.aux_addr(q, AUX_PAIR_COUNT, me)).store(lists.send(q).0 as u64, Ordering::Relaxed);
+            dword(l.aux_addr(q, AUX_RECV_AT, me)).store(at, Ordering::Relaxed);
+        }
+    }
+    l.arrive(0);
+    if !l.wait(0) {
+        return None;
+    }
+    let mut all_direct = direct_ok;
+    for s in (0..world).filter(|&s| s != me) {
+        // SAFETY: our own aux slots, published before the flags we waited for.
+        let (pair, at) = unsafe {
+            (
+                dword(l.aux_addr(me, AUX_PAIR_COUNT, s)).load(Ordering::Relaxed),
+                dword(l.aux_addr(me, AUX_RECV_AT, s)).load(Ordering::Relaxed),
+            )
+        };
+        if pair != lists.recv(s).0 as u64 {
+            l.mismatch(s);
+            return None;
+        }
+        all_direct &= at != AUX_NOT_DIRECT;
+    }
+    if lists.send(me).0 != lists.recv(me).0 {
+        l.mismatch(me);
+        return None;
+    }
+    if !all_direct {
+        // SAFETY: forwarded from the caller.
+        return unsafe { exchange(&l.chunk(1)) };
+    }
+    for k in 1..world {
+        let q = (me + k) % world;
+        let (n, from) = lists.send(q);
+        if n == 0 {
+            continue;
+        }
+        // SAFETY: our own aux slot from q, read above.
+        let at = unsafe { dword(l.aux_addr(me, AUX_RECV_AT, q)).load(Ordering::Relaxed) };
+        // SAFETY: q's receive block from us lies in q's heap at `at` (q said
+        // so), holds `n` elements (the counts agreed) and overlaps none q sends.
+        unsafe { copy_bytes(DevicePtr(base(q).wrapping_add(at)), from, n * size) };
+    }
+    let ((n, from), (_, to)) = (lists.send(me), lists.recv(me));
+    // SAFETY: both blocks hold `n` elements; equal addresses (in place) are fine.
+    unsafe { copy_bytes(to, from, n * size) };
+    l.arrive(1);
+    l.wait(1).then_some(l.epoch)
 }
 
 /// The reduce-to: chunks as the exchange's, then every receiver reduces

@@ -42,6 +42,8 @@ pub(super) enum HostKernel {
     QrEncode { codec: Codec, dtype: DType },
     /// `fc_exchange`: all-gather, gather, scatter, all-to-all(-v).
     Exchange,
+    /// `fc_exchange_direct`: the exchange into receivers' heap blocks.
+    ExchangeDirect,
     /// `fc_reduce_to_<dtype>_<op>`: reduce-scatter, reduce.
     ReduceTo { dtype: DType, op: ReduceOp },
     /// `fc_sendrecv`: a batch of sends and receives (no epoch).
@@ -80,6 +82,7 @@ impl HostKernel {
                     _ => launch(p, |l| quickreduce::all_reduce::<f16>(l, codec)),
                 },
                 HostKernel::Exchange => launch(p, |l| collectives::exchange(l)),
+                HostKernel::ExchangeDirect => launch(p, |l| collectives::exchange_direct(l)),
                 HostKernel::ReduceTo { dtype, op } => match dtype {
                     DType::F32 => launch(p, |l| collectives::reduce_to::<f32>(l, op.into())),
                     DType::F16 => launch(p, |l| collectives::reduce_to::<f16>(l, op.into())),
@@ -150,6 +153,10 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
         map.insert(
             kernel_name(KernelKind::Exchange, any, ReduceOp::Sum),
             HostKernel::Exchange,
+        );
+        map.insert(
+            kernel_name(KernelKind::ExchangeDirect, any, ReduceOp::Sum),
+            HostKernel::ExchangeDirect,
         );
         map.insert(
             kernel_name(KernelKind::SendRecv, any, ReduceOp::Sum),
@@ -480,7 +487,11 @@ unsafe fn run<T: Lanes>(l: &Launch, kind: KernelKind, op: Reduction) -> Option<u
             KernelKind::OneShotLl => oneshot_ll::<T>(l, op).then_some(l.epoch),
             KernelKind::TwoShotPush => twoshot_push::<T>(l, op),
             // Not names of this dispatch (module_kernels maps them elsewhere).
-            KernelKind::QuickReduce | KernelKind::Exchange | KernelKind::ReduceTo | KernelKind::SendRecv => None,
+            KernelKind::QuickReduce
+            | KernelKind::Exchange
+            | KernelKind::ExchangeDirect
+            | KernelKind::ReduceTo
+            | KernelKind::SendRecv => None,
         }
     }
 }

@@ -86,8 +86,10 @@ fn device_op(op: ReduceOp) -> &'static str {
 
 /// Parse `fc_<kind>_<dtype>_<op>` back, for every name the module exports.
 fn parse_collective(name: &str) -> Option<(KernelKind, DType, ReduceOp)> {
-    if name == kernel_name(KernelKind::Exchange, DType::U8, ReduceOp::Sum) {
-        return Some((KernelKind::Exchange, DType::U8, ReduceOp::Sum));
+    for kind in [KernelKind::Exchange, KernelKind::ExchangeDirect] {
+        if name == kernel_name(kind, DType::U8, ReduceOp::Sum) {
+            return Some((kind, DType::U8, ReduceOp::Sum));
+        }
     }
     for dtype in DType::REDUCIBLE {
         for op in REDUCE_TO_OPS.into_iter().filter(|&op| dtype.supports(op)) {
@@ -109,9 +111,9 @@ fn parse_collective(name: &str) -> Option<(KernelKind, DType, ReduceOp)> {
 /// The C++ definition of one entry point of [`COLLECTIVES`].
 pub fn collective_entry(name: &str) -> Option<String> {
     let (kind, dtype, op) = parse_collective(name)?;
-    if kind == KernelKind::Exchange {
+    if matches!(kind, KernelKind::Exchange | KernelKind::ExchangeDirect) {
         // Bytes of any dtype: the element size comes from `FcParams::dtype`.
-        return Some(format!("FC_KERNEL({name}) {{ fc::exchange(p); }}\n"));
+        return Some(format!("FC_KERNEL({name}) {{ fc::{}(p); }}\n", kind.name()));
     }
     let ty = device_type(dtype)?;
     let call = match kind {
@@ -122,7 +124,9 @@ pub fn collective_entry(name: &str) -> Option<String> {
         KernelKind::OneShotLl => format!("fc::oneshot_ll<{ty}, {}>(p)", device_op(op)),
         KernelKind::TwoShotPush => format!("fc::twoshot_push<{ty}, {}>(p)", device_op(op)),
         KernelKind::ReduceTo => format!("fc::reduce_to<{ty}, {}>(p)", device_op(op)),
-        KernelKind::QuickReduce | KernelKind::Exchange | KernelKind::SendRecv => return None,
+        KernelKind::QuickReduce | KernelKind::Exchange | KernelKind::ExchangeDirect | KernelKind::SendRecv => {
+            return None
+        }
     };
     Some(format!("FC_KERNEL({name}) {{ {call}; }}\n"))
 }
@@ -205,6 +209,11 @@ pub enum KernelKind {
     /// addresses (`KernelParams::per_peer`). `fc_exchange` on every backend
     /// (GPUs may route to NCCL/RCCL instead: `comm::route`).
     Exchange,
+    /// The exchange writing straight into the receivers' blocks when every
+    /// rank's lie in its symmetric heap (zero copy: no inbox, no chunks, one
+    /// more flag round trip); else, decided the same on every rank after the
+    /// first flags, the exchange. `fc_exchange_direct`.
+    ExchangeDirect,
     /// Every rank sends a block to some peers, and each receiver reduces
     /// what it receives (its own block included) in rank order:
     /// reduce-scatter and reduce. `fc_reduce_to_<dtype>_<op>` on every
@@ -226,6 +235,7 @@ impl KernelKind {
             KernelKind::TwoShotPush => "twoshot_push",
             KernelKind::QuickReduce => "qr",
             KernelKind::Exchange => "exchange",
+            KernelKind::ExchangeDirect => "exchange_direct",
             KernelKind::ReduceTo => "reduce_to",
             KernelKind::SendRecv => "sendrecv",
         }
@@ -234,10 +244,15 @@ impl KernelKind {
     /// The protocols of the collectives beyond all-reduce and broadcast,
     /// with per-peer lists (the host module has them all; the GPU modules
     /// have exchange and reduce-to; send/recv goes to NCCL/RCCL on GPUs).
-    pub const HOST_PROTOCOLS: [KernelKind; 3] = [KernelKind::Exchange, KernelKind::ReduceTo, KernelKind::SendRecv];
+    pub const HOST_PROTOCOLS: [KernelKind; 4] = [
+        KernelKind::Exchange,
+        KernelKind::ExchangeDirect,
+        KernelKind::ReduceTo,
+        KernelKind::SendRecv,
+    ];
 
     /// Every kind, in a fixed order.
-    pub const ALL: [KernelKind; 10] = [
+    pub const ALL: [KernelKind; 11] = [
         KernelKind::OneShot,
         KernelKind::TwoShot,
         KernelKind::Broadcast,
@@ -246,6 +261,7 @@ impl KernelKind {
         KernelKind::TwoShotPush,
         KernelKind::QuickReduce,
         KernelKind::Exchange,
+        KernelKind::ExchangeDirect,
         KernelKind::ReduceTo,
         KernelKind::SendRecv,
     ];
@@ -274,7 +290,7 @@ impl KernelKind {
 /// only move bytes (exchange, sendrecv) are `fc_<kind>`.
 pub fn kernel_name(kind: KernelKind, dtype: DType, op: ReduceOp) -> String {
     match kind {
-        KernelKind::Exchange | KernelKind::SendRecv => format!("fc_{}", kind.name()),
+        KernelKind::Exchange | KernelKind::ExchangeDirect | KernelKind::SendRecv => format!("fc_{}", kind.name()),
         KernelKind::Broadcast => format!("fc_{}_{}_sum", kind.name(), dtype.name()),
         _ => format!("fc_{}_{}_{}", kind.name(), dtype.name(), op.name()),
     }
@@ -335,7 +351,10 @@ pub fn all_kernel_names() -> Vec<String> {
 /// reducible dtype and [`REDUCE_TO_OPS`] op it supports, and `fc_exchange`
 /// (bytes of any dtype).
 pub fn collective_kernel_names() -> Vec<String> {
-    let mut names = vec![kernel_name(KernelKind::Exchange, DType::U8, ReduceOp::Sum)];
+    let mut names = vec![
+        kernel_name(KernelKind::Exchange, DType::U8, ReduceOp::Sum),
+        kernel_name(KernelKind::ExchangeDirect, DType::U8, ReduceOp::Sum),
+    ];
     for dtype in DType::REDUCIBLE {
         for kind in KernelKind::REDUCE {
             for op in KERNEL_OPS {

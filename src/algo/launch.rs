@@ -74,6 +74,8 @@ pub struct CollectiveCall {
     pub flags: u32,
     /// Per-peer lists of the host protocols (`KernelParams::per_peer`).
     pub per_peer: [[u64; MAX_RANKS]; 4],
+    /// `KernelParams::table` (the direct exchange's heap bases), or null.
+    pub table: DevicePtr,
 }
 
 impl CollectiveCall {
@@ -98,6 +100,7 @@ impl CollectiveCall {
             scalar: 0,
             flags: 0,
             per_peer: [[0; MAX_RANKS]; 4],
+            table: DevicePtr::NULL,
         }
     }
 }
@@ -152,7 +155,9 @@ pub fn chunk_elems(
         // An LL unit carries 4 data bytes in 8.
         KernelKind::OneShotLl => ll_stride(slot_bytes, world) / 2 / elem,
         // Per peer and chunk: one inbox (the host protocols loop over chunks).
-        KernelKind::Exchange | KernelKind::ReduceTo => push_twoshot_stride(slot_bytes, world) / elem,
+        KernelKind::Exchange | KernelKind::ExchangeDirect | KernelKind::ReduceTo => {
+            push_twoshot_stride(slot_bytes, world) / elem
+        }
         KernelKind::SendRecv => super::layout::p2p_half_bytes(slot_bytes) / elem,
     };
     debug_assert!(kind != KernelKind::TwoShotPush || segment_elems(elems, world) * elem <= slot_bytes / world);
@@ -169,6 +174,7 @@ pub const fn whole_call(kind: KernelKind) -> bool {
             | KernelKind::TwoShotPush
             | KernelKind::QuickReduce
             | KernelKind::Exchange
+            | KernelKind::ExchangeDirect
             | KernelKind::ReduceTo
             | KernelKind::SendRecv
     )
@@ -214,6 +220,7 @@ impl CollectiveCall {
             scalar: self.scalar,
             flags: self.flags,
             per_peer: self.per_peer,
+            table: self.table,
             ..KernelParams::default()
         };
         if KernelKind::HOST_PROTOCOLS.contains(&self.kind) {

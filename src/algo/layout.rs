@@ -61,6 +61,11 @@ pub const AUX_PAIR_COUNT: usize = 0;
 pub const AUX_LARGEST: usize = 1;
 /// Aux word: premul_sum's factor of a source (f32 bits).
 pub const AUX_FACTOR: usize = 2;
+/// Aux word (direct exchange): where the reader's block to the writer lands,
+/// as an offset in the writer's symmetric heap, or [`AUX_NOT_DIRECT`].
+pub const AUX_RECV_AT: usize = 3;
+/// [`AUX_RECV_AT`] of a rank whose receive blocks cannot all be written in place.
+pub const AUX_NOT_DIRECT: u64 = u64::MAX;
 /// The aux area, right after the flags (the device code relies on that).
 pub const AUX_OFFSET: usize = FLAGS_OFFSET + FLAGS_BYTES;
 pub const AUX_BYTES: usize = 2 * MAX_BLOCKS * AUX_WORDS * MAX_RANKS * 8;
@@ -169,7 +174,8 @@ pub const fn ll_stride(slot_bytes: usize, world: usize) -> usize {
 }
 
 const _: () = assert!(DATA_OFFSET % 4096 == 0);
-const _: () = assert!(AUX_OFFSET % 8 == 0 && AUX_FACTOR < AUX_WORDS && AUX_LARGEST < AUX_WORDS);
+const _: () =
+    assert!(AUX_OFFSET % 8 == 0 && AUX_FACTOR < AUX_WORDS && AUX_LARGEST < AUX_WORDS && AUX_RECV_AT < AUX_WORDS);
 const _: () = assert!(P2P_CTRL_OFFSET >= AUX_OFFSET + AUX_BYTES && P2P_CTRL_OFFSET + P2P_CTRL_BYTES <= DATA_OFFSET);
 const _: () = assert!(P2P_RECEIVED + 4 * MAX_RANKS <= P2P_CTRL_BYTES && P2P_HEADER + 16 * MAX_RANKS <= P2P_SENT);
 const _: () = assert!(LL_FP_BYTES % 64 == 0);

@@ -13,7 +13,7 @@ use super::vendor::VendorOp;
 use super::work::Work;
 use crate::algo::kernels::{KernelKind, KERNEL_OPS, QR_DTYPES, QUICK_REDUCE};
 use crate::algo::{AlgoChoice, Algorithm, CollectiveCall};
-use crate::device::{BackendKind, Device, DeviceBuffer, DevicePtr, MAX_RANKS, PARAM_SCALAR_IS_PTR};
+use crate::device::{BackendKind, Device, DeviceBuffer, DevicePtr, MAX_RANKS, PARAM_DIRECT_OK, PARAM_SCALAR_IS_PTR};
 use crate::dtype::{check_supported, DType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -995,16 +995,62 @@ fn route_of<D: Device>(s: &Submit<'_, D>, coll: Coll, block_bytes: Option<usize>
 /// sizes the GPU grid (a grid must be the same on every rank).
 fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize) -> Result<()> {
     let l = unalias(s, dtype, l, None)?;
-    let mut c = CollectiveCall::new(
-        KernelKind::Exchange,
-        dtype,
-        ReduceOp::Sum,
-        agreed,
-        DevicePtr::NULL,
-        DevicePtr::NULL,
-    );
+    let direct = direct_exchange(s, dtype, &l, agreed);
+    let kind = match direct {
+        Some(_) => KernelKind::ExchangeDirect,
+        None => KernelKind::Exchange,
+    };
+    let mut c = CollectiveCall::new(kind, dtype, ReduceOp::Sum, agreed, DevicePtr::NULL, DevicePtr::NULL);
     c.per_peer = l.table(0);
+    if let Some((table, in_place)) = direct {
+        c.table = table;
+        c.flags |= if in_place { PARAM_DIRECT_OK } else { 0 };
+    }
     enqueue(s, &c)
+}
+
+/// Smallest agreed per-peer block (bytes) a GPU exchange takes the direct
+/// way at when the communicator has a symmetric heap. Not measured yet
+/// (TODO(measure) on 2 GPUs): set from the floor. Direct saves the receiver's
+/// copy out of its inbox (each received byte read and written once more in
+/// local memory, ~2 TB/s of copy on an H200) and the flags between inbox-
+/// sized chunks, and costs one more flag round trip (~2-3 us): about even
+/// at 4 MiB a peer. The host backend takes it whenever there is a heap (its
+/// calls carry no agreed block), so CI runs it; all-to-all-v has no agreed
+/// block either, and on GPUs stays on the inbox exchange.
+pub(crate) const DIRECT_MIN_BLOCK_BYTES: usize = 4 << 20;
+
+/// Whether an exchange goes the direct way (`fc_exchange_direct`), decided
+/// alike on every rank: from the agreed block and the heap, which every rank
+/// reserves together. Then: the heap bases' table, and whether every block
+/// this rank receives from a peer can be written in place (in its heap and
+/// clear of what it sends; the kernel falls back on every rank if one rank's
+/// cannot).
+fn direct_exchange<D: Device>(s: &Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize) -> Option<(DevicePtr, bool)> {
+    let sized = match s.inner.device.facts().backend {
+        BackendKind::Host => true,
+        _ => agreed.saturating_mul(dtype.size()) >= DIRECT_MIN_BLOCK_BYTES,
+    };
+    if !sized {
+        return None;
+    }
+    let heap = s.res.heap.as_ref()?;
+    let es = dtype.size() as u64;
+    let span = |(n, p): (usize, DevicePtr)| (p.0, p.0 + n as u64 * es);
+    let me = s.inner.rank;
+    let in_place = l.recvs.iter().enumerate().all(|(r, recv)| match *recv {
+        _ if r == me => true,
+        None | Some((0, _)) => true,
+        Some((n, p)) => {
+            let (r0, r1) = span((n, p));
+            heap.offset_of(p, n * dtype.size()).is_some()
+                && !l.sends.iter().flatten().any(|&send| {
+                    let (s0, s1) = span(send);
+                    s0 < s1 && s0 < r1 && r0 < s1
+                })
+        }
+    });
+    Some((heap.peer_bases_table(), in_place))
 }
 
 /// Send blocks a receive block (or the reduce-to's output) overlaps, other

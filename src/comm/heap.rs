@@ -40,7 +40,13 @@ impl<D: Device> Communicator<D> {
             if res.heap.is_none() {
                 let bytes = inner.opts.heap_bytes_for(inner.device.facts().backend);
                 let heap = Heap::create(&inner.device, inner.store.as_ref(), &key, rank, world, bytes, timeout)?;
+                // A failure is reported to the peers below, as an allocation's.
+                let table = heap.write_peer_bases(&inner.device, &inner.stream);
+                let (base, id) = (heap.bases()[rank], heap.id());
                 res.heap = Some(heap);
+                if let Err(e) = table {
+                    return Ok((Err(e), base, key, id));
+                }
             }
             let heap = res.heap.as_mut().expect("reserved above");
             let offset = heap.alloc().alloc(bytes);

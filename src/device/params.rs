@@ -52,7 +52,9 @@ pub struct KernelParams {
     /// premul_sum's factor: its f32 bits, or (with [`PARAM_SCALAR_IS_PTR`])
     /// the address of one element of the call's dtype in device memory.
     pub scalar: u64,
-    /// A per-call table in memory the kernel can read, or null (reserved).
+    /// A table in memory the kernel can read, or null. The direct exchange:
+    /// every rank's symmetric heap base as mapped here (`u64 [MAX_RANKS]`, in
+    /// our heap's sync area, `heap::SYNC_PEER_BASES`).
     pub table: DevicePtr,
     /// The other rank of a send or receive.
     pub peer: u32,
@@ -68,6 +70,10 @@ pub struct KernelParams {
 
 /// [`KernelParams::flags`]: `scalar` is an address, not the factor's bits.
 pub const PARAM_SCALAR_IS_PTR: u32 = 1;
+/// [`KernelParams::flags`], direct exchange: every block this rank receives
+/// from a peer lies in its symmetric heap and overlaps none it sends, so
+/// peers may write them in place.
+pub const PARAM_DIRECT_OK: u32 = 2;
 
 /// Size of the ABI struct; the device headers assert the same number.
 pub const KERNEL_PARAMS_BYTES: usize = std::mem::size_of::<KernelParams>();

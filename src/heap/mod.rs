@@ -8,6 +8,8 @@
 //! offset 0              sync area (HEAP_RESERVED bytes), ferrocomm's own:
 //!   + SYNC_BARRIER_ARRIVED  u64 [MAX_RANKS]  rank p's barrier count, written by p
 //!   + SYNC_BARRIER_COUNT    u64              barriers this rank entered (local)
+//!   + SYNC_PEER_BASES       u64 [MAX_RANKS]  every rank's heap base as mapped here
+//!                                            (written once; the direct exchange reads it)
 //! HEAP_RESERVED         allocations, HEAP_ALIGN-aligned, symmetric
 //! ```
 //!
@@ -35,6 +37,11 @@ pub const HEAP_RESERVED: usize = 64 * 1024;
 pub const SYNC_BARRIER_ARRIVED: usize = 0;
 /// Sync area: `u64`, this rank's barrier count (local).
 pub const SYNC_BARRIER_COUNT: usize = 8 * MAX_RANKS;
+/// Sync area: `u64 [MAX_RANKS]`, every rank's heap base as mapped in this
+/// process, so a kernel given only this table can write into peers' heaps
+/// (`KernelParams::table` of the direct exchange).
+pub const SYNC_PEER_BASES: usize = SYNC_BARRIER_COUNT + 8;
+const _: () = assert!(SYNC_PEER_BASES + 8 * MAX_RANKS <= HEAP_RESERVED);
 
 /// This rank's heap and every peer's mapping of theirs.
 pub(crate) struct Heap<D: Device> {
@@ -105,6 +112,18 @@ impl<D: Device> Heap<D> {
     /// Every rank's heap base as mapped here; `[rank]` is our own.
     pub(crate) fn bases(&self) -> [DevicePtr; MAX_RANKS] {
         self.maps.ptrs
+    }
+
+    /// [`SYNC_PEER_BASES`] in device memory, written and synchronized.
+    pub(crate) fn write_peer_bases(&self, dev: &D, stream: &D::Stream) -> Result<()> {
+        let table: Vec<u8> = self.maps.ptrs.iter().flat_map(|p| p.0.to_le_bytes()).collect();
+        dev.copy_from_host(&self.own, SYNC_PEER_BASES, &table, stream)?;
+        dev.synchronize(stream)
+    }
+
+    /// The address of [`SYNC_PEER_BASES`] in our heap.
+    pub(crate) fn peer_bases_table(&self) -> DevicePtr {
+        self.own.ptr().offset(SYNC_PEER_BASES)
     }
 
     pub(crate) fn bytes(&self) -> usize {

@@ -35,6 +35,10 @@ pub fn run_heap_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg:
     let (rank, world) = (comm.rank(), comm.size());
     let mut c = Checker::default();
     let barrier = |what: &str| store_barrier(store, &format!("fc/heap-suite/{what}"), rank, world, cfg.timeout);
+    // Every kernel loaded first: ranks that share a GPU (threads, one
+    // context) can otherwise deadlock, one rank's module load waiting behind
+    // another's kernel that waits for it (heap_alloc's barrier is a kernel).
+    comm.prepare()?;
 
     // Symmetric allocation and translation.
     let a = comm.heap_alloc(1000)?;
@@ -178,6 +182,8 @@ pub fn run_heap_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg:
     c.check_err("register over the sync area", odd.register(sync_area), "sync area");
     odd.free()?;
 
+    heap_collectives(comm, &mut c, &barrier)?;
+
     // Out of heap: every rank gets the error, and the heap stays usable.
     c.check_err("heap exhausted", comm.heap_alloc(1 << 40), "out of memory");
     let (a_off, b_off) = (a.offset(), b.offset());
@@ -200,6 +206,149 @@ pub fn run_heap_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg:
     Ok(c.report)
 }
 
+/// The workspace's epoch, which every launch's flags advance: the direct
+/// exchange takes one, its fallback one more than the exchange's chunks.
+fn ws_epoch<D: Device>(comm: &Communicator<D>) -> Result<u32> {
+    let dev = comm.device();
+    let stream = comm.stream();
+    dev.synchronize(stream)?;
+    let mut word = [0u8; 4];
+    comm.with_resources(|res| match &res.ws {
+        Some(ws) => dev.copy_to_host(ws.own(), 0, &mut word, stream),
+        None => Err(Error::invalid("no workspace")),
+    })??;
+    dev.synchronize(stream)?;
+    Ok(u32::from_le_bytes(word))
+}
+
+/// Collectives on heap buffers. The exchange writes straight into the
+/// receivers' heap blocks (`fc_exchange_direct`: on the host whenever there
+/// is a heap, on GPUs from `DIRECT_MIN_BLOCK_BYTES` a peer), and every rank
+/// falls back to the inbox exchange when one rank's blocks cannot be written
+/// in place (one outside the heap, or an all-to-all in place). Which way a
+/// call went shows in the epochs it took: one for the direct way, at least
+/// two for the fallback. The kind is chosen from the sizes and the heap, not
+/// from where the outputs lie, so a call that fell back with one rank's
+/// output outside the heap proves its all-heap twin took the direct kernel.
+fn heap_collectives<D: Device>(
+    comm: &Communicator<D>,
+    c: &mut Checker,
+    barrier: &dyn Fn(&str) -> Result<()>,
+) -> Result<()> {
+    let (rank, world) = (comm.rank(), comm.size());
+    let gpu = comm.device().facts().backend != crate::device::BackendKind::Host;
+    let call = Call::new();
+    // Odd counts: not a multiple of 16 bytes. On GPUs one size each side of
+    // the direct threshold, both above the size under which all-gather and
+    // gather may go to NCCL (`route`), which takes no epochs.
+    let direct_n = crate::comm::DIRECT_MIN_BLOCK_BYTES / 4 + 5;
+    let sizes: Vec<usize> = if gpu {
+        vec![(1 << 20) / 4 + 3, direct_n]
+    } else {
+        vec![1, 257]
+    };
+    for (k, &n) in sizes.iter().enumerate() {
+        let direct = !gpu || n == direct_n;
+        let round = 30 + k;
+        let inp = comm.heap_alloc(world * n * 4)?;
+        let out = comm.heap_alloc(world * n * 4)?;
+        let plain = comm.alloc(world * n * 4)?;
+        let blocks: Vec<i32> = (0..world * n).map(|i| value(rank, round, i)).collect();
+        let everyone = |part: &dyn Fn(usize, usize) -> i32| -> Vec<i32> {
+            (0..world)
+                .flat_map(|s| (0..n).map(move |i| (s, i)))
+                .map(|(s, i)| part(s, i))
+                .collect()
+        };
+        let read = |buf: &crate::heap::HeapBuffer| -> Result<Vec<i32>> {
+            let mut got = vec![0u8; world * n * 4];
+            comm.heap_read(buf, 0, &mut got)?;
+            Ok(from_bytes(&got))
+        };
+        let epochs = |taken: u32, fell_back: bool, case: &str, c: &mut Checker| {
+            let want_direct = direct && !fell_back;
+            let ok = if direct && fell_back { taken >= 2 } else { taken == 1 };
+            c.check(&format!("{case}: {n} elements, epochs taken"), ok, || {
+                format!(
+                    "{taken} epochs (direct expected: {want_direct}, fallback: {})",
+                    direct && fell_back
+                )
+            });
+        };
+
+        // All-gather into the heap, then with rank 0's output outside it.
+        comm.heap_write(&inp, 0, &to_bytes(&blocks))?;
+        let input = Tensor::view(&inp, DType::I32, 0, n)?;
+        for outside in [false, true] {
+            comm.heap_write(&out, 0, &vec![0xEE; world * n * 4])?;
+            let output = match outside && rank == 0 {
+                true => Tensor::of(&plain, DType::I32),
+                false => Tensor::of(&out, DType::I32),
+            };
+            let e0 = ws_epoch(comm)?;
+            comm.all_gather_single(output, input, &call)?.wait(None)?;
+            let taken = ws_epoch(comm)?.wrapping_sub(e0);
+            let got = match outside && rank == 0 {
+                true => {
+                    let mut b = vec![0u8; world * n * 4];
+                    comm.read(&plain, 0, &mut b)?;
+                    from_bytes(&b)
+                }
+                false => read(&out)?,
+            };
+            let case = format!("heap all-gather (rank 0's output outside: {outside})");
+            c.report.elements_checked += got.len();
+            c.check_values(&case, &got, &everyone(&|s, i| value(s, round, i)));
+            epochs(taken, outside, &case, c);
+            barrier(&format!("ag{round}{outside}"))?;
+        }
+
+        // All-to-all heap to heap, then in place (falls back: a peer's
+        // block would land where this rank still reads).
+        let e0 = ws_epoch(comm)?;
+        let (tin, tout) = (Tensor::of(&inp, DType::I32), Tensor::of(&out, DType::I32));
+        comm.all_to_all_single(tout, tin, &call)?.wait(None)?;
+        let taken = ws_epoch(comm)?.wrapping_sub(e0);
+        let want = everyone(&|s, i| value(s, round, rank * n + i));
+        let got = read(&out)?;
+        c.report.elements_checked += got.len();
+        c.check_values(&format!("heap all-to-all {n}"), &got, &want);
+        epochs(taken, false, "heap all-to-all", c);
+        barrier(&format!("a2a{round}"))?;
+        let e0 = ws_epoch(comm)?;
+        comm.all_to_all_single(tin, tin, &call)?.wait(None)?;
+        let taken = ws_epoch(comm)?.wrapping_sub(e0);
+        let got = read(&inp)?;
+        c.report.elements_checked += got.len();
+        c.check_values(&format!("heap all-to-all in place {n}"), &got, &want);
+        epochs(taken, true, "heap all-to-all in place", c);
+        barrier(&format!("a2a-in-place{round}"))?;
+
+        // Gather to rank world - 1 into heap blocks.
+        let root = world - 1;
+        comm.heap_write(&inp, 0, &to_bytes(&blocks))?;
+        let outs: Vec<Tensor> = match rank == root {
+            true => (0..world)
+                .map(|s| Tensor::view(&out, DType::I32, s * n * 4, n))
+                .collect::<Result<_>>()?,
+            false => Vec::new(),
+        };
+        let e0 = ws_epoch(comm)?;
+        comm.gather(&outs, input, root, &call)?.wait(None)?;
+        let taken = ws_epoch(comm)?.wrapping_sub(e0);
+        if rank == root {
+            let got = read(&out)?;
+            c.report.elements_checked += got.len();
+            c.check_values(&format!("heap gather {n}"), &got, &everyone(&|s, i| value(s, round, i)));
+        }
+        epochs(taken, false, "heap gather", c);
+        barrier(&format!("gather{round}"))?;
+        comm.heap_free(out)?;
+        comm.heap_free(inp)?;
+    }
+    Ok(())
+}
+
 /// Rank 0 waits for a signal rank 1 never sends: the wait must end with a
 /// timeout naming rank 1, within the call's bound plus grace.
 pub fn run_heap_timeout<D: Device>(
@@ -209,6 +358,7 @@ pub fn run_heap_timeout<D: Device>(
 ) -> Result<SuiteReport> {
     let (rank, world) = (comm.rank(), comm.size());
     let mut c = Checker::default();
+    comm.prepare()?; // as in run_heap_suite
     let win = comm.new_window()?;
     if rank == 0 {
         let start = std::time::Instant::now();
@@ -322,6 +472,7 @@ pub fn run_user_allgather<D: Device>(
     let (rank, world) = (comm.rank(), comm.size());
     let mut c = Checker::default();
     let max = 1 << 20;
+    comm.prepare()?; // as in run_heap_suite
     let ag = UserAllgather::new(comm, max)?;
     let inp = comm.alloc(max)?;
     let pattern = |r: usize, round: usize, i: usize| ((r * 131 + round * 17 + i * 7) % 251) as u8;
