@@ -692,23 +692,31 @@ FC_DEVICE void exchange_direct(const FcParams& p) {
     const fc_u64* bases = fc_ptr<const fc_u64>(p.table);
     const bool direct_ok = (p.flags & FC_PARAM_DIRECT_OK) != 0 && p.table != 0;
 
+    // To peer t: the count we send it, the count we expect from it (aux
+    // word 1, which this kind does not use for the largest block: a sender
+    // checks it before writing into our memory), and where its block lands
+    // (an empty block announces 0, so no address can read as "not direct").
     const fc_u32 t = fc_thread_id();
     if (t < world && t != rank) {
         char* peer = fc_ptr<char>(p.peer_ws[t]);
-        // Empty blocks may carry any address: the offset wraps, never used.
-        const fc_u64 at = direct_ok ? recv_addr(p, t) - bases[rank] : FC_AUX_NOT_DIRECT;
+        const fc_u64 at = !direct_ok ? FC_AUX_NOT_DIRECT : recv_count(p, t) == 0 ? 0 : recv_addr(p, t) - bases[rank];
         fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_PAIR_COUNT, rank), send_count(p, t));
+        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_LARGEST, rank), recv_count(p, t));
         fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_RECV_AT, rank), at);
     }
     if (!arrive_wait(p, own, epoch, parity, 0, b)) return;
 
+    // Both sides of every pair check it: a receiver what it will get, a
+    // sender what its receiver takes, so no rank writes a block its
+    // receiver does not expect.
     bool all_direct = direct_ok;
     for (fc_u32 s = 0; s < world; ++s) {
         bool bad;
         if (s == rank) {
             bad = send_count(p, s) != recv_count(p, s);
         } else {
-            bad = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_PAIR_COUNT, s)) != recv_count(p, s);
+            bad = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_PAIR_COUNT, s)) != recv_count(p, s) ||
+                  fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_LARGEST, s)) != send_count(p, s);
             all_direct = all_direct && fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_RECV_AT, s)) != FC_AUX_NOT_DIRECT;
         }
         if (bad) {

@@ -5,7 +5,11 @@
 //! - `exchange_emu.cpp`: the exchange and reduce-to kernels
 //!   (`kernels-cuda/collectives.cu`): calls of several chunks back to back,
 //!   odd counts, unaligned and in-place buffers, premul_sum and a count
-//!   mismatch.
+//!   mismatch; the direct exchange into per-rank heaps (all-to-all and
+//!   all-gather lists, its fallback to the inbox exchange when one rank
+//!   cannot take blocks in place, interleaved with inbox exchanges on the
+//!   same blocks, each launch's output and epoch advance checked before the
+//!   rank's next launch).
 //! - `device_api_emu.cpp`: the device API (`kernels-cuda/device_api.cuh`) and
 //!   the example all-gather (`kernels-cuda/examples/user_allgather.cu`):
 //!   repeated all-gathers, puts and gets at every granularity, signals,

@@ -218,17 +218,22 @@ pub(super) unsafe fn exchange_direct(l: &Launch) -> Option<u32> {
         // (our heap's sync area), written once before any launch.
         unsafe { (l.p.table.0 as *const u64).add(r).read() }
     };
+    // To peer q: the count we send it, the count we expect from it (aux
+    // word 1, unused by this kind otherwise: a sender checks it before
+    // writing into our memory), and where its block lands (an empty block
+    // announces 0, so no address can read as "not direct").
     for q in (0..world).filter(|&q| q != me) {
-        // Empty blocks may carry any address: wrapping, never read.
-        let at = if direct_ok {
-            lists.recv(q).1 .0.wrapping_sub(base(me))
-        } else {
-            AUX_NOT_DIRECT
+        let (n, at) = lists.recv(q);
+        let at = match (direct_ok, n) {
+            (false, _) => AUX_NOT_DIRECT,
+            (true, 0) => 0,
+            (true, _) => at.0.wrapping_sub(base(me)),
         };
         // SAFETY: aux slots lie inside every mapped workspace; `arrive`'s
         // release store publishes them.
         unsafe {
             dword(l.aux_addr(q, AUX_PAIR_COUNT, me)).store(lists.send(q).0 as u64, Ordering::Relaxed);
+            dword(l.aux_addr(q, AUX_LARGEST, me)).store(n as u64, Ordering::Relaxed);
             dword(l.aux_addr(q, AUX_RECV_AT, me)).store(at, Ordering::Relaxed);
         }
     }
@@ -236,16 +241,19 @@ pub(super) unsafe fn exchange_direct(l: &Launch) -> Option<u32> {
     if !l.wait(0) {
         return None;
     }
+    // Both sides of every pair check it, so no rank writes a block its
+    // receiver does not expect.
     let mut all_direct = direct_ok;
     for s in (0..world).filter(|&s| s != me) {
         // SAFETY: our own aux slots, published before the flags we waited for.
-        let (pair, at) = unsafe {
+        let (pair, expects, at) = unsafe {
             (
                 dword(l.aux_addr(me, AUX_PAIR_COUNT, s)).load(Ordering::Relaxed),
+                dword(l.aux_addr(me, AUX_LARGEST, s)).load(Ordering::Relaxed),
                 dword(l.aux_addr(me, AUX_RECV_AT, s)).load(Ordering::Relaxed),
             )
         };
-        if pair != lists.recv(s).0 as u64 {
+        if pair != lists.recv(s).0 as u64 || expects != lists.send(s).0 as u64 {
             l.mismatch(s);
             return None;
         }

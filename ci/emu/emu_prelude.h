@@ -44,6 +44,7 @@ typedef long long fc_i64;
 #define FC_OP_BXOR 7
 #define FC_OP_PREMUL 8
 #define FC_PARAM_SCALAR_IS_PTR 1u
+#define FC_PARAM_DIRECT_OK 2u
 
 struct FcParams {
     fc_u64 peer_ws[FC_MAX_RANKS];

@@ -6,6 +6,13 @@
 // chunks, odd counts and unaligned addresses, in place, all-to-all-v with
 // zeros, premul_sum, and a count mismatch. Results are compared with a
 // sequential reference (the reduction rule of docs/protocol.md).
+// The direct exchange (fc::exchange_direct) writes into receive blocks in
+// each rank's symmetric heap (plain memory here, one arena per rank at its
+// own base, with a table of the bases as the host passes it): all-to-all and
+// all-gather lists (in place too), empty pairs, odd sizes, 1 to 4 blocks, the
+// fallback to the inbox exchange when one rank cannot take blocks in place,
+// and fc::exchange launches in between on the same receive blocks, each
+// launch's output checked by its rank before that rank's next launch.
 #include "emu_prelude.h"
 #include "../../kernels-cuda/common.cuh"
 #include "../../kernels-cuda/collectives.cu"
@@ -15,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -22,6 +30,14 @@
 constexpr fc_u64 FP_OFFSET = 256;
 constexpr fc_u64 FLAGS_OFFSET = FP_OFFSET + 2ull * FC_MAX_BLOCKS * FC_MAX_RANKS * 8;
 constexpr fc_u64 DATA_OFFSET = 131072;
+
+// A rank's symmetric heap (direct exchange): its first bytes hold the table
+// of every rank's heap base (p.table; the host keeps it in the heap's sync
+// area), its receive blocks lie at HEAP_SYNC + 1024 * rank on (ARENA bytes),
+// so the offsets ranks announce differ as well as the bases.
+constexpr fc_u64 HEAP_BYTES = 65536;
+constexpr fc_u64 HEAP_SYNC = 8192;
+constexpr fc_u64 ARENA = 40960;
 
 typedef void (*Kernel)(const FcParams&);
 
@@ -48,6 +64,12 @@ struct Launch {
     Kernel k;
     FcParams p;
     int nb;
+    // On the rank's thread right before the launch, and right after it with
+    // how far the launch moved the epoch word (returns the failures found):
+    // what the stream's previous and next kernels would do, with no sync
+    // with the other ranks.
+    std::function<void()> before;
+    std::function<int(fc_u32)> then;
 };
 
 struct Check {
@@ -61,14 +83,21 @@ struct Group {
     fc_u64 slot;
     std::vector<unsigned char*> ws;
     std::vector<fc_u32*> err;
+    std::vector<unsigned char*> heap;    // per rank: HEAP_BYTES, the table first
+    std::vector<unsigned char*> outside; // per rank: ARENA bytes outside the heap
     std::vector<std::vector<Launch>> launches; // per rank, in order
     std::vector<Check> checks;
+    std::atomic<int> late{0}; // failures the `then` hooks found
 
     Group(int w, fc_u64 slot_bytes) : world(w), slot(slot_bytes) {
         for (int r = 0; r < w; ++r) {
             ws.push_back(alloc(DATA_OFFSET + 4 * slot + 65536));
             err.push_back((fc_u32*)alloc(64));
+            heap.push_back(alloc(HEAP_BYTES));
+            outside.push_back(alloc(ARENA));
         }
+        for (int r = 0; r < w; ++r)
+            for (int q = 0; q < w; ++q) reinterpret_cast<fc_u64*>(heap[r])[q] = (fc_u64)heap[q];
         launches.resize(w);
     }
     FcParams params(int rank, fc_u32 dtype, fc_u32 op, fc_u64 count, fc_u64 fp) {
@@ -93,7 +122,13 @@ struct Group {
         std::vector<std::thread> ranks;
         for (int r = 0; r < world; ++r)
             ranks.emplace_back([this, r, nt] {
-                for (auto& l : launches[r]) launch(l.k, l.p, l.nb, nt);
+                const fc_u32* epoch = reinterpret_cast<const fc_u32*>(ws[r]); // [0] of the ctrl words
+                for (auto& l : launches[r]) {
+                    if (l.before) l.before();
+                    const fc_u32 e = *epoch;
+                    launch(l.k, l.p, l.nb, nt);
+                    if (l.then) late += l.then(*epoch - e);
+                }
             });
         for (auto& t : ranks) t.join();
     }
@@ -152,6 +187,143 @@ static void exchange_case(Group& g, const char* what, fc_u32 dtype, int es, std:
         }
         g.launches[r].push_back({fc::exchange, p, nb});
         g.checks.push_back({std::string(what) + " rank " + std::to_string(r), recv[r], want[r]});
+    }
+}
+
+// ---- exchange into symmetric heaps: fc::exchange_direct, or fc::exchange on
+// the same receive blocks (so the two kinds' epochs and parities interleave).
+// A rank's receive blocks lie in its arena, the same for every such launch
+// of the group (an output tensor reused call after call): in its heap, or,
+// for the ranks in `no_direct` (no FC_PARAM_DIRECT_OK), in plain memory
+// outside it, so every rank falls back to the inbox exchange. Before its
+// launch a rank fills its arena with a fresh guard byte (then its send
+// blocks, where they are receive blocks); right after it, before its next
+// launch, it checks every received byte, the guard around the blocks (gaps
+// between blocks catch an overrun), and how far the epoch word moved: 1 the
+// direct way, 1 + the chunk count on the fallback, the chunk count for
+// fc::exchange. Empty pairs carry addresses nothing may touch. ----
+enum Sends {
+    SEND_BLOCKS,    // a buffer of one block per peer
+    SEND_ONE,       // all-gather: one buffer, the same bytes to every peer
+    SEND_OWN_BLOCK, // all-gather in place: that buffer is our own receive block
+    SEND_IN_PLACE,  // all-to-all in place: each send block is the pair's receive block (never direct)
+};
+
+struct HeapCase {
+    std::string what;
+    int es;
+    std::vector<std::vector<size_t>> c;    // c[s][d]: elements s sends d
+    std::vector<std::vector<size_t>> soff; // soff[s][d]: bytes into data[s] of s's block to d
+    std::vector<std::vector<size_t>> roff; // roff[d][s]: bytes into d's arena of its block from s
+    std::vector<std::vector<unsigned char>> data; // what each rank sends
+    std::vector<unsigned char*> arena;
+    std::vector<std::vector<char>> in_block; // per rank, per arena byte: inside a receive block
+};
+
+static void heap_case(Group& g, const char* what, bool direct, fc_u32 dtype, int es, std::vector<std::vector<size_t>> c,
+                      Sends sends, bool aligned, unsigned no_direct, int nb, fc_u64 fp) {
+    const int W = g.world;
+    auto h = std::make_shared<HeapCase>();
+    h->what = what;
+    h->es = es;
+    h->c = c;
+    h->soff.assign(W, std::vector<size_t>(W, 0));
+    h->roff = h->soff;
+    h->data.resize(W);
+    h->arena.resize(W);
+    h->in_block.resize(W);
+    // Element aligned, and (unless `aligned`) not 16-byte aligned: byte copies.
+    auto mis = [&] { return aligned ? (size_t)0 : (size_t)es * (1 + rnd(16 / es - 1)); };
+    size_t largest = 0;
+    std::vector<unsigned char*> send(W);
+    for (int r = 0; r < W; ++r) {
+        const bool out = (no_direct >> r & 1) && sends != SEND_IN_PLACE;
+        h->arena[r] = out ? g.outside[r] : g.heap[r] + HEAP_SYNC + 1024 * r;
+        size_t total = 0;
+        for (int q = 0; q < W; ++q) {
+            largest = std::max(largest, c[r][q]);
+            if (sends == SEND_IN_PLACE && c[r][q] != c[q][r]) std::abort();
+            if (sends == SEND_BLOCKS || sends == SEND_IN_PLACE) {
+                h->soff[r][q] = total;
+                total += c[r][q] * es;
+            } else {
+                if (c[r][q] != c[r][0]) std::abort(); // an all-gather sends one block
+                total = c[r][q] * es;
+            }
+        }
+        h->data[r].resize(total);
+        fill(h->data[r].data(), total, es);
+        size_t at = mis();
+        h->in_block[r].assign(ARENA, 0);
+        for (int s = 0; s < W; ++s) {
+            const size_t bytes = c[s][r] * es;
+            if (at + bytes > ARENA) std::abort();
+            h->roff[r][s] = at;
+            std::fill(h->in_block[r].begin() + at, h->in_block[r].begin() + at + bytes, 1);
+            at += bytes + (aligned ? 16 : es * (1 + rnd(3)));
+            if (aligned) at = (at + 15) & ~(size_t)15;
+        }
+        if (sends == SEND_BLOCKS || sends == SEND_ONE) {
+            send[r] = alloc(total + 64) + mis();
+            std::memcpy(send[r], h->data[r].data(), total);
+        }
+    }
+    const fc_u64 cap = ((g.slot / W) & ~(fc_u64)63) / es; // fc::exchange's elements a chunk
+    const fc_u64 nchunk = std::max<fc_u64>(1, (largest + cap - 1) / cap);
+    const fc_u32 advance = !direct ? nchunk : no_direct ? 1 + nchunk : 1;
+    for (int r = 0; r < W; ++r) {
+        FcParams p = g.params(r, dtype, FC_OP_SUM, 0, fp);
+        for (int q = 0; q < W; ++q) {
+            const fc_u64 nowhere = 0x1000 * (fc_u64)(1 + q); // an empty pair's: unmapped
+            const unsigned char* from = sends == SEND_IN_PLACE    ? h->arena[r] + h->roff[r][q]
+                                        : sends == SEND_OWN_BLOCK ? h->arena[r] + h->roff[r][r]
+                                                                  : send[r] + h->soff[r][q];
+            set(p, 0, q, c[r][q]);
+            set(p, 1, q, c[r][q] ? (fc_u64)from : nowhere);
+            set(p, 2, q, c[q][r]);
+            set(p, 3, q, c[q][r] ? (fc_u64)(h->arena[r] + h->roff[r][q]) : nowhere + 8);
+        }
+        p.table = (fc_u64)g.heap[r];
+        if (!(no_direct >> r & 1)) p.flags |= FC_PARAM_DIRECT_OK;
+        Launch l{direct ? fc::exchange_direct : fc::exchange, p, nb, nullptr, nullptr};
+        const unsigned char guard = (unsigned char)rng();
+        l.before = [h, r, W, guard, sends] {
+            unsigned char* a = h->arena[r];
+            std::memset(a, guard, ARENA);
+            for (int q = 0; q < W; ++q)
+                if (sends == SEND_IN_PLACE || (sends == SEND_OWN_BLOCK && q == r))
+                    std::memcpy(a + h->roff[r][q], h->data[r].data() + h->soff[r][q], h->c[r][q] * h->es);
+        };
+        l.then = [h, r, W, guard, advance](fc_u32 moved) {
+            int bad = 0;
+            const unsigned char* a = h->arena[r];
+            for (int s = 0; s < W; ++s) {
+                const size_t bytes = h->c[s][r] * h->es;
+                const unsigned char* got = a + h->roff[r][s];
+                const unsigned char* want = h->data[s].data() + h->soff[s][r];
+                for (size_t i = 0; i < bytes; ++i)
+                    if (got[i] != want[i]) {
+                        std::printf("FAIL %s rank %d: block from %d: byte %zu of %zu is %02x, want %02x\n",
+                                    h->what.c_str(), r, s, i, bytes, got[i], want[i]);
+                        ++bad;
+                        break;
+                    }
+            }
+            for (size_t i = 0; i < ARENA; ++i)
+                if (!h->in_block[r][i] && a[i] != guard) {
+                    std::printf("FAIL %s rank %d: arena byte %zu, outside the receive blocks, written\n",
+                                h->what.c_str(), r, i);
+                    ++bad;
+                    break;
+                }
+            if (moved != advance) {
+                std::printf("FAIL %s rank %d: the epoch word moved by %u, want %u\n", h->what.c_str(), r, moved,
+                            advance);
+                ++bad;
+            }
+            return bad;
+        };
+        g.launches[r].push_back(l);
     }
 }
 
@@ -215,7 +387,7 @@ static void reduce_case(Group& g, const char* what, fc_u32 dtype, size_t n, int 
 }
 
 static int verify(Group& g) {
-    int bad = 0;
+    int bad = g.late.load();
     for (auto& c : g.checks) {
         size_t first = c.want.size();
         for (size_t i = 0; i < c.want.size(); ++i)
@@ -270,6 +442,10 @@ int main(int argc, char** argv) {
         for (auto& row : c)
             for (auto& x : row) x = 0;
         exchange_case(g, "empty", FC_DTYPE_F32, 4, c, false, nb, 6);
+        // A direct exchange between the inbox kinds (its epoch, then the reduce-to's).
+        for (auto& row : c)
+            for (auto& x : row) x = 1203;
+        heap_case(g, "direct all_to_all f16", true, FC_DTYPE_F16, 2, c, SEND_BLOCKS, false, 0, nb, 14);
 
         reduce_case<fc::TF32, FC_OP_SUM>(g, "reduce_scatter f32 sum", FC_DTYPE_F32, 1999, -1, false, 0, nb, 7);
         reduce_case<fc::TF32, FC_OP_AVG>(g, "reduce_scatter f32 avg in place", FC_DTYPE_F32, 1003, -1, true, 0, nb, 8);
@@ -284,6 +460,56 @@ int main(int argc, char** argv) {
         std::printf("world %d: %zu checks, %d failed\n", W, g.checks.size(), b);
         bad += b;
     }
+    for (int W : {2, 3, 4}) {
+        // Direct and inbox exchanges into the same heap blocks, back to back:
+        // epoch advances of 1, chunk counts and 1 + chunk counts, so each kind
+        // starts on either parity after the other. Grids differ per launch
+        // (the same on every rank), sizes are not multiples of 16 bytes except
+        // where noted.
+        Group g(W, 8192); // inboxes of (8192 / W) & ~63 bytes
+        std::vector<std::vector<size_t>> c(W, std::vector<size_t>(W));
+        auto all = [&](size_t n) {
+            for (auto& row : c)
+                for (auto& x : row) x = n;
+        };
+        const unsigned last = 1u << (W - 1), every = (1u << W) - 1;
+        all(1001);
+        heap_case(g, "direct all_to_all f32, aligned", true, FC_DTYPE_F32, 4, c, SEND_BLOCKS, true, 0, 2, 21);
+        all(2999);
+        heap_case(g, "inbox all_to_all u8 into the heap", false, 5, 1, c, SEND_BLOCKS, false, 0, 3, 22);
+        all(3333);
+        heap_case(g, "direct all_gather u8", true, 5, 1, c, SEND_ONE, false, 0, 4, 23);
+        all(777);
+        heap_case(g, "direct all_gather in place f16", true, FC_DTYPE_F16, 2, c, SEND_OWN_BLOCK, false, 0, 1, 24);
+        heap_case(g, "direct all_gather in place f16, again", true, FC_DTYPE_F16, 2, c, SEND_OWN_BLOCK, true, 0, 3, 25);
+        all(1500); // several chunks on the fallback
+        heap_case(g, "fallback all_to_all f32: last rank's blocks outside its heap", true, FC_DTYPE_F32, 4, c,
+                  SEND_BLOCKS, false, last, 3, 26);
+        for (int s = 0; s < W; ++s)
+            for (int d = 0; d < W; ++d) c[s][d] = d == 1 ? 333 : 0;
+        heap_case(g, "direct gather to 1 f64", true, 7, 8, c, SEND_BLOCKS, false, 0, 2, 27);
+        all(2500); // more than a slot: no chunks the direct way (16-byte multiples)
+        heap_case(g, "direct all_to_all bf16, aligned", true, FC_DTYPE_BF16, 2, c, SEND_BLOCKS, true, 0, 4, 28);
+        all(301);
+        heap_case(g, "fallback all_to_all in place i32 (never direct)", true, FC_DTYPE_I32, 4, c, SEND_IN_PLACE, false,
+                  every, 2, 29);
+        all(200);
+        heap_case(g, "inbox all_gather f32, aligned", false, FC_DTYPE_F32, 4, c, SEND_ONE, true, 0, 1, 30);
+        all(55);
+        heap_case(g, "fallback all_gather u8: rank 0 outside its heap", true, 5, 1, c, SEND_ONE, false, 1, 2, 31);
+        all(0);
+        heap_case(g, "direct empty", true, FC_DTYPE_F32, 4, c, SEND_BLOCKS, false, 0, 3, 32);
+        all(4097);
+        heap_case(g, "direct all_to_all u8", true, 5, 1, c, SEND_BLOCKS, false, 0, 3, 33);
+        heap_case(g, "fallback all_to_all u8: last rank outside", true, 5, 1, c, SEND_BLOCKS, false, last, 1, 34);
+        heap_case(g, "direct all_to_all u8, again", true, 5, 1, c, SEND_BLOCKS, false, 0, 2, 35);
+        heap_case(g, "inbox all_to_all u8, again", false, 5, 1, c, SEND_BLOCKS, false, 0, 4, 36);
+        heap_case(g, "direct all_to_all u8, last", true, 5, 1, c, SEND_BLOCKS, false, 0, 1, 37);
+        g.run(32);
+        const int b = verify(g);
+        std::printf("heap exchanges, world %d: %zu launches a rank, %d failed\n", W, g.launches[0].size(), b);
+        bad += b;
+    }
     {
         // A count mismatch: rank 0 expects 10 elements from rank 1, which sends 12.
         Group g(2, 8192);
@@ -295,6 +521,27 @@ int main(int argc, char** argv) {
         const bool ok = g.err[0][0] == FC_ERR_CODE_MISMATCH && g.err[0][2] == 2;
         std::printf("mismatch: rank 0 error words %u %u %u %u (%s)\n", g.err[0][0], g.err[0][1], g.err[0][2],
                     g.err[0][3], ok ? "ok" : "FAIL");
+        bad += !ok;
+    }
+    {
+        // The same, the direct way: rank 0 expects 12 elements from rank 1,
+        // which sends 14. Both sides see it at phase 0 and write nothing:
+        // rank 0 names rank 1, and rank 1 (the sender, which would
+        // otherwise write past rank 0's block) names rank 0.
+        Group g(2, 8192);
+        std::vector<std::vector<size_t>> c = {{5, 12}, {12, 5}};
+        heap_case(g, "direct mismatch", true, FC_DTYPE_F32, 4, c, SEND_BLOCKS, false, 0, 2, 1);
+        g.launches[1][0].p.per_peer[0][0] = 14;
+        for (auto& l : g.launches) {
+            l[0].p.timeout_ns = 200ull * 1000 * 1000;
+            l[0].then = nullptr; // no output to check
+        }
+        g.run(32);
+        const bool ok = g.err[0][0] == FC_ERR_CODE_MISMATCH && g.err[0][2] == 2 &&
+                        g.err[1][0] == FC_ERR_CODE_MISMATCH && g.err[1][2] == 1;
+        std::printf("direct mismatch: rank 0 error words %u %u %u %u, rank 1 %u %u %u %u (%s)\n", g.err[0][0],
+                    g.err[0][1], g.err[0][2], g.err[0][3], g.err[1][0], g.err[1][1], g.err[1][2], g.err[1][3],
+                    ok ? "ok" : "FAIL");
         bad += !ok;
     }
     std::printf("%s\n", bad ? "FAILED" : "all ok");
