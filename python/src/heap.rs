@@ -1,6 +1,7 @@
 //! The symmetric heap and one-sided windows, as Python sees them
-//! (torchcomms' spelling): `Comm.heap_tensor` gives a [`PyHeapTensor`],
-//! `Comm.new_window` a [`PyWindow`] with `tensor_register`, `put`,
+//! (torchcomms' spelling): `Comm.heap_tensor` gives a [`PyHeapTensor`]
+//! (its `bits()`, for NumPy, a [`PyHeapBits`]), `Comm.new_window` a
+//! [`PyWindow`] with `tensor_register`, `put`,
 //! `signal`, `wait_signal`, `map_remote_tensor` ([`PyRemoteTensor`]),
 //! `tensor_deregister` and `free`.
 //!
@@ -139,6 +140,20 @@ impl PyHeapTensor {
         self.device
     }
 
+    /// The same memory exported as unsigned integers of the element's
+    /// width (bfloat16 as uint16, float8 as uint8): for NumPy, which has
+    /// neither type. Its exports hold the tensor as the tensor's own do.
+    fn bits(&self) -> PyHeapBits {
+        PyHeapBits {
+            lender: self.lender.clone(),
+            own: self.own.clone(),
+            exported: Exported {
+                bits: true,
+                ..self.exported()
+            },
+        }
+    }
+
     #[getter]
     fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         PyTuple::new(py, &self.shape)
@@ -200,6 +215,61 @@ impl PyHeapTensor {
             export::dtype_name(self.dtype),
             self.offset,
             if self.freed() { " freed" } else { "" }
+        )
+    }
+}
+
+/// A heap tensor's bits (`HeapTensor.bits()`), exporting DLPack in place.
+#[pyclass(frozen, name = "HeapTensorBits", module = "ferrocomm._ferrocomm")]
+pub struct PyHeapBits {
+    lender: Arc<Counter>,
+    own: Arc<Counter>,
+    exported: Exported,
+}
+
+#[pymethods]
+impl PyHeapBits {
+    #[pyo3(signature = (stream=None, *, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<&Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = stream;
+        let versioned = dlpack_args(self.exported.device, max_version, dl_device, copy)?;
+        let loan = Loan::take(&[&self.lender, &self.own]).map_err(|why| gone("heap tensor", why))?;
+        capsule(py, &self.exported, loan, versioned)
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        self.exported.device
+    }
+
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.exported.shape)
+    }
+
+    /// The unsigned integer type of the element's width (`uint16`, ...).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.exported.dtype_name()
+    }
+
+    /// This rank's address of the tensor.
+    fn data_ptr(&self) -> u64 {
+        self.exported.ptr
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<ferrocomm.HeapTensorBits of {} shape={:?} dtype={}>",
+            export::dtype_name(self.exported.dtype),
+            self.exported.shape,
+            self.exported.dtype_name()
         )
     }
 }
