@@ -34,7 +34,7 @@ from ._errors import (
     Unsupported,
 )
 from ._ops import ReduceOp
-from ._comm import Communicator, HeapTensor, P2POp, RemoteTensor, Window, Work
+from ._comm import Communicator, HeapTensor, HeapTensorBits, P2POp, RemoteTensor, Window, Work
 from ._ep import DispatchOut, EpBuffer, EpTensor
 from ._bootstrap import from_store, from_torch, init
 
@@ -49,6 +49,7 @@ __all__ = [
     "Work",
     "P2POp",
     "HeapTensor",
+    "HeapTensorBits",
     "Window",
     "RemoteTensor",
     "EpBuffer",

@@ -29,10 +29,14 @@ from ._errors import InvalidArgument
 from ._ops import ReduceOp, as_op
 from ._tensors import HOST_MEMORY, current_device_stream, current_stream, device_type, prepare, stream_handle
 
-__all__ = ["Communicator", "Work", "P2POp", "HeapTensor", "Window", "RemoteTensor", "EpBuffer", "seconds"]
+__all__ = [
+    "Communicator", "Work", "P2POp", "HeapTensor", "HeapTensorBits", "Window", "RemoteTensor", "EpBuffer",
+    "seconds",
+]
 
 Work = _native.Work
 HeapTensor = _native.HeapTensor
+HeapTensorBits = _native.HeapTensorBits
 RemoteTensor = _native.RemoteTensor
 
 Timeout = Optional[Any]  # seconds (int/float) or datetime.timedelta
@@ -674,7 +678,9 @@ class Communicator:
         rank (``.offset``), exporting DLPack: ``numpy.from_dlpack(t)`` on the
         host backend, ``torch.from_dlpack(t)`` on GPUs, both in place.
         ``dtype``: a name (``"float32"``, ``"bfloat16"``), a NumPy dtype or a
-        torch dtype.
+        torch dtype. NumPy has no bfloat16 or float8: ``t.bits()`` exports
+        the same memory as unsigned integers of the element's width
+        (``numpy.from_dlpack(t.bits())`` is uint16 or uint8).
 
         Collective: every rank allocates the same shapes and dtypes in the
         same order. ``t.free()`` gives the memory back; every rank frees its

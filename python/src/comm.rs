@@ -1119,7 +1119,10 @@ impl PyRegistration {
     fn deregister(&self, py: Python<'_>) -> PyResult<()> {
         let (comm, reg) = (&*self.comm, self.reg);
         run(py, || with_any!(comm, AnyComm, |c| c.deregister(reg)))?;
-        lock(&self.owners).clear();
+        // Dropped with the lock let go: an owner's drop may run Python code,
+        // which may let another thread take the GIL and then wait for the lock.
+        let owners = std::mem::take(&mut *lock(&self.owners));
+        drop(owners);
         Ok(())
     }
 }

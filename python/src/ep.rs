@@ -185,9 +185,9 @@ impl PyEpBuffer {
     fn take(&self, slf: &Bound<'_, Self>, what: &str) -> PyResult<(Owner, Arc<AnyEp>)> {
         ensure_open(&self.lender, what)?;
         let loan = Loan::take(&[&self.own]).map_err(|why| gone(what, why))?;
-        let ep = lock(&self.ep)
-            .clone()
-            .ok_or_else(|| invalid(format!("{what}: the EP buffer was freed")))?;
+        // The error (Python code) is made once the lock is let go.
+        let ep = lock(&self.ep).clone();
+        let ep = ep.ok_or_else(|| invalid(format!("{what}: the EP buffer was freed")))?;
         Ok((Owner::loaned(slf.clone().into_any().unbind(), loan), ep))
     }
 

@@ -1,6 +1,7 @@
 //! The symmetric heap and one-sided windows, as Python sees them
-//! (torchcomms' spelling): `Comm.heap_tensor` gives a [`PyHeapTensor`],
-//! `Comm.new_window` a [`PyWindow`] with `tensor_register`, `put`,
+//! (torchcomms' spelling): `Comm.heap_tensor` gives a [`PyHeapTensor`]
+//! (its `bits()`, for NumPy, a [`PyHeapBits`]), `Comm.new_window` a
+//! [`PyWindow`] with `tensor_register`, `put`,
 //! `signal`, `wait_signal`, `map_remote_tensor` ([`PyRemoteTensor`]),
 //! `tensor_deregister` and `free`.
 //!
@@ -15,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use ferrocomm::device::DeviceBuffer;
 use ferrocomm::heap::HeapBuffer;
-use ferrocomm::{Call, Communicator, DType, Window, Work};
+use ferrocomm::{Call, Communicator, DType, Error, Window, Work};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
@@ -139,6 +140,20 @@ impl PyHeapTensor {
         self.device
     }
 
+    /// The same memory exported as unsigned integers of the element's
+    /// width (bfloat16 as uint16, float8 as uint8): for NumPy, which has
+    /// neither type. Its exports hold the tensor as the tensor's own do.
+    fn bits(&self) -> PyHeapBits {
+        PyHeapBits {
+            lender: self.lender.clone(),
+            own: self.own.clone(),
+            exported: Exported {
+                bits: true,
+                ..self.exported()
+            },
+        }
+    }
+
     #[getter]
     fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         PyTuple::new(py, &self.shape)
@@ -204,6 +219,61 @@ impl PyHeapTensor {
     }
 }
 
+/// A heap tensor's bits (`HeapTensor.bits()`), exporting DLPack in place.
+#[pyclass(frozen, name = "HeapTensorBits", module = "ferrocomm._ferrocomm")]
+pub struct PyHeapBits {
+    lender: Arc<Counter>,
+    own: Arc<Counter>,
+    exported: Exported,
+}
+
+#[pymethods]
+impl PyHeapBits {
+    #[pyo3(signature = (stream=None, *, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<&Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = stream;
+        let versioned = dlpack_args(self.exported.device, max_version, dl_device, copy)?;
+        let loan = Loan::take(&[&self.lender, &self.own]).map_err(|why| gone("heap tensor", why))?;
+        capsule(py, &self.exported, loan, versioned)
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        self.exported.device
+    }
+
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.exported.shape)
+    }
+
+    /// The unsigned integer type of the element's width (`uint16`, ...).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.exported.dtype_name()
+    }
+
+    /// This rank's address of the tensor.
+    fn data_ptr(&self) -> u64 {
+        self.exported.ptr
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<ferrocomm.HeapTensorBits of {} shape={:?} dtype={}>",
+            export::dtype_name(self.exported.dtype),
+            self.exported.shape,
+            self.exported.dtype_name()
+        )
+    }
+}
+
 /// The device API's context (`FcDevCtx`, 104 bytes, native byte order) for
 /// kernels of the caller's own.
 pub fn device_ctx_bytes<'py>(py: Python<'py>, comm: &AnyComm) -> PyResult<Bound<'py, PyBytes>> {
@@ -232,6 +302,15 @@ struct Buffer {
 }
 
 /// A one-sided window (`Comm.new_window`).
+///
+/// Two Python threads may call one window. A lock held while the GIL is
+/// released deadlocks them: the other thread takes the GIL, then waits for
+/// the lock while holding it, and the first never gets the GIL back to let
+/// the lock go. So `win`, which window calls hold while they wait in Rust
+/// (a collective registration, a free waiting for queued work), is taken
+/// only with the GIL released ([`PyWindow::with_window`]); `buffer` is held
+/// with the GIL, briefly, and never across a call that releases it or runs
+/// Python code (errors are made and owners dropped after it is let go).
 #[pyclass(frozen, name = "Window", module = "ferrocomm._ferrocomm")]
 pub struct PyWindow {
     parent: Py<PyComm>,
@@ -259,21 +338,28 @@ pub(crate) fn enqueue<D: Backend>(
     opts: &Opts,
     f: impl for<'s> FnOnce(&Call<'s, D>) -> ferrocomm::Result<Work<D>> + Send,
 ) -> Result<(AnyWork, bool), Failure> {
-    detached(py, || {
-        let borrowed = match opts.stream {
-            // SAFETY: `raw` is the caller's live stream of this device; the
-            // wrapper lives for this call only and never destroys it.
-            Some(raw) => Some(unsafe { c.device().borrow_stream(raw)? }),
-            None => None,
-        };
-        let capturing = match &borrowed {
-            Some(s) => c.device().is_capturing(s)?,
-            None => false,
-        };
-        let call = opts.call(borrowed.as_ref());
-        let work = f(&call)?;
-        Ok((D::wrap_work(work), capturing))
-    })
+    detached(py, || queue(c, opts, f))
+}
+
+/// [`enqueue`] for a caller that has released the GIL already.
+fn queue<D: Backend>(
+    c: &Communicator<D>,
+    opts: &Opts,
+    f: impl for<'s> FnOnce(&Call<'s, D>) -> ferrocomm::Result<Work<D>>,
+) -> ferrocomm::Result<(AnyWork, bool)> {
+    let borrowed = match opts.stream {
+        // SAFETY: `raw` is the caller's live stream of this device; the
+        // wrapper lives for this call only and never destroys it.
+        Some(raw) => Some(unsafe { c.device().borrow_stream(raw)? }),
+        None => None,
+    };
+    let capturing = match &borrowed {
+        Some(s) => c.device().is_capturing(s)?,
+        None => false,
+    };
+    let call = opts.call(borrowed.as_ref());
+    let work = f(&call)?;
+    Ok((D::wrap_work(work), capturing))
 }
 
 impl PyWindow {
@@ -296,13 +382,22 @@ impl PyWindow {
         with_any!(&*self.comm, AnyComm, |c| c.size())
     }
 
-    /// The window, locked, for `f`; refused once freed.
-    fn with_window<T>(&self, what: &str, f: impl FnOnce(&mut AnyWindow) -> PyResult<T>) -> PyResult<T> {
-        let mut guard = lock(&self.win);
-        match guard.as_mut() {
-            Some(w) => f(w),
-            None => Err(invalid(format!("window {what}: the window was freed"))),
-        }
+    /// Run `f` on the window with the GIL released, the window locked
+    /// inside that only (see [`PyWindow`]); refused once freed.
+    fn with_window<T: Send>(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        f: impl FnOnce(&mut AnyWindow) -> Result<T, Failure> + Send,
+    ) -> Result<T, Failure> {
+        let win = &self.win;
+        detached(py, || {
+            let mut guard = lock(win);
+            Ok(match guard.as_mut() {
+                Some(w) => f(w),
+                None => Err(Error::invalid(format!("window {what}: the window was freed")).into()),
+            })
+        })?
     }
 
     /// Check the peer and the per-call options, queue one window operation
@@ -325,30 +420,42 @@ impl PyWindow {
         let parent = self.parent.get();
         let mut batch = parent.batch(opts.stream);
         let src = src.map(|t| batch.import(t, false, "window put tensor")).transpose()?;
-        let res = self.with_window(what, |w| {
-            let any = &*self.comm;
-            let o = &opts;
-            Ok(with_any!(w, AnyWindow, |w| match comm_for(w, any) {
-                Ok(c) => enqueue(py, c, o, |call| match (what, src) {
+        let (any, o) = (&*self.comm, &opts);
+        // A freed window is an InvalidArgument, which `finish` raises with
+        // nothing kept, as any refusal before the queueing.
+        let res = self.with_window(py, what, |w| {
+            with_any!(w, AnyWindow, |w| {
+                let c = comm_for(w, any)?;
+                Ok(queue(c, o, |call| match (what, src) {
                     ("put", Some(t)) => w.put(t, rank, offset, call),
                     ("signal", _) => w.signal(rank, call),
                     _ => w.wait_signal(rank, call),
-                }),
-                Err(f) => Err(f),
-            }))
-        })?;
+                })?)
+            })
+        });
         parent.finish(py, res, batch, &opts, what, false)
     }
 }
 
-impl Buffer {
-    /// Mark the peers' views gone (`why`), refused while any is held.
-    fn close_views(&self, what: &str, why: &'static str) -> PyResult<()> {
-        self.views.close(why).map_err(|n| {
-            invalid(format!(
+impl PyWindow {
+    /// Mark the peers' views of the buffer gone (`why`), refused while any
+    /// is held; nothing to do without a buffer. Whether there was one.
+    fn close_views(&self, what: &str, why: &'static str) -> PyResult<bool> {
+        // The error (Python code) is made once the lock is let go.
+        let closed = lock(&self.buffer).as_ref().map(|b| b.views.close(why));
+        match closed {
+            Some(Err(n)) => Err(invalid(format!(
                 "window {what}: {n} DLPack view(s) from map_remote_tensor are still held; let them go first"
-            ))
-        })
+            ))),
+            other => Ok(other.is_some()),
+        }
+    }
+
+    /// Let the buffer go: its owner is dropped (maybe Python code) with
+    /// the lock let go.
+    fn drop_buffer(&self) {
+        let old = lock(&self.buffer).take();
+        drop(old);
     }
 }
 
@@ -382,14 +489,17 @@ impl PyWindow {
                 .unwrap_or_else(|| vec![imp.count as i64]),
         };
         let t = imp.tensor();
-        self.with_window("tensor_register", |w| {
-            run(py, || with_any!(w, AnyWindow, |w| w.register(t)))
+        // A second registration racing this one on another thread is
+        // refused by the window itself.
+        self.with_window(py, "tensor_register", |w| {
+            Ok(with_any!(w, AnyWindow, |w| w.register(t))?)
         })?;
-        *lock(&self.buffer) = Some(Buffer {
+        let old = lock(&self.buffer).replace(Buffer {
             _owner: imp.owner,
             views: Counter::new(),
             shape,
         });
+        drop(old);
         Ok(())
     }
 
@@ -445,21 +555,17 @@ impl PyWindow {
     /// local buffer's when the peer's has as many elements, else 1-D.
     fn map_remote_tensor(&self, py: Python<'_>, rank: i64) -> PyResult<PyRemoteTensor> {
         let rank = rank_arg("window map_remote_tensor", rank, self.world())?;
-        let (views, local_shape) = match &*lock(&self.buffer) {
-            Some(b) => (b.views.clone(), b.shape.clone()),
-            None => {
-                return Err(invalid(
-                    "window map_remote_tensor: the window has no buffer (tensor_register one first)".into(),
-                ))
-            }
+        let buffer = lock(&self.buffer).as_ref().map(|b| (b.views.clone(), b.shape.clone()));
+        let Some((views, local_shape)) = buffer else {
+            return Err(invalid(
+                "window map_remote_tensor: the window has no buffer (tensor_register one first)".into(),
+            ));
         };
         let any = &*self.comm;
-        let (t, device) = self.with_window("map_remote_tensor", |w| {
-            run(py, || {
-                with_any!(w, AnyWindow, |w| {
-                    let dev = device_for(w, any);
-                    w.map_remote(rank).map(|t| (t, dev))
-                })
+        let (t, device) = self.with_window(py, "map_remote_tensor", |w| {
+            with_any!(w, AnyWindow, |w| {
+                let dev = device_for(w, any);
+                Ok(w.map_remote(rank).map(|t| (t, dev))?)
             })
         })?;
         let count = t.count();
@@ -485,18 +591,15 @@ impl PyWindow {
     /// Let the buffer go (local). Refused while views from
     /// `map_remote_tensor` are held. Puts queued into it must have completed.
     fn tensor_deregister(&self, py: Python<'_>) -> PyResult<()> {
-        let mut buffer = lock(&self.buffer);
-        let Some(b) = buffer.as_ref() else {
+        if !self.close_views("tensor_deregister", "deregistered")? {
             return Err(invalid("window tensor_deregister: the window has no buffer".into()));
-        };
-        b.close_views("tensor_deregister", "deregistered")?;
-        {
-            let mut guard = lock(&self.win);
-            if let Some(w) = guard.as_mut() {
-                run(py, || with_any!(w, AnyWindow, |w| w.deregister()))?;
-            }
         }
-        *buffer = None;
+        let win = &self.win;
+        run(py, || match lock(win).as_mut() {
+            Some(w) => with_any!(w, AnyWindow, |w| w.deregister()),
+            None => Ok(()),
+        })?;
+        self.drop_buffer();
         Ok(())
     }
 
@@ -505,20 +608,20 @@ impl PyWindow {
     /// Work queued on the communicator's stream is waited for; work on
     /// other streams must have completed.
     fn free(&self, py: Python<'_>) -> PyResult<()> {
-        let mut buffer = lock(&self.buffer);
-        if let Some(b) = buffer.as_ref() {
-            b.close_views("free", "freed")?;
-        }
-        let Some(w) = lock(&self.win).take() else {
+        self.close_views("free", "freed")?;
+        let win = &self.win;
+        let Some(w) = detached(py, || Ok(lock(win).take()))? else {
             return Err(invalid("window free: the window was freed already".into()));
         };
         let r = run(py, || with_any!(w, AnyWindow, |w| w.free()));
-        *buffer = None;
+        self.drop_buffer();
         r
     }
 
-    fn __repr__(&self) -> String {
-        let state = if lock(&self.win).is_none() {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let win = &self.win;
+        let freed = py.detach(|| lock(win).is_none());
+        let state = if freed {
             "freed"
         } else if lock(&self.buffer).is_some() {
             "registered"

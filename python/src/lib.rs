@@ -33,6 +33,7 @@ fn _ferrocomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<comm::PyRegistration>()?;
     m.add_class::<work::PyWork>()?;
     m.add_class::<heap::PyHeapTensor>()?;
+    m.add_class::<heap::PyHeapBits>()?;
     m.add_class::<heap::PyWindow>()?;
     m.add_class::<heap::PyRemoteTensor>()?;
     m.add_class::<ep::PyEpBuffer>()?;

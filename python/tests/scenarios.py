@@ -580,6 +580,110 @@ def window_never_signalled() -> None:
         raise AssertionError("wait_signal on a peer that never signals did not raise")
 
 
+def window_threads(phases: str = "123") -> None:
+    """Two Python threads of rank 0 on one window (world 2). A window call
+    that waits in Rust with the GIL released (a collective tensor_register
+    while rank 1 comes late; a free that waits for a queued wait_signal)
+    must not hold a lock that the other thread, holding the GIL, then
+    waits for: the first would never get the GIL back. Each phase names
+    itself, and a rank still here after 40 s prints its threads' stacks
+    (the launcher kills the ranks at its timeout), so a hang says where.
+    `phases` picks some of the three (a plain registration stands in for
+    phase 1)."""
+    import faulthandler
+    import threading
+
+    faulthandler.dump_traceback_later(40, exit=False)
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    assert W == 2, W
+    n, rounds = 4, 50
+    buf = comm.heap_tensor((W, n), np.int32)
+    win = comm.new_window()
+
+    class InThread(threading.Thread):
+        """fn(*args) on a thread of its own; join() re-raises its error."""
+
+        def __init__(self, fn, *args):
+            super().__init__(daemon=True)
+            self.fn, self.args, self.error, self.value = fn, args, None, None
+            self.start()
+
+        def run(self):
+            try:
+                self.value = self.fn(*self.args)
+            except BaseException as e:  # noqa: BLE001 - re-raised by join
+                self.error = e
+
+        def join(self, timeout=50):
+            super().join(timeout)
+            assert not self.is_alive(), f"{self.fn.__name__} on the other thread is still running"
+            if self.error is not None:
+                raise self.error
+            return self.value
+
+    print(f"rank {r}: phase 1, repr during a tensor_register waiting for rank 1", flush=True)
+    if "1" not in phases:
+        win.tensor_register(buf)
+    elif r == 0:
+        other = InThread(win.tensor_register, buf)
+        time.sleep(1.0)  # the thread is in the collective, waiting for rank 1
+        text = repr(win)  # the window's state, while the other thread registers
+        other.join()
+        assert "registered" in text and "registered" in repr(win), (text, repr(win))
+    else:
+        time.sleep(3.0)
+        win.tensor_register(buf)
+
+    print(f"rank {r}: phase 2, waits on one thread, repr and map_remote_tensor on another", flush=True)
+    if "2" not in phases:
+        pass
+    elif r == 0:
+
+        def waits():
+            for _ in range(rounds):
+                win.wait_signal(1)
+
+        other = InThread(waits)
+        done = time.monotonic() + 30
+        while other.is_alive() and time.monotonic() < done:
+            repr(win)
+            np.from_dlpack(win.map_remote_tensor(1))  # let go at once
+            time.sleep(0.001)
+        other.join()
+        same(np.from_dlpack(buf)[1], np.full(n, rounds - 1, np.int32), "the last put of rank 1")
+    else:
+        for k in range(rounds):
+            win.put(np.full(n, k, np.int32), 0, n)
+            win.signal(0)
+
+    print(f"rank {r}: phase 3, map_remote_tensor during a free waiting for a queued wait_signal", flush=True)
+    if "3" not in phases:
+        win.free()
+    elif r == 0:
+        work = win.wait_signal(1, async_op=True)
+        other = InThread(win.free)  # waits for the wait_signal, so for rank 1
+        time.sleep(1.0)
+        try:
+            win.map_remote_tensor(1)
+        except ferrocomm.InvalidArgument as e:
+            assert "freed" in str(e), e
+        else:
+            raise AssertionError("map_remote_tensor of a window being freed must be refused")
+        other.join()
+        work.wait(timeout=30)
+        assert "freed" in repr(win), repr(win)
+    else:
+        time.sleep(3.0)
+        win.signal(0)
+        win.free()
+
+    comm.barrier()  # rank 0 hosts the store: nobody leaves while others still use it
+    buf.free()
+    comm.finalize()
+    faulthandler.cancel_dump_traceback_later()
+
+
 # ---------------------------------------------------------------- expert parallel (EP)
 #
 # The reference follows ferrocomm::ep::reference: a token goes once to each

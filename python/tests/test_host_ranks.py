@@ -65,6 +65,15 @@ def test_window_peer_never_signals():
     assert "raised CommTimeout" in results[0].output, results[0].output
 
 
+def test_window_two_threads():
+    """Two threads of one rank on one window: a call waiting in Rust (a
+    collective tensor_register, a free waiting for queued work) and calls
+    from the other thread meanwhile. A lock held while the GIL is released
+    hung here; the launcher kills the ranks after the timeout."""
+    results = launch(2, "window_threads", timeout=60)
+    expect_ok(results)
+
+
 def test_windows_example_runs():
     """python/examples/host_windows.py (the README's window example) as a user runs it."""
     example = Path(__file__).resolve().parents[1] / "examples" / "host_windows.py"

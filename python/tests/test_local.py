@@ -277,3 +277,38 @@ def test_heap_tensor_dlpack_export(comm):
     x.free()
     with pytest.raises(ferrocomm.InvalidArgument, match="freed"):
         np.from_dlpack(t)
+
+
+def test_heap_tensor_bits(comm):
+    """bits(): a bfloat16 (or float8) heap tensor's memory as NumPy sees it,
+    unsigned integers of the element's width, in place; its exports hold
+    the tensor as the tensor's own do."""
+    t = comm.heap_tensor((2, 3), "bfloat16")
+    b = t.bits()
+    assert isinstance(b, ferrocomm.HeapTensorBits) and t.dtype == "bfloat16", (t, b)
+    assert b.dtype == "uint16" and b.shape == (2, 3) and b.data_ptr() == t.data_ptr(), b
+    assert b.__dlpack_device__() == t.__dlpack_device__() and "bfloat16" in repr(b), repr(b)
+    a = np.from_dlpack(b)
+    assert a.dtype == np.uint16 and a.shape == (2, 3) and a.ctypes.data == t.data_ptr() and not a.any(), a
+    want = (np.arange(6, dtype=np.float32).reshape(2, 3) + 0.5).view(np.uint32) >> 16  # exact in bf16
+    a[:] = want
+    out = comm.heap_tensor((2, 3), "bfloat16")
+    comm.all_gather_single(out, t)  # ferrocomm takes the heap tensor as bf16
+    assert np.from_dlpack(out.bits()).tolist() == want.tolist()
+    with pytest.raises(ferrocomm.InvalidArgument, match="still held"):
+        t.free()
+    del a
+    t.free()
+    out.free()
+    with pytest.raises(ferrocomm.InvalidArgument, match="freed"):
+        np.from_dlpack(b)
+    f8 = comm.heap_tensor(4, "float8_e4m3fn")
+    bytes_ = np.from_dlpack(f8.bits())
+    assert f8.bits().dtype == "uint8" and bytes_.dtype == np.uint8 and bytes_.shape == (4,), bytes_
+    bytes_[:] = [0x38, 0x40, 0xB8, 0]  # 1.0, 2.0, -1.0, 0.0 in e4m3
+    assert np.from_dlpack(f8.bits()).tolist() == [0x38, 0x40, 0xB8, 0]
+    del bytes_
+    f8.free()
+    x = comm.heap_tensor(2, "float32")  # any dtype: the bits of its width
+    assert x.bits().dtype == "uint32" and np.from_dlpack(x.bits()).dtype == np.uint32
+    x.free()
