@@ -20,7 +20,7 @@ import datetime
 import operator
 import threading
 import weakref
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from . import _ferrocomm as _native
@@ -75,6 +75,40 @@ def _hints(hints: Optional[Mapping[str, Any]]) -> Optional[dict]:
 def _factor(op: ReduceOp) -> Any:
     f = op.factor
     return prepare(f) if f is not None and not isinstance(f, float) else f
+
+
+def _moe_topk(idx: Any, scales: Any, topk: Any, shared: Any) -> int:
+    """The MoE-finalize arguments of ``all_reduce_fused`` checked, as far
+    as the host can before the native call checks dtypes and sizes: both
+    the index and the scales given, ``topk`` an int in range (by default
+    the index's second dimension), the 2-D ones ``tokens x topk``."""
+    routing = (("expanded_idx_to_permuted_idx", idx), ("expert_scales", scales))
+    missing = [n for n, v in routing if v is None]
+    if missing:
+        given = [n for n, v in routing + (("topk", topk), ("shared_expert_output", shared)) if v is not None]
+        raise InvalidArgument(
+            f"all_reduce_fused: the MoE-finalize prologue needs expanded_idx_to_permuted_idx and expert_scales "
+            f"together; {' and '.join(missing)} missing (given: {', '.join(given)})"
+        )
+    shapes = [(n, getattr(t, "shape", None)) for n, t in routing]
+    if topk is None:
+        dims = [tuple(sh) for _, sh in shapes if sh is not None and len(sh) == 2]
+        if not dims:
+            raise InvalidArgument(
+                "all_reduce_fused: give topk, or expanded_idx_to_permuted_idx as a tokens x topk array"
+            )
+        topk = int(dims[0][1])
+    elif isinstance(topk, bool) or not isinstance(topk, Integral):
+        raise InvalidArgument(f"all_reduce_fused: topk = {topk!r} must be an int")
+    topk = int(topk)
+    if not 1 <= topk <= _native.MOE_MAX_TOPK:
+        raise InvalidArgument(f"all_reduce_fused: topk = {topk} must be 1 to {_native.MOE_MAX_TOPK}")
+    for n, sh in shapes:
+        if sh is not None and len(sh) == 2 and int(sh[1]) != topk:
+            raise InvalidArgument(
+                f"all_reduce_fused: {n} is {int(sh[0])} x {int(sh[1])}, not tokens x topk (topk = {topk})"
+            )
+    return topk
 
 
 class P2POp:
@@ -338,6 +372,10 @@ class Communicator:
         quant_out: Any = None,
         scale: Any = None,
         allreduce_out: Any = None,
+        expanded_idx_to_permuted_idx: Any = None,
+        expert_scales: Any = None,
+        topk: Optional[int] = None,
+        shared_expert_output: Any = None,
         async_op: bool = False,
         hints: Optional[Mapping[str, Any]] = None,
         timeout: Timeout = None,
@@ -360,7 +398,59 @@ class Communicator:
         ``residual_rms_norm_fp8_per_token``,
         ``residual_rms_norm_int8_per_token``. ``allreduce_out`` also keeps
         the all-reduced, un-normed rows. Bitwise the same on every rank
-        (docs/protocol.md, "Fused epilogues")."""
+        (docs/protocol.md, "Fused epilogues").
+
+        **MoE finalize** (TensorRT-LLM's / FlashInfer's
+        ``moe_finalize_allreduce_fusion``): given
+        ``expanded_idx_to_permuted_idx`` and ``expert_scales``, ``input``
+        is this rank's experts' output instead, ``permuted_rows x hidden``
+        (the FC2 rows in expert order), and the number of tokens is
+        ``residual``'s rows. What the rank contributes to the all-reduce is,
+        per token ``t`` and element ``j``, in float32 and rounded to the
+        dtype once::
+
+            acc = shared_expert_output[t][j]          (or 0 without it)
+            for k in range(topk):                     (in k order)
+                p = expanded_idx_to_permuted_idx[t][k]
+                if 0 <= p < permuted_rows:            (else the term is skipped)
+                    acc = acc + expert_scales[t][k] * input[p][j]   (product rounded, no FMA)
+
+        then the all-reduce and the epilogue above, every pattern and
+        ``allreduce_out`` included (docs/protocol.md, "MoE finalize").
+
+        - ``expanded_idx_to_permuted_idx``: int32, ``tokens x topk``
+          (expanded index ``t * topk + k`` to a row of ``input``). The
+          indices are read by the kernel, so they are not checked: one
+          outside ``[0, permuted_rows)`` skips its term, and nothing out of
+          range is read.
+        - ``expert_scales``: the router's weights, ``tokens x topk``,
+          float32 or ``input``'s dtype (TensorRT-LLM's
+          ``expert_scale_factor``).
+        - ``topk``: experts per token, 1 to 32; defaults to the index's
+          second dimension (give it when the index is flat).
+        - ``shared_expert_output``: optional, ``tokens x hidden`` of the
+          input's dtype, added first.
+
+        Both the index and the scales, or neither; ``topk`` and
+        ``shared_expert_output`` only with them. No output may overlap any
+        of the prologue's tensors (the kernel gathers expert rows while it
+        writes), and ``allreduce_out`` may not be ``input``.
+
+        The prologue is keywords of this method rather than a method of its
+        own because it composes with every epilogue: a MoE layer's end is
+        the same all-reduce + residual + RMSNorm (+ quantization) as a dense
+        layer's, only its input is finalized first, as the Rust API has it
+        (``Fusion::with_moe_finalize``). One method keeps one set of
+        epilogue arguments and one place where a layer's fusion is chosen::
+
+            # dense layer
+            comm.all_reduce_fused(x, residual, w, eps, norm_out=normed)
+            # MoE layer: x = the experts' FC2 rows, permuted_rows x hidden
+            comm.all_reduce_fused(x, residual, w, eps, norm_out=normed,
+                                  expanded_idx_to_permuted_idx=perm,
+                                  expert_scales=router_weights,
+                                  shared_expert_output=shared)
+        """
         input, residual = prepare(input), prepare(residual)
         residual_out = residual if residual_out is None else prepare(residual_out)
         if pattern is None:
@@ -373,12 +463,23 @@ class Communicator:
         if not shape:
             raise InvalidArgument("all_reduce_fused: input must have a shape (tokens x hidden)")
         hidden = int(shape[-1])
+        moe = (expanded_idx_to_permuted_idx, expert_scales, topk, shared_expert_output)
+        if any(a is not None for a in moe):
+            topk = _moe_topk(expanded_idx_to_permuted_idx, expert_scales, topk, shared_expert_output)
+            # hidden comes from the experts' rows, the tokens from the
+            # residual's: rows of another width would only miscount them.
+            rshape = getattr(residual, "shape", None)
+            if rshape is not None and len(rshape) >= 2 and int(rshape[-1]) != hidden:
+                raise InvalidArgument(
+                    f"all_reduce_fused: input (the experts' output) has rows of {hidden} but residual rows of "
+                    f"{int(rshape[-1])}: both are rows of the model's hidden size"
+                )
         c, s = self._route(input, stream)
         opt = lambda t: None if t is None else prepare(t)  # noqa: E731
         return c.all_reduce_fused(
             input, residual, residual_out, pattern, hidden, opt(weight), float(eps), opt(norm_out), opt(quant_out),
-            opt(scale), opt(allreduce_out), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints),
-            stream=s,
+            opt(scale), opt(allreduce_out), opt(expanded_idx_to_permuted_idx), opt(expert_scales), topk,
+            opt(shared_expert_output), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s,
         )
 
     def broadcast(

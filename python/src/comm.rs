@@ -15,9 +15,12 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ferrocomm::algo::fused::MOE_MAX_TOPK;
 use ferrocomm::bootstrap::{rendezvous_from_env, EnvRendezvous, Store};
 use ferrocomm::device::Device;
-use ferrocomm::{Call, CommOptions, Error, Fusion, FusionPattern, P2p, ReduceOp, Reduction, Registration, Tensor};
+use ferrocomm::{
+    Call, CommOptions, Error, Fusion, FusionPattern, MoeFinalize, P2p, ReduceOp, Reduction, Registration, Tensor,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt};
 
@@ -585,8 +588,14 @@ impl PyComm {
     /// All-reduce (sum) of `input` (tokens x `hidden`, f16/bf16) fused with
     /// a residual add, an RMSNorm and a quantized output, as `pattern`
     /// says (`Communicator::all_reduce_fused`; names in `fusion_pattern`).
+    /// With `expanded_idx_to_permuted_idx`, `expert_scales` and `topk` (all
+    /// three or none; `shared_expert_output` optional, only with them), the
+    /// MoE-finalize prologue (`Fusion::with_moe_finalize`): `input` is then
+    /// the experts' output (permuted_rows x `hidden`) and `residual_in`
+    /// gives the tokens.
     #[pyo3(signature = (input, residual_in, residual_out, pattern, hidden, weight=None, eps=1e-6, norm_out=None,
-        quant_out=None, scale=None, allreduce_out=None, *, async_op=false, timeout=None, hints=None, stream=None))]
+        quant_out=None, scale=None, allreduce_out=None, expanded_idx_to_permuted_idx=None, expert_scales=None,
+        topk=None, shared_expert_output=None, *, async_op=false, timeout=None, hints=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce_fused(
         &self,
@@ -602,6 +611,10 @@ impl PyComm {
         quant_out: Option<&Bound<'_, PyAny>>,
         scale: Option<&Bound<'_, PyAny>>,
         allreduce_out: Option<&Bound<'_, PyAny>>,
+        expanded_idx_to_permuted_idx: Option<&Bound<'_, PyAny>>,
+        expert_scales: Option<&Bound<'_, PyAny>>,
+        topk: Option<i64>,
+        shared_expert_output: Option<&Bound<'_, PyAny>>,
         async_op: bool,
         timeout: Option<f64>,
         hints: Option<BTreeMap<String, String>>,
@@ -609,6 +622,33 @@ impl PyComm {
     ) -> PyResult<Option<PyWork>> {
         let opts = Opts::new(async_op, timeout, hints, stream)?;
         let pattern = fusion_pattern(pattern)?;
+        // The MoE prologue's arguments, checked before anything is
+        // imported: all of the routing or none of it.
+        let moe = match (expanded_idx_to_permuted_idx, expert_scales, topk) {
+            (Some(idx), Some(sc), Some(k)) => {
+                let k = usize::try_from(k).ok().filter(|k| (1..=MOE_MAX_TOPK).contains(k));
+                let Some(k) = k else {
+                    return Err(to_pyerr(Error::invalid(format!(
+                        "all_reduce_fused: topk = {} must be 1 to {MOE_MAX_TOPK}",
+                        topk.unwrap_or_default()
+                    ))));
+                };
+                Some((idx, sc, k))
+            }
+            (None, None, None) if shared_expert_output.is_none() => None,
+            _ => {
+                let given = |x: bool| if x { "given" } else { "missing" };
+                return Err(to_pyerr(Error::invalid(format!(
+                    "all_reduce_fused: the MoE-finalize prologue takes expanded_idx_to_permuted_idx, expert_scales \
+                     and topk together (shared_expert_output only with them): expanded_idx_to_permuted_idx {}, \
+                     expert_scales {}, topk {}, shared_expert_output {}",
+                    given(expanded_idx_to_permuted_idx.is_some()),
+                    given(expert_scales.is_some()),
+                    given(topk.is_some()),
+                    given(shared_expert_output.is_some()),
+                ))));
+            }
+        };
         let mut batch = self.batch(stream);
         let inp = batch.import(input, false, "all_reduce_fused input")?;
         let rin = batch.import(residual_in, false, "all_reduce_fused residual_in")?;
@@ -636,6 +676,15 @@ impl PyComm {
         }
         if let Some(t) = allreduce_out {
             fusion = fusion.with_allreduce_out(batch.import(t, true, "all_reduce_fused allreduce_out")?);
+        }
+        if let Some((idx, sc, k)) = moe {
+            let idx = batch.import(idx, false, "all_reduce_fused expanded_idx_to_permuted_idx")?;
+            let sc = batch.import(sc, false, "all_reduce_fused expert_scales")?;
+            let mut m = MoeFinalize::new(idx, sc, k);
+            if let Some(t) = shared_expert_output {
+                m = m.with_shared_expert_output(batch.import(t, false, "all_reduce_fused shared_expert_output")?);
+            }
+            fusion = fusion.with_moe_finalize(m);
         }
         launch!(self, py, batch, opts, "all_reduce_fused", |c, call| c
             .all_reduce_fused(inp, &fusion, &call))
