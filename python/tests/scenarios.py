@@ -202,15 +202,16 @@ def data_movement() -> None:
     comm.finalize()
 
 
-def rms_norm_reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """ferrocomm's RMSNorm order (docs/protocol.md, "Fused epilogues"): per
-    row, 32 f32 partials (pack i of 8 elements into partial i % 32, element
-    by element), a butterfly over the partials, rstd = 1/sqrt(ss/hidden +
-    eps), y = (x * rstd) * w, all in f32, rounded once to the dtype."""
-    tokens, hidden = x.shape
-    out = np.empty_like(x)
+def rms_norm_f32(rows: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """ferrocomm's RMSNorm order (docs/protocol.md, "Fused epilogues") on
+    float32 rows and weight, before the rounding: per row, 32 f32 partials
+    (pack i of 8 elements into partial i % 32, element by element), a
+    butterfly over the partials, rstd = 1/sqrt(ss/hidden + eps),
+    y = (x * rstd) * w, all in f32."""
+    tokens, hidden = rows.shape
+    out = np.empty((tokens, hidden), np.float32)
     for t in range(tokens):
-        row = x[t].astype(np.float32)
+        row = rows[t].astype(np.float32)
         p = np.zeros(32, dtype=np.float32)
         for i in range(hidden // 8):
             for e in row[8 * i : 8 * i + 8]:
@@ -219,8 +220,13 @@ def rms_norm_reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
             p = np.array([np.float32(p[l] + p[l ^ m]) for l in range(32)], dtype=np.float32)
         ss = p[0]
         rstd = np.float32(1.0) / np.sqrt(np.float32(ss / np.float32(hidden)) + np.float32(eps))
-        out[t] = ((row * np.float32(rstd)) * w.astype(np.float32)).astype(x.dtype)
+        out[t] = (row * np.float32(rstd)) * w.astype(np.float32)
     return out
+
+
+def rms_norm_reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """rms_norm_f32 of rows of a NumPy float dtype, rounded once to it."""
+    return rms_norm_f32(x.astype(np.float32), w.astype(np.float32), eps).astype(x.dtype)
 
 
 def fused() -> None:
@@ -249,6 +255,251 @@ def fused() -> None:
         pass
     else:
         raise AssertionError("a norm without norm_out must be refused")
+    comm.finalize()
+
+
+# MoE finalize (all_reduce_fused's prologue): each rank's rows finalized
+# from its experts' output in the stated order (docs/protocol.md, "MoE
+# finalize"), then all-reduced, residual added and normed as above. float16
+# rows are NumPy arrays; bfloat16 ones (NumPy has none) are heap tensors,
+# written and read as their bits. Values are carried as uint16 bits.
+
+class Half:
+    """float16 or bfloat16: rounding float32 to its bits and back, and
+    tensors of it a fused call takes."""
+
+    NAN = {"float16": 0x7E00, "bfloat16": 0x7FC0}  # the canonical NaNs ferrocomm writes
+
+    def __init__(self, comm: ferrocomm.Communicator, name: str) -> None:
+        self.comm, self.name = comm, name
+
+    def bits(self, f: np.ndarray) -> np.ndarray:
+        """float32 to the dtype's bits, nearest even, NaN canonical."""
+        f = np.asarray(f, np.float32)
+        b = f.astype(np.float16).view(np.uint16) if self.name == "float16" else bf16_bits(f)
+        return np.where(np.isnan(f), np.uint16(self.NAN[self.name]), b).astype(np.uint16)
+
+    def f32(self, bits: np.ndarray) -> np.ndarray:
+        bits = np.asarray(bits, np.uint16)
+        return bits.view(np.float16).astype(np.float32) if self.name == "float16" else bf16_float(bits)
+
+    def tensor(self, bits: np.ndarray):
+        """A new tensor of this dtype holding `bits` (a bfloat16 heap
+        tensor is collective: every rank makes the same ones in order)."""
+        if self.name == "float16":
+            return bits.astype(np.uint16).view(np.float16).copy()
+        t = self.comm.heap_tensor(bits.shape, "bfloat16")
+        self.write(t, bits)
+        return t
+
+    def write(self, t, bits: np.ndarray) -> None:
+        view = t.view(np.uint16) if self.name == "float16" else np.from_dlpack(t.bits())
+        view[...] = bits
+
+    def read(self, t) -> np.ndarray:
+        return (t.view(np.uint16) if self.name == "float16" else np.from_dlpack(t.bits())).copy()
+
+
+def moe_finalize_reference(h: Half, experts: np.ndarray, idx: np.ndarray, scales: np.ndarray,
+                           shared: np.ndarray | None) -> np.ndarray:
+    """One rank's finalized rows (bits, tokens x hidden): per element
+    acc = shared (or +0), then for k in order acc = acc + f32(scale * x),
+    the product rounded before the add (NumPy never fuses them), an index
+    outside [0, permuted_rows) skipping its term; rounded once."""
+    rows, hidden = experts.shape
+    tokens, topk = idx.shape
+    e = h.f32(experts)
+    out = np.empty((tokens, hidden), np.uint16)
+    for t in range(tokens):
+        acc = h.f32(shared[t]) if shared is not None else np.zeros(hidden, np.float32)
+        for k in range(topk):
+            p = int(idx[t, k])
+            if 0 <= p < rows:
+                acc = acc + np.float32(scales[t, k]) * e[p]
+        out[t] = h.bits(acc)
+    return out
+
+
+def fused_moe() -> None:
+    """all_reduce_fused with the MoE-finalize prologue, bit for bit against
+    the stated order: float16 and bfloat16, top-1 and top-8, with and
+    without a shared expert, out-of-range permuted indices (skipped), the
+    router weights in float32 and in the dtype, a flat index with topk
+    given, both kernel families; residual add (with allreduce_out) and
+    RMSNorm."""
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    eps = 1e-6
+    case = 0
+    for dt in ("float16", "bfloat16"):
+        h = Half(comm, dt)
+        for topk in (1, 8):
+            for with_shared in (False, True):
+                case += 1
+                tokens, hidden = [(5, 264), (4, 24)][(topk == 8) ^ with_shared]
+                pairs = tokens * topk
+                rows = pairs + 3  # rows no token routes to
+                what = f"fused moe {dt} topk={topk} shared={with_shared} {tokens}x{hidden} ({rows} expert rows)"
+                # The routing and weights are the same on every rank (tensor
+                # parallelism); the experts' and shared expert's partial
+                # outputs differ by rank.
+                rng = np.random.default_rng([91, case])
+                idx = rng.permutation(rows)[:pairs].astype(np.int32).reshape(tokens, topk)
+                # Out of range, skipped: token 0's odd k (its only one at
+                # top-1), and the last token's last.
+                outside = [-1, rows, 2**31 - 1, -(2**31)]
+                if topk == 1:
+                    idx[0, 0] = -1
+                for k in range(1, topk, 2):
+                    idx[0, k] = outside[(k // 2) % 4]
+                idx[tokens - 1, topk - 1] = rows + 5
+                raw_scales = (0.5 * rng.standard_normal((tokens, topk))).astype(np.float32)
+                res = h.bits(rng.standard_normal((tokens, hidden)))
+                w = h.bits(rng.standard_normal(hidden))
+
+                def rank_data(q):
+                    g = np.random.default_rng([92, case, q])
+                    experts = h.bits(g.standard_normal((rows, hidden)))
+                    shared = h.bits(g.standard_normal((tokens, hidden))) if with_shared else None
+                    return experts, shared
+
+                data = [rank_data(q) for q in range(W)]
+                experts_t = h.tensor(data[r][0])
+                shared_t = h.tensor(data[r][1]) if with_shared else None
+                residual_t = h.tensor(res)
+                w_t = h.tensor(w)
+                aux_t = h.tensor(np.zeros((tokens, hidden), np.uint16))  # allreduce_out, then norm_out
+                dt_scales = h.bits(raw_scales)
+                dt_scales_t = h.tensor(dt_scales)
+
+                def want(scales_f32):
+                    xs = [moe_finalize_reference(h, e, idx, scales_f32, sh) for e, sh in data]
+                    acc = h.f32(xs[0])
+                    for x in xs[1:]:
+                        acc = acc + h.f32(x)
+                    ar = h.bits(acc)
+                    residual = h.bits(h.f32(ar) + h.f32(res))
+                    normed = h.bits(rms_norm_f32(h.f32(residual), h.f32(w), eps))
+                    return ar, residual, normed
+
+                want_f32 = want(raw_scales)
+                want_dt = want(h.f32(dt_scales))
+                calls = [
+                    # (scales, their reference, pattern, algo hint, flat index)
+                    (raw_scales, want_f32, "residual_add", "oneshot", False),
+                    (dt_scales_t, want_dt, "residual_rms_norm", "twoshot", True),
+                    (raw_scales, want_f32, "residual_rms_norm", None, False),
+                ]
+                for scales, (ar, residual, normed), pattern, algo, flat in calls:
+                    label = f"{what} {pattern} algo={algo or 'auto'} scales={'float32' if scales is raw_scales else dt}"
+                    h.write(residual_t, res)
+                    h.write(aux_t, np.full((tokens, hidden), 0x7E01, np.uint16))
+                    kw = dict(
+                        expanded_idx_to_permuted_idx=idx.reshape(-1) if flat else idx,
+                        expert_scales=scales,
+                        shared_expert_output=shared_t,
+                        hints={"algo": algo} if algo else None,
+                    )
+                    if flat:
+                        kw["topk"] = topk
+                    if pattern == "residual_add":
+                        comm.all_reduce_fused(experts_t, residual_t, allreduce_out=aux_t, **kw)
+                        same(h.read(aux_t), ar, f"{label}: allreduce_out")
+                    else:
+                        comm.all_reduce_fused(experts_t, residual_t, w_t, eps, norm_out=aux_t, **kw)
+                        same(h.read(aux_t), normed, f"{label}: norm_out")
+                    same(h.read(residual_t), residual, f"{label}: residual")
+                # Async, and the experts' rows untouched.
+                h.write(residual_t, res)
+                work = comm.all_reduce_fused(
+                    experts_t, residual_t, expanded_idx_to_permuted_idx=idx, expert_scales=raw_scales,
+                    shared_expert_output=shared_t, async_op=True,
+                )
+                work.wait()
+                same(h.read(residual_t), want_f32[1], f"{what} async_op: residual")
+                same(h.read(experts_t), data[r][0], f"{what}: the experts' output is only read")
+    comm.barrier()  # rank 0 hosts the store: nobody leaves while others still use it
+    comm.finalize()
+
+
+def fused_moe_errors() -> None:
+    """Bad MoE-finalize arguments are refused with InvalidArgument (a
+    ValueError) on every rank, before anything is queued: the
+    communicator works on afterwards."""
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    tokens, hidden, topk = 3, 16, 2
+    rows = tokens * topk + 1
+    experts = np.ones((rows, hidden), np.float16)
+    residual = np.zeros((tokens, hidden), np.float16)
+    idx = np.arange(tokens * topk, dtype=np.int32).reshape(tokens, topk)
+    scales = np.full((tokens, topk), 0.5, np.float32)
+    shared = np.ones((tokens, hidden), np.float16)
+
+    def refused(what, needle, args=(experts, residual), **kw):
+        try:
+            comm.all_reduce_fused(*args, **kw)
+        except ferrocomm.InvalidArgument as e:
+            assert isinstance(e, ValueError), type(e)
+            assert needle in str(e), f"{what}: {needle!r} not in {e}"
+            if r == 0:
+                print(f"refused {what}: {e}", flush=True)
+        else:
+            raise AssertionError(f"{what} must be refused")
+
+    moe = dict(expanded_idx_to_permuted_idx=idx, expert_scales=scales)
+    refused("the index alone", "expert_scales missing", expanded_idx_to_permuted_idx=idx)
+    refused("the scales alone", "expanded_idx_to_permuted_idx missing", expert_scales=scales, topk=topk)
+    refused("a shared expert alone", "expanded_idx_to_permuted_idx and expert_scales missing",
+            shared_expert_output=shared)
+    refused("topk alone", "missing (given: topk)", topk=2)
+    refused("topk 0", "topk = 0 must be 1 to 32", topk=0, **moe)
+    refused("topk 33", "topk = 33 must be 1 to 32", topk=33, **moe)
+    refused("topk -1", "topk = -1 must be 1 to 32", topk=-1, **moe)
+    refused("topk 2.0", "must be an int", topk=2.0, **moe)
+    refused("topk True", "must be an int", topk=True, **moe)
+    refused("topk against the index's shape", "is 3 x 2, not tokens x topk (topk = 1)", topk=1, **moe)
+    refused("a flat index without topk", "give topk",
+            expanded_idx_to_permuted_idx=idx.reshape(-1), expert_scales=scales.reshape(-1))
+    refused("an int64 index", "expanded_idx_to_permuted_idx must be 6 x i32",
+            expanded_idx_to_permuted_idx=idx.astype(np.int64), expert_scales=scales)
+    refused("float64 scales", "expert_scales must be 6 x f32 or 6 x f16",
+            expanded_idx_to_permuted_idx=idx, expert_scales=scales.astype(np.float64))
+    refused("int32 scales", "expert_scales must be", expanded_idx_to_permuted_idx=idx,
+            expert_scales=scales.astype(np.int32))
+    refused("a flat index of another token count", "expanded_idx_to_permuted_idx must be 6 x i32",
+            expanded_idx_to_permuted_idx=idx[:2].reshape(-1), expert_scales=scales.reshape(-1), topk=2)
+    refused("a shared expert of float32", "shared_expert_output must be",
+            shared_expert_output=shared.astype(np.float32), **moe)
+    refused("a shared expert of other rows", "shared_expert_output must be", shared_expert_output=shared[:2], **moe)
+    refused("experts' rows of another width", "has rows of 24 but residual rows of 16",
+            args=(np.ones((rows, hidden + 8), np.float16), residual), **moe)
+    refused("experts' rows not whole", "not a whole number of rows",
+            args=(np.ones(rows * hidden + 8, np.float16), residual.reshape(-1)), **moe)
+    refused("allreduce_out = input", "overlaps", allreduce_out=experts[:tokens], **moe)
+    refused("norm_out over the shared expert", "overlaps", args=(experts, residual, np.ones(hidden, np.float16)),
+            norm_out=shared, shared_expert_output=shared, **moe)
+    # The native layer checks the same by itself.
+    native = comm._host_comm()
+    for what, kw, needle in [
+        ("native: the index alone", dict(expanded_idx_to_permuted_idx=idx), "topk missing"),
+        ("native: no topk", dict(expanded_idx_to_permuted_idx=idx, expert_scales=scales), "topk missing"),
+        ("native: topk -3", dict(expanded_idx_to_permuted_idx=idx, expert_scales=scales, topk=-3), "topk = -3"),
+        ("native: a shared expert alone", dict(shared_expert_output=shared), "shared_expert_output given"),
+    ]:
+        try:
+            native.all_reduce_fused(experts, residual, residual, "residual_add", hidden, **kw)
+        except ferrocomm.InvalidArgument as e:
+            assert needle in str(e), f"{what}: {needle!r} not in {e}"
+        else:
+            raise AssertionError(f"{what} must be refused")
+    # Nothing was queued: the communicator goes on, an empty call included.
+    comm.all_reduce_fused(np.ones((0, hidden), np.float16), np.zeros((0, hidden), np.float16),
+                          expanded_idx_to_permuted_idx=np.zeros((0, topk), np.int32),
+                          expert_scales=np.zeros((0, topk), np.float32))
+    comm.all_reduce_fused(experts, residual, **moe)
+    same(residual, np.full((tokens, hidden), W * 2 * 0.5, np.float16), "a MoE call after the refused ones")
+    comm.barrier()
     comm.finalize()
 
 

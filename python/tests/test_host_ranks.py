@@ -25,6 +25,18 @@ def test_fused_all_reduce_epilogues(world):
     expect_ok(launch(world, "fused"))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_fused_moe_finalize(world):
+    """all_reduce_fused's MoE-finalize prologue (float16 and bfloat16, top-1
+    and top-8, shared expert or not, out-of-range indices) against the NumPy
+    reference of its rounding order."""
+    expect_ok(launch(world, "fused_moe", timeout=180))
+
+
+def test_fused_moe_finalize_bad_input():
+    expect_ok(launch(2, "fused_moe_errors"))
+
+
 def test_split_and_lifecycle():
     expect_ok(launch(3, "split_and_lifecycle"))
 
