@@ -620,14 +620,14 @@ impl PyWindow {
 
     fn __repr__(&self, py: Python<'_>) -> String {
         let win = &self.win;
-        let freed = py.detach(|| lock(win).is_none());
-        let state = if freed {
-            "freed"
-        } else if lock(&self.buffer).is_some() {
-            "registered"
-        } else {
-            "empty"
-        };
+        // The window's own state, read under its lock: `self.buffer` is set
+        // only after a registration returns and the GIL is back, so a repr
+        // that got the lock first would report a registered window empty.
+        let state = py.detach(|| match lock(win).as_ref() {
+            None => "freed",
+            Some(w) if with_any!(w, AnyWindow, |w| w.buffer_tensor().is_some()) => "registered",
+            Some(_) => "empty",
+        });
         format!("<ferrocomm.Window {state}>")
     }
 }

@@ -217,6 +217,11 @@ impl<D: Device> Window<D> {
         Ok(())
     }
 
+    /// This rank's registered buffer, if the window has one.
+    pub fn buffer_tensor(&self) -> Option<Tensor> {
+        self.buffer.as_ref().map(|b| b.local)
+    }
+
     /// `rank`'s buffer as mapped here (torchcomms' `map_remote_tensor`):
     /// kernels of this device may load and store through it.
     pub fn map_remote(&self, rank: usize) -> Result<Tensor> {
