@@ -2,7 +2,8 @@
 # Run device code on the CPU over an emulated prelude (ci/emu/emu_prelude.h:
 # a std::thread per GPU thread), against sequential references, with no GPU
 # and no toolkit: g++ or clang++ with C++20 only.
-#  - exchange_emu.cpp: the exchange and reduce-to kernels (kernels-cuda/collectives.cu);
+#  - exchange_emu.cpp: the exchange and reduce-to kernels and their direct
+#    twins (kernels-cuda/collectives.cu);
 #  - device_api_emu.cpp: the device API (kernels-cuda/device_api.cuh) and the
 #    example all-gather (kernels-cuda/examples/user_allgather.cu).
 # With TSAN=1 also under ThreadSanitizer, which sees the protocols' ordering

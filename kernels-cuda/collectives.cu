@@ -764,11 +764,14 @@ FC_DEVICE float own_factor(const FcParams& p) {
 FC_DEVICE float premul_scale(float x, float f) { return fc_fmul(x, f); }
 FC_DEVICE fc_i32 premul_scale(fc_i32 x, float) { return x; }
 
-// premul_sum over the inboxes: acc = x_0 * f_0; acc = acc + x_r * f_r in rank
-// order (each product and sum rounded to f32: no FMA), then narrowed once,
-// as the host's Tiles. Factors come in registers (constant indices).
-template <class T>
-FC_DEVICE void reduce_premul(const FcParams& p, const StrideSrc& src, char* out, fc_u64 lo, fc_u64 hi, bool out_aligned,
+// premul_sum over the inboxes (or, direct, the sources' blocks): acc =
+// x_0 * f_0; acc = acc + x_r * f_r in rank order (each product and sum
+// rounded to f32: no FMA), then narrowed once, as the host's Tiles. Factors
+// (and DirectSrc's addresses) come in registers: constant indices, ranks
+// unrolled in both loops. `out_aligned`: the vector path, for which every
+// source must be 16-byte aligned at element lo too.
+template <class T, class Src>
+FC_DEVICE void reduce_premul(const FcParams& p, const Src& src, char* out, fc_u64 lo, fc_u64 hi, bool out_aligned,
                              const float (&f)[FC_MAX_RANKS]) {
     typedef typename T::S S;
     typedef typename T::Acc Acc;
@@ -815,12 +818,13 @@ FC_DEVICE void reduce_premul(const FcParams& p, const StrideSrc& src, char* out,
 // An output not aligned to its element gets the result in our own inbox
 // [rank] first (each element read and written by one thread), then a byte
 // copy. In place (the output is our own send block): as the exchange's.
+// `e0`: the first chunk's epoch (the direct reduce-to falls back to this one
+// from its own epoch + 1).
 template <class T, int OP>
-FC_DEVICE void reduce_to(const FcParams& p) {
+FC_DEVICE void reduce_to_from(const FcParams& p, fc_u32 e0) {
     typedef typename T::S S;
     const fc_u64 es = sizeof(S);
     char* own = fc_ptr<char>(p.peer_ws[p.rank]);
-    const fc_u32 e0 = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
     const fc_u32 b = fc_block_id();
     const fc_u32 nb = fc_grid_blocks();
     const fc_u32 world = p.world;
@@ -879,6 +883,155 @@ FC_DEVICE void reduce_to(const FcParams& p) {
         }
     }
     complete(own, e0 + (fc_u32)(nchunk - 1));
+}
+
+template <class T, int OP>
+FC_DEVICE void reduce_to(const FcParams& p) {
+    const fc_u32 e0 = fc_ld_volatile(reinterpret_cast<const fc_u32*>(fc_ptr<char>(p.peer_ws[p.rank]))) + 1;
+    reduce_to_from<T, OP>(p, e0);
+}
+
+// Reduce elements [lo, hi) of every rank's block (DirectSrc) into out, with
+// the arithmetic of reduce_range (the reduce-to's): its vector paths when
+// `aligned` (every source and out 16-byte aligned at lo), then the rest
+// element by element with the ranks unrolled (constant indices keep the
+// addresses in registers).
+template <class T, int OP>
+FC_DEVICE void reduce_direct(const FcParams& p, const DirectSrc& src, char* out, fc_u64 lo, fc_u64 hi, bool aligned) {
+    typedef typename T::S S;
+    typedef typename T::Acc Acc;
+    const fc_u32 world = p.world;
+    fc_u64 tail = lo;
+    if (aligned && world >= 2 && world <= FC_MAX_RANKS) {
+        const OutDst d = {out};
+        const fc_u64 nvec = (hi - lo) / T::VEC;
+        switch (world) {
+            case 2: reduce_vec<T, OP, 2, FC_REDUCE_UNROLL>(src, d, lo, nvec); break;
+            case 4: reduce_vec<T, OP, 4, FC_REDUCE_UNROLL>(src, d, lo, nvec); break;
+            case 8: reduce_vec<T, OP, 8, 1>(src, d, lo, nvec); break;
+            default: reduce_vec_any<T, OP>(p, src, d, lo, nvec); break;
+        }
+        tail = lo + nvec * T::VEC;
+    }
+    const fc_u32 nt = fc_block_threads();
+    const AvgDiv avg = make_avg(world);
+    for (fc_u64 e = tail + fc_thread_id(); e < hi; e += nt) {
+        const fc_u64 off = e * sizeof(S);
+        Acc a = T::to_acc(fc_load(fc_ptr<const S>(src.a[0] + off)));
+#pragma unroll
+        for (int r = 1; r < (int)FC_MAX_RANKS; ++r) {
+            if ((fc_u32)r >= world) break;
+            a = Op<OP>::apply(a, T::to_acc(fc_load(fc_ptr<const S>(src.a[r] + off))));
+        }
+        fc_store(reinterpret_cast<S*>(out + off), T::from_acc(finish<OP>(a, avg)));
+    }
+}
+
+// Direct reduce-to (pull; host twin: backends/host/collectives.rs
+// `reduce_to_direct`). Phase 0: thread t < world, t != rank, tells peer t
+// what we send it, what we expect from it, our premul_sum factor, and where
+// our block to it lies, as an offset in our heap (FC_AUX_RECV_AT), or
+// FC_AUX_NOT_DIRECT when the host found our blocks to peers outside our
+// heap, overlapping our output or not aligned to their element. Passing
+// the wait proves every source entered the launch (its stream is done
+// writing what it sends) and lets both sides of every pair check its
+// counts before anyone reads. If every rank's blocks can be read in place
+// (each rank told every other, so all decide alike), block b reduces piece
+// b of our output straight from table[s] + offset for every source s (our
+// own block from our send list), in rank order with the reduce-to's
+// arithmetic, and phase 1 tells every source its blocks have been read, so
+// no source's launch ends (and its stream reuses its input) before its
+// readers are done. In place (the output is our own send block, which no
+// peer reads): each element is read and then written by the same thread.
+// Otherwise every rank runs the inbox reduce-to from the next epoch, whose
+// parity region the previous launch's last chunk used: passing this wait
+// proves every peer's block b is done with it, as between chunks.
+template <class T, int OP>
+FC_DEVICE void reduce_to_direct(const FcParams& p) {
+    typedef typename T::S S;
+    const fc_u64 es = sizeof(S);
+    char* own = fc_ptr<char>(p.peer_ws[p.rank]);
+    const fc_u32 epoch = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
+    const fc_u32 parity = epoch & 1;
+    const fc_u32 b = fc_block_id();
+    const fc_u32 nb = fc_grid_blocks();
+    const fc_u32 world = p.world;
+    const fc_u32 rank = p.rank;
+    const fc_u64* bases = fc_ptr<const fc_u64>(p.table);
+    fc_u64 n = 0;
+    for (fc_u32 s = 0; s < world; ++s) n = recv_count(p, s) > n ? recv_count(p, s) : n;
+    // A receiver reads n elements of every source: with receive counts that
+    // differ it would read past a shorter block, so it takes the inbox way.
+    bool uniform = true;
+    for (fc_u32 s = 0; s < world; ++s) uniform = uniform && recv_count(p, s) == n;
+    const bool direct_ok = (p.flags & FC_PARAM_DIRECT_OK) != 0 && p.table != 0 && uniform;
+    const float factor = own_factor<T, OP>(p);
+
+    // An empty block announces 0, so no address can read as "not direct".
+    const fc_u32 t = fc_thread_id();
+    if (t < world && t != rank) {
+        char* peer = fc_ptr<char>(p.peer_ws[t]);
+        const fc_u64 at = !direct_ok ? FC_AUX_NOT_DIRECT : send_count(p, t) == 0 ? 0 : send_addr(p, t) - bases[rank];
+        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_PAIR_COUNT, rank), send_count(p, t));
+        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_LARGEST, rank), recv_count(p, t));
+        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_FACTOR, rank), (fc_u64)fc_f32_as_u32(factor));
+        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_RECV_AT, rank), at);
+    }
+    if (!arrive_wait(p, own, epoch, parity, 0, b)) return;
+
+    // Both sides of every pair check it: a receiver what it will read, a
+    // source what its receiver expects, so no rank reads past a block.
+    bool all_direct = direct_ok;
+    for (fc_u32 s = 0; s < world; ++s) {
+        bool bad;
+        if (s == rank) {
+            bad = send_count(p, s) != recv_count(p, s);
+        } else {
+            bad = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_PAIR_COUNT, s)) != recv_count(p, s) ||
+                  fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_LARGEST, s)) != send_count(p, s);
+            all_direct = all_direct && fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_RECV_AT, s)) != FC_AUX_NOT_DIRECT;
+        }
+        if (bad) {
+            if (t == 0) raise_mismatch(p, s, epoch);
+            return;
+        }
+    }
+    if (!all_direct) {
+        reduce_to_from<T, OP>(p, epoch + 1);
+        return;
+    }
+
+    const fc_u64 bytes = n * es;
+    const fc_u64 per = round_up16(div_ceil(bytes, nb));
+    const fc_u64 lo = min_u64((fc_u64)b * per, bytes), hi = min_u64(lo + per, bytes);
+    if (hi > lo) {
+        DirectSrc src;
+        float f[FC_MAX_RANKS];
+        bool aligned = aligned16(p.output);
+#pragma unroll
+        for (int r = 0; r < (int)FC_MAX_RANKS; ++r) {
+            src.a[r] = 0;
+            f[r] = 1.0f;
+            if ((fc_u32)r >= world) continue;
+            if ((fc_u32)r == rank) {
+                src.a[r] = send_addr(p, rank);
+                f[r] = factor;
+            } else {
+                src.a[r] = bases[r] + fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_RECV_AT, r));
+                if (OP == FC_OP_PREMUL)
+                    f[r] = fc_u32_as_f32((fc_u32)fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_FACTOR, r)));
+            }
+            aligned = aligned && aligned16(src.a[r]);
+        }
+        char* out = fc_ptr<char>(p.output);
+        if (OP == FC_OP_PREMUL) {
+            reduce_premul<T>(p, src, out, lo / es, hi / es, aligned, f);
+        } else {
+            reduce_direct<T, OP>(p, src, out, lo / es, hi / es, aligned);
+        }
+    }
+    if (!arrive_wait(p, own, epoch, parity, 1, b)) return;
+    complete(own, epoch);
 }
 
 } // namespace fc

@@ -481,8 +481,10 @@ FC_DEVICE void copy_range(char* dst, const char* src, fc_u64 lo, fc_u64 hi, bool
 // (rule above); the result goes wherever dst puts element e.
 //
 // Sources: PeerSrc (pull: every rank's workspace at one offset; the bases stay
-// in the parameter bank) or StrideSrc (push: sub-buffers of our own
-// workspace). Destinations: the output only, the output and one more buffer
+// in the parameter bank), StrideSrc (push: sub-buffers of our own
+// workspace) or DirectSrc (direct reduce-to: every rank's block wherever it
+// lies; registers, so only the vector paths take it, whose rank loops unroll
+// to constant indices: a run-time index would put the array in scratch). Destinations: the output only, the output and one more buffer
 // (pull two-shot: our result slot), or the output and every peer's buffer at
 // one offset (push two-shot).
 
@@ -496,6 +498,11 @@ struct StrideSrc {
     fc_u64 b0, stride;
 };
 FC_DEVICE fc_u64 src_base(const StrideSrc& s, fc_u32 r) { return s.b0 + (fc_u64)r * s.stride; }
+
+struct DirectSrc {
+    fc_u64 a[FC_MAX_RANKS];
+};
+FC_DEVICE fc_u64 src_base(const DirectSrc& s, fc_u32 r) { return s.a[r]; }
 
 struct OutDst {
     char* out;

@@ -80,7 +80,7 @@ struct FcParams {
     fc_u32 root;                  // broadcast root
     fc_u32 aux;                   // quick-reduce: codec blocks per inbox segment
     fc_u64 scalar;                // premul_sum factor: f32 bits, or (flags & 1) the address of one element
-    fc_u64 table;                 // direct exchange: every rank's heap base as mapped here (u64[MAX_RANKS]), or 0
+    fc_u64 table;                 // direct kinds: every rank's heap base as mapped here (u64[MAX_RANKS]), or 0
     fc_u32 peer;                  // the other rank of a send or receive
     fc_u32 flags;                 // FC_PARAM_* bits
     fc_u64 per_peer[4][FC_MAX_RANKS];  // per-peer counts/offsets/addresses (src/device/params.rs)

@@ -9,7 +9,10 @@
 //!   all-gather lists, its fallback to the inbox exchange when one rank
 //!   cannot take blocks in place, interleaved with inbox exchanges on the
 //!   same blocks, each launch's output and epoch advance checked before the
-//!   rank's next launch).
+//!   rank's next launch); the direct reduce-to from per-rank heaps
+//!   (reduce-scatter and reduce, in place, aligned and not, premul_sum, its
+//!   fallback, interleaved with inbox reduce-tos on the same inputs, inputs
+//!   checked untouched, a count mismatch from either side).
 //! - `device_api_emu.cpp`: the device API (`kernels-cuda/device_api.cuh`) and
 //!   the example all-gather (`kernels-cuda/examples/user_allgather.cu`):
 //!   repeated all-gathers, puts and gets at every granularity, signals,

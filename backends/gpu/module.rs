@@ -46,11 +46,14 @@ fn compile_timeout() -> Duration {
 
 /// The order kernels are compiled in: the all-reduce and reduce-to kernels
 /// of the common float sums first (what the first collectives use), then
-/// broadcasts, the exchange and the other sums, then the rest.
+/// broadcasts, the exchange and the other sums (the direct reduce-to's float
+/// sums among them: only heap inputs from `DIRECT_MIN_BLOCK_BYTES` a peer
+/// take it), then the rest.
 pub fn priority(kernel: &str) -> Priority {
     let float_sum = ["_bf16_sum", "_f16_sum", "_f32_sum"]
         .iter()
-        .any(|s| kernel.ends_with(s));
+        .any(|s| kernel.ends_with(s))
+        && !kernel.starts_with("fc_reduce_to_direct_");
     if kernel.contains("_broadcast_") || kernel == "fc_exchange" {
         1
     } else if float_sum {
@@ -428,6 +431,7 @@ mod tests {
         assert_eq!(priority("fc_broadcast_bf16_sum"), 1);
         assert_eq!(priority("fc_exchange"), 1);
         assert_eq!(priority("fc_reduce_to_bf16_sum"), 0);
+        assert_eq!(priority("fc_reduce_to_direct_bf16_sum"), 2);
         assert_eq!(priority("fc_oneshot_i32_sum"), 2);
         assert_eq!(priority("fc_oneshot_f32_max"), 3);
         assert_eq!(priority("fc_qr_int4_bf16"), 3);

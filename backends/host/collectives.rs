@@ -7,6 +7,10 @@
 //! - **reduce-to**: every rank sends a block to some peers; each receiver
 //!   reduces what it receives (its own block included) in rank order.
 //!   Reduce-scatter and reduce are reduce-tos.
+//! - **direct** twins of both (heap blocks, zero copy): the exchange writes
+//!   into receivers' heap blocks, the reduce-to reads its sources' heap
+//!   blocks, each after one flag round that every rank uses to agree on it
+//!   (else both fall back to the inbox protocols).
 //! - **send/receive**: a batch of sends and receives between pairs, over the
 //!   pair mailboxes with per-pair chunk sequence numbers (no epochs: only
 //!   two ranks take part).
@@ -331,6 +335,104 @@ pub(super) unsafe fn reduce_to<T: Lanes>(l: &Launch, op: Reduction) -> Option<u3
         c += 1;
     }
     Some(l.epoch.wrapping_add(nchunk as u32 - 1))
+}
+
+/// The direct reduce-to (`fc_reduce_to_direct_<dtype>_<op>`, pull): phase 0
+/// carries, to each peer, what we send it, what we expect from it, our
+/// premul_sum factor (`arrive`) and where our block to it lies in our heap
+/// (or that our blocks cannot be read in place). Passing the wait proves
+/// every source has entered the launch, so its stream is done writing the
+/// blocks it sends. If every rank's blocks can be read in place, each
+/// receiver reduces straight from its sources' heaps (its own block from its
+/// send list) with the inbox reduce-to's arithmetic, and phase 1 tells every
+/// source its blocks have been read, so it may reuse them once its launch
+/// ends. Otherwise every rank runs the reduce-to from the next epoch.
+/// Returns the last epoch, or `None`.
+///
+/// # Safety: as [`reduce_to`]; with `PARAM_DIRECT_OK`, `p.table` holds
+/// every rank's heap base as mapped here, and our blocks to peers lie in
+/// our heap.
+pub(super) unsafe fn reduce_to_direct<T: Lanes>(l: &Launch, op: Reduction) -> Option<u32> {
+    let lists = Lists(l.p);
+    let me = l.me();
+    let world = l.world();
+    let n = (0..world).map(|s| lists.recv(s).0).max().unwrap_or(0);
+    // A receiver reads `n` elements of every source: with receive counts
+    // that differ it would read past a shorter block, so it only takes the
+    // inbox way, where it reads its own inboxes.
+    let uniform = (0..world).all(|s| lists.recv(s).0 == n);
+    let direct_ok = l.p.flags & PARAM_DIRECT_OK != 0 && l.p.table != DevicePtr::NULL && uniform;
+    let base = |r: usize| -> u64 {
+        // SAFETY: with PARAM_DIRECT_OK the table holds MAX_RANKS live u64s
+        // (our heap's sync area), written once before any launch.
+        unsafe { (l.p.table.0 as *const u64).add(r).read() }
+    };
+    // To peer q: the count we send it, the count we expect from it (so both
+    // sides check the pair before q reads our memory), and where our block
+    // to it lies (an empty block announces 0, so no address can read as
+    // "not direct"). `arrive` adds our premul_sum factor.
+    for q in (0..world).filter(|&q| q != me) {
+        let (count, from) = lists.send(q);
+        let at = match (direct_ok, count) {
+            (false, _) => AUX_NOT_DIRECT,
+            (true, 0) => 0,
+            (true, _) => from.0.wrapping_sub(base(me)),
+        };
+        // SAFETY: aux slots lie inside every mapped workspace; `arrive`'s
+        // release store publishes them.
+        unsafe {
+            dword(l.aux_addr(q, AUX_PAIR_COUNT, me)).store(count as u64, Ordering::Relaxed);
+            dword(l.aux_addr(q, AUX_LARGEST, me)).store(lists.recv(q).0 as u64, Ordering::Relaxed);
+            dword(l.aux_addr(q, AUX_RECV_AT, me)).store(at, Ordering::Relaxed);
+        }
+    }
+    l.arrive(0);
+    if !l.wait(0) {
+        return None;
+    }
+    let mut all_direct = direct_ok;
+    for s in (0..world).filter(|&s| s != me) {
+        // SAFETY: our own aux slots, published before the flags we waited for.
+        let (pair, expects, at) = unsafe {
+            (
+                dword(l.aux_addr(me, AUX_PAIR_COUNT, s)).load(Ordering::Relaxed),
+                dword(l.aux_addr(me, AUX_LARGEST, s)).load(Ordering::Relaxed),
+                dword(l.aux_addr(me, AUX_RECV_AT, s)).load(Ordering::Relaxed),
+            )
+        };
+        if pair != lists.recv(s).0 as u64 || expects != lists.send(s).0 as u64 {
+            l.mismatch(s);
+            return None;
+        }
+        all_direct &= at != AUX_NOT_DIRECT;
+    }
+    if lists.send(me).0 != lists.recv(me).0 {
+        l.mismatch(me);
+        return None;
+    }
+    if !all_direct {
+        // SAFETY: forwarded from the caller.
+        return unsafe { reduce_to::<T>(&l.chunk(1), op) };
+    }
+    if n > 0 {
+        let srcs: Vec<DevicePtr> = (0..world)
+            .map(|s| match s == me {
+                true => lists.send(me).1,
+                false => {
+                    // SAFETY: our own aux slot from s, read above.
+                    let at = unsafe { dword(l.aux_addr(me, AUX_RECV_AT, s)).load(Ordering::Relaxed) };
+                    DevicePtr(base(s).wrapping_add(at))
+                }
+            })
+            .collect();
+        // SAFETY: source s's block to us lies in its heap at `at` (s said
+        // so) and holds `n` elements (the counts agreed, all equal); s writes
+        // nothing it sends until our phase-1 arrive, and our output overlaps
+        // no block a peer reads (in place is tile-safe).
+        unsafe { Tiles::<T>::new().reduce(l.reduction(op), world, &srcs, n, &[l.p.output]) };
+    }
+    l.arrive(1);
+    l.wait(1).then_some(l.epoch)
 }
 
 /// One side of a send/receive batch: the next chunk of one message.

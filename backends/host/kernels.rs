@@ -46,6 +46,8 @@ pub(super) enum HostKernel {
     ExchangeDirect,
     /// `fc_reduce_to_<dtype>_<op>`: reduce-scatter, reduce.
     ReduceTo { dtype: DType, op: ReduceOp },
+    /// `fc_reduce_to_direct_<dtype>_<op>`: the reduce-to reading heap blocks in place.
+    ReduceToDirect { dtype: DType, op: ReduceOp },
     /// `fc_sendrecv`: a batch of sends and receives (no epoch).
     SendRecv,
     /// `fc_fused_<kind>_[moe_]<pattern>_<dtype>`: a fused all-reduce epilogue.
@@ -88,6 +90,14 @@ impl HostKernel {
                     DType::F16 => launch(p, |l| collectives::reduce_to::<f16>(l, op.into())),
                     DType::BF16 => launch(p, |l| collectives::reduce_to::<bf16>(l, op.into())),
                     DType::I32 => launch(p, |l| collectives::reduce_to::<i32>(l, op.into())),
+                    // `module_kernels` names reducible dtypes only.
+                    _ => {}
+                },
+                HostKernel::ReduceToDirect { dtype, op } => match dtype {
+                    DType::F32 => launch(p, |l| collectives::reduce_to_direct::<f32>(l, op.into())),
+                    DType::F16 => launch(p, |l| collectives::reduce_to_direct::<f16>(l, op.into())),
+                    DType::BF16 => launch(p, |l| collectives::reduce_to_direct::<bf16>(l, op.into())),
+                    DType::I32 => launch(p, |l| collectives::reduce_to_direct::<i32>(l, op.into())),
                     // `module_kernels` names reducible dtypes only.
                     _ => {}
                 },
@@ -146,6 +156,10 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
                 map.insert(
                     kernel_name(KernelKind::ReduceTo, dtype, op),
                     HostKernel::ReduceTo { dtype, op },
+                );
+                map.insert(
+                    kernel_name(KernelKind::ReduceToDirect, dtype, op),
+                    HostKernel::ReduceToDirect { dtype, op },
                 );
             }
         }
@@ -491,6 +505,7 @@ unsafe fn run<T: Lanes>(l: &Launch, kind: KernelKind, op: Reduction) -> Option<u
             | KernelKind::Exchange
             | KernelKind::ExchangeDirect
             | KernelKind::ReduceTo
+            | KernelKind::ReduceToDirect
             | KernelKind::SendRecv => None,
         }
     }

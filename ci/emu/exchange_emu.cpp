@@ -13,6 +13,12 @@
 // fallback to the inbox exchange when one rank cannot take blocks in place,
 // and fc::exchange launches in between on the same receive blocks, each
 // launch's output checked by its rank before that rank's next launch.
+// The direct reduce-to (fc::reduce_to_direct) reads every source's input in
+// place in its heap: reduce-scatter and reduce, in place or not, 16-byte
+// aligned (vector loads) or only element aligned, premul_sum and avg, the
+// fallback to the inbox reduce-to when one rank's input is outside its heap,
+// fc::reduce_to launches on the same inputs in between, and a count
+// mismatch from the source's and from the receiver's side.
 #include "emu_prelude.h"
 #include "../../kernels-cuda/common.cuh"
 #include "../../kernels-cuda/collectives.cu"
@@ -386,6 +392,154 @@ static void reduce_case(Group& g, const char* what, fc_u32 dtype, size_t n, int 
     }
 }
 
+// ---- reduce-to on heap inputs: fc::reduce_to_direct, or fc::reduce_to on
+// the same inputs (so the two kinds' epochs and parities interleave). A
+// rank's input (world blocks of n elements: block q to rank q for a
+// reduce-scatter, block root for a reduce) lies in its arena, in its heap,
+// or, for the ranks in `no_direct` (no FC_PARAM_DIRECT_OK), in plain memory
+// outside it, so every rank falls back to the inbox reduce-to. The output is
+// the rank's own block of its input (in place) or a buffer of its own with
+// guard bytes around it. Before its launch a rank writes its input (peers
+// read it in place, so it must not change until every reader is done: the
+// next launch's rewrite comes after this launch's phase 1); right after it,
+// it checks its output against the sequential reference, that every other
+// input byte is unchanged (readers never write into a source), the guard
+// bytes, and how far the epoch word moved: 1 the direct way, 1 + the chunk
+// count on the fallback, the chunk count for fc::reduce_to. ----
+struct ReduceHeapCase {
+    std::string what;
+    int es;
+    size_t n;
+    int root; // -1: reduce-scatter
+    bool in_place;
+    std::vector<std::vector<unsigned char>> data; // each rank's input
+    std::vector<unsigned char*> in, out;
+    std::vector<std::vector<unsigned char>> want; // per receiver
+};
+
+constexpr size_t GUARD = 32;
+
+template <class T, int OP>
+static void reduce_heap_case(Group& g, const char* what, bool direct, fc_u32 dtype, size_t n, int root, bool in_place,
+                             bool aligned, unsigned no_direct, int nb, fc_u64 fp) {
+    typedef typename T::S S;
+    const int W = g.world;
+    const int es = sizeof(S);
+    auto h = std::make_shared<ReduceHeapCase>();
+    h->what = what;
+    h->es = es;
+    h->n = n;
+    h->root = root;
+    h->in_place = in_place;
+    h->data.resize(W);
+    h->in.resize(W);
+    h->out.resize(W);
+    h->want.resize(W);
+    // Element aligned, and (unless `aligned`) not 16-byte aligned: the
+    // element-wise path. Aligned inputs with n * es a multiple of 16 take
+    // the vector path for every piece.
+    auto mis = [&] { return aligned ? (size_t)0 : (size_t)es * (1 + rnd(16 / es - 1)); };
+    std::vector<float> factor(W);
+    for (int r = 0; r < W; ++r) {
+        const size_t bytes = (size_t)W * n * es;
+        if (bytes + 16 > ARENA) std::abort();
+        const bool out = no_direct >> r & 1;
+        h->in[r] = (out ? g.outside[r] : g.heap[r] + HEAP_SYNC + 1024 * r) + mis();
+        h->data[r].resize(bytes);
+        fill(h->data[r].data(), bytes, es);
+        const int own = root < 0 ? r : root;
+        h->out[r] = in_place ? h->in[r] + own * n * es : alloc(n * es + 2 * GUARD) + GUARD + mis();
+        factor[r] = 0.5f + 0.25f * r;
+    }
+    auto elem = [&](int s, int blk, size_t i) {
+        S x;
+        std::memcpy(&x, h->data[s].data() + (blk * n + i) * es, es);
+        return T::to_acc(x);
+    };
+    for (int d = 0; d < W; ++d) {
+        if (root >= 0 && d != root) continue;
+        h->want[d].resize(n * es);
+        for (size_t i = 0; i < n; ++i) {
+            typename T::Acc a = elem(0, d, i);
+            if (OP == FC_OP_PREMUL) a = fc::premul_scale(a, factor[0]);
+            for (int s = 1; s < W; ++s) {
+                typename T::Acc x = elem(s, d, i);
+                if (OP == FC_OP_PREMUL) x = fc::premul_scale(x, factor[s]);
+                a = fc::Op<OP>::apply(a, x);
+            }
+            if (OP == FC_OP_AVG) a = fc::finish<OP>(a, fc::make_avg(W));
+            const S y = T::from_acc(a);
+            std::memcpy(h->want[d].data() + i * es, &y, es);
+        }
+    }
+    const fc_u64 cap = ((g.slot / W) & ~(fc_u64)63) / es; // fc::reduce_to's elements a chunk
+    const fc_u64 nchunk = std::max<fc_u64>(1, (n + cap - 1) / cap);
+    const fc_u32 advance = !direct ? nchunk : no_direct ? 1 + nchunk : 1;
+    for (int r = 0; r < W; ++r) {
+        FcParams p = g.params(r, dtype, OP, n, fp);
+        p.output = (fc_u64)h->out[r];
+        if (OP == FC_OP_PREMUL) p.scalar = fc_f32_as_u32(factor[r]);
+        for (int q = 0; q < W; ++q) {
+            if (root >= 0 && q != root) continue;
+            set(p, 0, q, n);
+            set(p, 1, q, (fc_u64)(h->in[r] + (root < 0 ? q : root) * n * es));
+        }
+        const bool receives = root < 0 || r == root;
+        if (receives)
+            for (int s = 0; s < W; ++s) {
+                set(p, 2, s, n);
+                set(p, 3, s, (fc_u64)h->out[r]);
+            }
+        p.table = (fc_u64)g.heap[r];
+        if (!(no_direct >> r & 1)) p.flags |= FC_PARAM_DIRECT_OK;
+        Launch l{direct ? fc::reduce_to_direct<T, OP> : fc::reduce_to<T, OP>, p, nb, nullptr, nullptr};
+        const unsigned char guard = (unsigned char)rng();
+        l.before = [h, r, guard] {
+            std::memcpy(h->in[r], h->data[r].data(), h->data[r].size());
+            if (!h->in_place) std::memset(h->out[r] - GUARD, guard, h->n * h->es + 2 * GUARD);
+        };
+        l.then = [h, r, guard, advance, receives](fc_u32 moved) {
+            int bad = 0;
+            const size_t bytes = h->n * h->es;
+            if (receives)
+                for (size_t i = 0; i < bytes; ++i)
+                    if (h->out[r][i] != h->want[r][i]) {
+                        std::printf("FAIL %s rank %d: output byte %zu of %zu is %02x, want %02x\n", h->what.c_str(), r,
+                                    i, bytes, h->out[r][i], h->want[r][i]);
+                        ++bad;
+                        break;
+                    }
+            const size_t own = (size_t)(h->root < 0 ? r : h->root) * bytes;
+            for (size_t i = 0; i < h->data[r].size(); ++i) {
+                if (h->in_place && receives && i >= own && i < own + bytes) continue;
+                if (h->in[r][i] != h->data[r][i]) {
+                    std::printf("FAIL %s rank %d: input byte %zu written\n", h->what.c_str(), r, i);
+                    ++bad;
+                    break;
+                }
+            }
+            // Around the output (and all of it on a rank that receives nothing).
+            if (!h->in_place)
+                for (size_t i = 0; i < bytes + 2 * GUARD; ++i) {
+                    const bool inside = i >= GUARD && i < GUARD + bytes;
+                    if ((!inside || !receives) && h->out[r][(ptrdiff_t)i - (ptrdiff_t)GUARD] != guard) {
+                        std::printf("FAIL %s rank %d: output byte %td, outside what it receives, written\n",
+                                    h->what.c_str(), r, (ptrdiff_t)i - (ptrdiff_t)GUARD);
+                        ++bad;
+                        break;
+                    }
+                }
+            if (moved != advance) {
+                std::printf("FAIL %s rank %d: the epoch word moved by %u, want %u\n", h->what.c_str(), r, moved,
+                            advance);
+                ++bad;
+            }
+            return bad;
+        };
+        g.launches[r].push_back(l);
+    }
+}
+
 static int verify(Group& g) {
     int bad = g.late.load();
     for (auto& c : g.checks) {
@@ -510,6 +664,52 @@ int main(int argc, char** argv) {
         std::printf("heap exchanges, world %d: %zu launches a rank, %d failed\n", W, g.launches[0].size(), b);
         bad += b;
     }
+    for (int W : {2, 3, 4}) {
+        // Direct and inbox reduce-tos on the same heap inputs, back to back
+        // (epoch advances of 1, chunk counts and 1 + chunk counts, so each
+        // kind starts on either parity after the other), interleaved with a
+        // direct exchange. Counts are odd unless noted; grids differ per
+        // launch (the same on every rank).
+        Group g(W, 8192); // inboxes of (8192 / W) & ~63 bytes: fallbacks of several chunks
+        const unsigned last = 1u << (W - 1), first = 1;
+        const size_t big = 9000 / W; // f32: W * big * 4 bytes fit an arena
+        reduce_heap_case<fc::TF32, FC_OP_SUM>(g, "direct reduce_scatter f32 sum", true, FC_DTYPE_F32, big + 1, -1,
+                                              false, false, 0, 2, 41);
+        reduce_heap_case<fc::TF32, FC_OP_SUM>(g, "direct reduce_scatter f32 sum, aligned", true, FC_DTYPE_F32, 1024,
+                                              -1, false, true, 0, 3, 42);
+        reduce_heap_case<fc::TF32, FC_OP_AVG>(g, "direct reduce_scatter f32 avg in place", true, FC_DTYPE_F32, big - 3,
+                                              -1, true, false, 0, 4, 43);
+        reduce_heap_case<fc::TBF16, FC_OP_SUM>(g, "inbox reduce_scatter bf16 on heap inputs", false, FC_DTYPE_BF16,
+                                               2 * big + 1, -1, false, false, 0, 2, 44);
+        reduce_heap_case<fc::TBF16, FC_OP_SUM>(g, "direct reduce_scatter bf16, aligned", true, FC_DTYPE_BF16, 2048, -1,
+                                               false, true, 0, 1, 45);
+        reduce_heap_case<fc::TF16, FC_OP_MAX>(g, "fallback reduce_scatter f16 max: last rank outside its heap", true,
+                                              FC_DTYPE_F16, 2 * big - 1, -1, false, false, last, 3, 46);
+        reduce_heap_case<fc::TI32, FC_OP_SUM>(g, "direct reduce i32 sum to 0 in place", true, FC_DTYPE_I32, big + 3, 0,
+                                              true, false, 0, 2, 47);
+        reduce_heap_case<fc::TF32, FC_OP_PREMUL>(g, "direct reduce_scatter f32 premul", true, FC_DTYPE_F32, big, -1,
+                                                 false, false, 0, 4, 48);
+        reduce_heap_case<fc::TF32, FC_OP_PREMUL>(g, "direct reduce_scatter f32 premul, aligned in place", true,
+                                                 FC_DTYPE_F32, 1024, -1, true, true, 0, 2, 49);
+        std::vector<std::vector<size_t>> c(W, std::vector<size_t>(W, 1001));
+        heap_case(g, "direct all_to_all f32 between reduce-tos", true, FC_DTYPE_F32, 4, c, SEND_BLOCKS, false, 0, 3, 50);
+        reduce_heap_case<fc::TI32, FC_OP_BXOR>(g, "fallback reduce i32 bxor to last: rank 0 outside", true,
+                                               FC_DTYPE_I32, big, W - 1, false, false, first, 2, 51);
+        reduce_heap_case<fc::TF32, FC_OP_MIN>(g, "direct reduce f32 min to 1, aligned", true, FC_DTYPE_F32, 1024, 1,
+                                              false, true, 0, 3, 52);
+        reduce_heap_case<fc::TF32, FC_OP_SUM>(g, "direct reduce_scatter f32 sum, one element", true, FC_DTYPE_F32, 1,
+                                              -1, false, false, 0, 2, 53);
+        reduce_heap_case<fc::TF32, FC_OP_SUM>(g, "direct reduce_scatter f32, nothing", true, FC_DTYPE_F32, 0, -1,
+                                              false, false, 0, 1, 54);
+        reduce_heap_case<fc::TF32, FC_OP_SUM>(g, "inbox reduce_scatter f32, again", false, FC_DTYPE_F32, big + 1, -1,
+                                              false, false, 0, 3, 55);
+        reduce_heap_case<fc::TF32, FC_OP_SUM>(g, "direct reduce_scatter f32, last", true, FC_DTYPE_F32, big + 1, -1,
+                                              false, false, 0, 2, 56);
+        g.run(32);
+        const int b = verify(g);
+        std::printf("heap reduce-tos, world %d: %zu launches a rank, %d failed\n", W, g.launches[0].size(), b);
+        bad += b;
+    }
     {
         // A count mismatch: rank 0 expects 10 elements from rank 1, which sends 12.
         Group g(2, 8192);
@@ -542,6 +742,32 @@ int main(int argc, char** argv) {
         std::printf("direct mismatch: rank 0 error words %u %u %u %u, rank 1 %u %u %u %u (%s)\n", g.err[0][0],
                     g.err[0][1], g.err[0][2], g.err[0][3], g.err[1][0], g.err[1][1], g.err[1][2], g.err[1][3],
                     ok ? "ok" : "FAIL");
+        bad += !ok;
+    }
+    for (int receiver_short : {0, 1}) {
+        // A count mismatch the direct reduce-to way, from either side: rank
+        // 1 sends 14 elements to rank 0, which expects 12 (the source sends
+        // more), or sends 12 where rank 0 expects 14 from it (the receiver
+        // would read past the block). Both sides see it at phase 0 and read
+        // and write nothing: rank 0 names rank 1, rank 1 names rank 0.
+        Group g(2, 8192);
+        reduce_heap_case<fc::TF32, FC_OP_SUM>(g, "direct reduce-to mismatch", true, FC_DTYPE_F32, 12, -1, false, false,
+                                              0, 2, 1);
+        if (receiver_short) {
+            g.launches[0][0].p.per_peer[2][1] = 14;
+        } else {
+            g.launches[1][0].p.per_peer[0][0] = 14;
+        }
+        for (auto& l : g.launches) {
+            l[0].p.timeout_ns = 200ull * 1000 * 1000;
+            l[0].then = nullptr; // no output to check
+        }
+        g.run(32);
+        const bool ok = g.err[0][0] == FC_ERR_CODE_MISMATCH && g.err[0][2] == 2 &&
+                        g.err[1][0] == FC_ERR_CODE_MISMATCH && g.err[1][2] == 1;
+        std::printf("direct reduce-to mismatch (%s): rank 0 error words %u %u %u %u, rank 1 %u %u %u %u (%s)\n",
+                    receiver_short ? "receiver expects more" : "source sends more", g.err[0][0], g.err[0][1],
+                    g.err[0][2], g.err[0][3], g.err[1][0], g.err[1][1], g.err[1][2], g.err[1][3], ok ? "ok" : "FAIL");
         bad += !ok;
     }
     std::printf("%s\n", bad ? "FAILED" : "all ok");

@@ -63,7 +63,7 @@ fn env_prefix(kind: KernelKind) -> &'static str {
         KernelKind::TwoShotPush => "TWOSHOT_PUSH",
         KernelKind::QuickReduce => "QUICK_REDUCE",
         KernelKind::Exchange | KernelKind::ExchangeDirect => "EXCHANGE",
-        KernelKind::ReduceTo => "REDUCE_TO",
+        KernelKind::ReduceTo | KernelKind::ReduceToDirect => "REDUCE_TO",
         KernelKind::SendRecv => "SENDRECV",
     }
 }
@@ -93,9 +93,11 @@ fn default_rule(kind: KernelKind) -> GridRule {
         // none yet): as the push two-shot, by the per-peer block. Not
         // measured for these kernels yet (TODO(measure)); the grid must be
         // the same on every rank (`CollectiveCall::enqueue`).
-        KernelKind::Exchange | KernelKind::ExchangeDirect | KernelKind::ReduceTo | KernelKind::SendRecv => {
-            (16 << 10, 128, 0)
-        }
+        KernelKind::Exchange
+        | KernelKind::ExchangeDirect
+        | KernelKind::ReduceTo
+        | KernelKind::ReduceToDirect
+        | KernelKind::SendRecv => (16 << 10, 128, 0),
     };
     GridRule {
         bytes_per_block,

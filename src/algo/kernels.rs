@@ -93,8 +93,10 @@ fn parse_collective(name: &str) -> Option<(KernelKind, DType, ReduceOp)> {
     }
     for dtype in DType::REDUCIBLE {
         for op in REDUCE_TO_OPS.into_iter().filter(|&op| dtype.supports(op)) {
-            if kernel_name(KernelKind::ReduceTo, dtype, op) == name {
-                return Some((KernelKind::ReduceTo, dtype, op));
+            for kind in [KernelKind::ReduceTo, KernelKind::ReduceToDirect] {
+                if kernel_name(kind, dtype, op) == name {
+                    return Some((kind, dtype, op));
+                }
             }
         }
         for kind in KernelKind::COLLECTIVES {
@@ -124,6 +126,7 @@ pub fn collective_entry(name: &str) -> Option<String> {
         KernelKind::OneShotLl => format!("fc::oneshot_ll<{ty}, {}>(p)", device_op(op)),
         KernelKind::TwoShotPush => format!("fc::twoshot_push<{ty}, {}>(p)", device_op(op)),
         KernelKind::ReduceTo => format!("fc::reduce_to<{ty}, {}>(p)", device_op(op)),
+        KernelKind::ReduceToDirect => format!("fc::reduce_to_direct<{ty}, {}>(p)", device_op(op)),
         KernelKind::QuickReduce | KernelKind::Exchange | KernelKind::ExchangeDirect | KernelKind::SendRecv => {
             return None
         }
@@ -219,6 +222,11 @@ pub enum KernelKind {
     /// reduce-scatter and reduce. `fc_reduce_to_<dtype>_<op>` on every
     /// backend (GPUs may route to NCCL/RCCL instead: `comm::route`).
     ReduceTo,
+    /// The reduce-to reading every source's block in place when every
+    /// rank's blocks to peers lie in its symmetric heap (zero copy: no inbox,
+    /// no chunks, one more flag round trip); else, decided the same on every
+    /// rank after the first flags, the reduce-to. `fc_reduce_to_direct_<dtype>_<op>`.
+    ReduceToDirect,
     /// A batch of sends and receives between pairs, with per-pair sequence
     /// numbers instead of the group's epochs. Host protocol; GPUs use NCCL.
     SendRecv,
@@ -237,6 +245,7 @@ impl KernelKind {
             KernelKind::Exchange => "exchange",
             KernelKind::ExchangeDirect => "exchange_direct",
             KernelKind::ReduceTo => "reduce_to",
+            KernelKind::ReduceToDirect => "reduce_to_direct",
             KernelKind::SendRecv => "sendrecv",
         }
     }
@@ -244,15 +253,16 @@ impl KernelKind {
     /// The protocols of the collectives beyond all-reduce and broadcast,
     /// with per-peer lists (the host module has them all; the GPU modules
     /// have exchange and reduce-to; send/recv goes to NCCL/RCCL on GPUs).
-    pub const HOST_PROTOCOLS: [KernelKind; 4] = [
+    pub const HOST_PROTOCOLS: [KernelKind; 5] = [
         KernelKind::Exchange,
         KernelKind::ExchangeDirect,
         KernelKind::ReduceTo,
+        KernelKind::ReduceToDirect,
         KernelKind::SendRecv,
     ];
 
     /// Every kind, in a fixed order.
-    pub const ALL: [KernelKind; 11] = [
+    pub const ALL: [KernelKind; 12] = [
         KernelKind::OneShot,
         KernelKind::TwoShot,
         KernelKind::Broadcast,
@@ -263,6 +273,7 @@ impl KernelKind {
         KernelKind::Exchange,
         KernelKind::ExchangeDirect,
         KernelKind::ReduceTo,
+        KernelKind::ReduceToDirect,
         KernelKind::SendRecv,
     ];
 
@@ -347,9 +358,9 @@ pub fn all_kernel_names() -> Vec<String> {
 
 /// Every entry point the [`COLLECTIVES`] module exports: each kind for
 /// every reducible dtype and kernel op it supports, broadcast once per
-/// reducible dtype (it only moves bytes of that size), reduce-to for every
-/// reducible dtype and [`REDUCE_TO_OPS`] op it supports, and `fc_exchange`
-/// (bytes of any dtype).
+/// reducible dtype (it only moves bytes of that size), reduce-to and its
+/// direct twin for every reducible dtype and [`REDUCE_TO_OPS`] op it
+/// supports, and `fc_exchange` and `fc_exchange_direct` (bytes of any dtype).
 pub fn collective_kernel_names() -> Vec<String> {
     let mut names = vec![
         kernel_name(KernelKind::Exchange, DType::U8, ReduceOp::Sum),
@@ -366,6 +377,7 @@ pub fn collective_kernel_names() -> Vec<String> {
         names.push(kernel_name(KernelKind::Broadcast, dtype, ReduceOp::Sum));
         for op in REDUCE_TO_OPS.into_iter().filter(|&op| dtype.supports(op)) {
             names.push(kernel_name(KernelKind::ReduceTo, dtype, op));
+            names.push(kernel_name(KernelKind::ReduceToDirect, dtype, op));
         }
     }
     names
@@ -400,7 +412,13 @@ mod tests {
             .collect();
         assert_eq!(
             premul,
-            ["f32", "f16", "bf16"].map(|d| format!("fc_reduce_to_{d}_premul_sum"))
+            ["f32", "f16", "bf16"]
+                .into_iter()
+                .flat_map(|d| [
+                    format!("fc_reduce_to_{d}_premul_sum"),
+                    format!("fc_reduce_to_direct_{d}_premul_sum")
+                ])
+                .collect::<Vec<_>>()
         );
         assert_eq!(
             collective_entry("fc_exchange").unwrap(),
@@ -410,7 +428,12 @@ mod tests {
             collective_entry("fc_reduce_to_bf16_premul_sum").unwrap(),
             "FC_KERNEL(fc_reduce_to_bf16_premul_sum) { fc::reduce_to<fc::TBF16, FC_OP_PREMUL>(p); }\n"
         );
+        assert_eq!(
+            collective_entry("fc_reduce_to_direct_i32_bxor").unwrap(),
+            "FC_KERNEL(fc_reduce_to_direct_i32_bxor) { fc::reduce_to_direct<fc::TI32, FC_OP_BXOR>(p); }\n"
+        );
         assert!(collective_entry("fc_reduce_to_i32_avg").is_none());
+        assert!(collective_entry("fc_reduce_to_direct_i32_avg").is_none());
         assert!(collective_entry("fc_sendrecv").is_none());
     }
 

@@ -74,7 +74,7 @@ pub struct CollectiveCall {
     pub flags: u32,
     /// Per-peer lists of the host protocols (`KernelParams::per_peer`).
     pub per_peer: [[u64; MAX_RANKS]; 4],
-    /// `KernelParams::table` (the direct exchange's heap bases), or null.
+    /// `KernelParams::table` (the direct kinds' heap bases), or null.
     pub table: DevicePtr,
 }
 
@@ -155,7 +155,7 @@ pub fn chunk_elems(
         // An LL unit carries 4 data bytes in 8.
         KernelKind::OneShotLl => ll_stride(slot_bytes, world) / 2 / elem,
         // Per peer and chunk: one inbox (the host protocols loop over chunks).
-        KernelKind::Exchange | KernelKind::ExchangeDirect | KernelKind::ReduceTo => {
+        KernelKind::Exchange | KernelKind::ExchangeDirect | KernelKind::ReduceTo | KernelKind::ReduceToDirect => {
             push_twoshot_stride(slot_bytes, world) / elem
         }
         KernelKind::SendRecv => super::layout::p2p_half_bytes(slot_bytes) / elem,
@@ -176,6 +176,7 @@ pub const fn whole_call(kind: KernelKind) -> bool {
             | KernelKind::Exchange
             | KernelKind::ExchangeDirect
             | KernelKind::ReduceTo
+            | KernelKind::ReduceToDirect
             | KernelKind::SendRecv
     )
 }

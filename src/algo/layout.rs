@@ -57,14 +57,17 @@ pub const FLAGS_BYTES: usize = 2 * MAX_BLOCKS * MAX_RANKS * 4;
 pub const AUX_WORDS: usize = 4;
 /// Aux word: the count (elements) a source sends this rank (exchange, reduce-to; chunk 0).
 pub const AUX_PAIR_COUNT: usize = 0;
-/// Aux word: the largest block (elements) a source sends or receives (chunk 0).
+/// Aux word: the largest block (elements) a source sends or receives (chunk
+/// 0); the direct kinds: the count a source expects from this rank.
 pub const AUX_LARGEST: usize = 1;
 /// Aux word: premul_sum's factor of a source (f32 bits).
 pub const AUX_FACTOR: usize = 2;
-/// Aux word (direct exchange): where the reader's block to the writer lands,
-/// as an offset in the writer's symmetric heap, or [`AUX_NOT_DIRECT`].
+/// Aux word (direct kinds), as an offset in the writer's symmetric heap, or
+/// [`AUX_NOT_DIRECT`]: the direct exchange, where the reader's block to the
+/// writer lands; the direct reduce-to, where the writer's block to the
+/// reader lies.
 pub const AUX_RECV_AT: usize = 3;
-/// [`AUX_RECV_AT`] of a rank whose receive blocks cannot all be written in place.
+/// [`AUX_RECV_AT`] of a rank whose blocks cannot all be used in place.
 pub const AUX_NOT_DIRECT: u64 = u64::MAX;
 /// The aux area, right after the flags (the device code relies on that).
 pub const AUX_OFFSET: usize = FLAGS_OFFSET + FLAGS_BYTES;

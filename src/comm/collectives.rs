@@ -16,6 +16,7 @@ use crate::algo::{AlgoChoice, Algorithm, CollectiveCall};
 use crate::device::{BackendKind, Device, DeviceBuffer, DevicePtr, MAX_RANKS, PARAM_DIRECT_OK, PARAM_SCALAR_IS_PTR};
 use crate::dtype::{check_supported, DType, ReduceOp};
 use crate::error::{Error, Result};
+use crate::heap::Heap;
 
 /// One side of a point-to-point batch ([`Communicator::batch_p2p`]).
 #[derive(Debug, Clone, Copy)]
@@ -1017,16 +1018,17 @@ fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists, agreed: u
 /// sized chunks, and costs one more flag round trip (~2-3 us): about even
 /// at 4 MiB a peer. The host backend takes it whenever there is a heap (its
 /// calls carry no agreed block), so CI runs it; all-to-all-v has no agreed
-/// block either, and on GPUs stays on the inbox exchange.
+/// block either, and on GPUs stays on the inbox exchange. The direct
+/// reduce-to takes the same threshold, not measured either: it saves each
+/// source's copy into the inboxes and the chunk flags, and reduces from
+/// peers' memory instead of local inboxes (as the pull one-shot does).
 pub(crate) const DIRECT_MIN_BLOCK_BYTES: usize = 4 << 20;
 
-/// Whether an exchange goes the direct way (`fc_exchange_direct`), decided
-/// alike on every rank: from the agreed block and the heap, which every rank
-/// reserves together. Then: the heap bases' table, and whether every block
-/// this rank receives from a peer can be written in place (in its heap and
-/// clear of what it sends; the kernel falls back on every rank if one rank's
-/// cannot).
-fn direct_exchange<D: Device>(s: &Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize) -> Option<(DevicePtr, bool)> {
+/// Whether a call takes a direct kind (`fc_exchange_direct`,
+/// `fc_reduce_to_direct_*`), decided alike on every rank: from the agreed
+/// per-peer block (`agreed` elements) and the heap, which every rank
+/// reserves together. Then: the heap, whose bases' table the kernel gets.
+fn direct_heap<'a, D: Device>(s: &'a Submit<'_, D>, dtype: DType, agreed: usize) -> Option<&'a Heap<D>> {
     let sized = match s.inner.device.facts().backend {
         BackendKind::Host => true,
         _ => agreed.saturating_mul(dtype.size()) >= DIRECT_MIN_BLOCK_BYTES,
@@ -1034,7 +1036,16 @@ fn direct_exchange<D: Device>(s: &Submit<'_, D>, dtype: DType, l: &Lists, agreed
     if !sized {
         return None;
     }
-    let heap = s.res.heap.as_ref()?;
+    s.res.heap.as_ref()
+}
+
+/// Whether an exchange goes the direct way (`fc_exchange_direct`; see
+/// [`direct_heap`]). Then: the heap bases' table, and whether every block
+/// this rank receives from a peer can be written in place (in its heap and
+/// clear of what it sends; the kernel falls back on every rank if one rank's
+/// cannot).
+fn direct_exchange<D: Device>(s: &Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize) -> Option<(DevicePtr, bool)> {
+    let heap = direct_heap(s, dtype, agreed)?;
     let es = dtype.size() as u64;
     let span = |(n, p): (usize, DevicePtr)| (p.0, p.0 + n as u64 * es);
     let me = s.inner.rank;
@@ -1050,6 +1061,41 @@ fn direct_exchange<D: Device>(s: &Submit<'_, D>, dtype: DType, l: &Lists, agreed
                 })
         }
     });
+    Some((heap.peer_bases_table(), in_place))
+}
+
+/// Whether a reduce-to goes the direct way (`fc_reduce_to_direct_*`; see
+/// [`direct_heap`]). Then: the heap bases' table, and whether every block
+/// this rank sends a peer can be read in place by it: in its heap, clear of
+/// this rank's output (which it writes while peers read), and aligned to
+/// its element, as are its own block and its output (the direct kernel
+/// reads and writes them where they are; the inbox way realigns them). Its
+/// own block may be its output (in place: each element is read before the
+/// same thread writes it) or clear of it. The kernel falls back on every
+/// rank if one rank's cannot.
+fn direct_reduce_to<D: Device>(
+    s: &Submit<'_, D>,
+    dtype: DType,
+    l: &Lists,
+    n: usize,
+    output: Option<(usize, DevicePtr)>,
+) -> Option<(DevicePtr, bool)> {
+    let heap = direct_heap(s, dtype, n)?;
+    let es = dtype.size() as u64;
+    let span = |(n, p): (usize, DevicePtr)| (p.0, p.0 + n as u64 * es);
+    let meet = |a: (usize, DevicePtr), b: (usize, DevicePtr)| {
+        let ((a0, a1), (b0, b1)) = (span(a), span(b));
+        a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1
+    };
+    let aligned = |(n, p): (usize, DevicePtr)| n == 0 || p.0 % es == 0;
+    let clear_of_output = |send: (usize, DevicePtr)| output.is_none_or(|out| !meet(send, out));
+    let me = s.inner.rank;
+    let in_place = output.is_none_or(aligned)
+        && l.sends.iter().enumerate().all(|(q, send)| match *send {
+            None | Some((0, _)) => true,
+            Some(own) if q == me => aligned(own) && (output == Some(own) || clear_of_output(own)),
+            Some((m, p)) => aligned((m, p)) && heap.offset_of(p, m * dtype.size()).is_some() && clear_of_output((m, p)),
+        });
     Some((heap.peer_bases_table(), in_place))
 }
 
@@ -1117,7 +1163,8 @@ fn unalias<D: Device>(
     Ok(staged)
 }
 
-/// The reduce-to protocol (reduce-scatter, reduce): `fc_reduce_to_<dtype>_<op>`.
+/// The reduce-to protocol (reduce-scatter, reduce): `fc_reduce_to_<dtype>_<op>`,
+/// or its direct twin on heap blocks.
 #[allow(clippy::too_many_arguments)]
 fn reduce_to<D: Device>(
     s: &mut Submit<'_, D>,
@@ -1130,11 +1177,23 @@ fn reduce_to<D: Device>(
     l: &Lists,
 ) -> Result<()> {
     let receives = l.recvs.iter().any(|r| r.is_some_and(|(m, _)| m > 0));
-    let l = unalias(s, dtype, l, receives.then_some((n, output)))?;
-    let mut c = CollectiveCall::new(KernelKind::ReduceTo, dtype, op, n, DevicePtr::NULL, output);
+    let out = receives.then_some((n, output));
+    let l = unalias(s, dtype, l, out)?;
+    // After `unalias`: staged sends lie outside the heap, so a call that
+    // needed staging takes the inbox way on every rank.
+    let direct = direct_reduce_to(s, dtype, &l, n, out);
+    let kind = match direct {
+        Some(_) => KernelKind::ReduceToDirect,
+        None => KernelKind::ReduceTo,
+    };
+    let mut c = CollectiveCall::new(kind, dtype, op, n, DevicePtr::NULL, output);
     c.per_peer = l.table(0);
     c.scalar = scalar;
     c.flags = flags;
+    if let Some((table, in_place)) = direct {
+        c.table = table;
+        c.flags |= if in_place { PARAM_DIRECT_OK } else { 0 };
+    }
     enqueue(s, &c)
 }
 

@@ -52,7 +52,7 @@ pub struct KernelParams {
     /// premul_sum's factor: its f32 bits, or (with [`PARAM_SCALAR_IS_PTR`])
     /// the address of one element of the call's dtype in device memory.
     pub scalar: u64,
-    /// A table in memory the kernel can read, or null. The direct exchange:
+    /// A table in memory the kernel can read, or null. The direct kinds:
     /// every rank's symmetric heap base as mapped here (`u64 [MAX_RANKS]`, in
     /// our heap's sync area, `heap::SYNC_PEER_BASES`).
     pub table: DevicePtr,
@@ -70,9 +70,12 @@ pub struct KernelParams {
 
 /// [`KernelParams::flags`]: `scalar` is an address, not the factor's bits.
 pub const PARAM_SCALAR_IS_PTR: u32 = 1;
-/// [`KernelParams::flags`], direct exchange: every block this rank receives
-/// from a peer lies in its symmetric heap and overlaps none it sends, so
-/// peers may write them in place.
+/// [`KernelParams::flags`], direct kinds. Direct exchange: every block this
+/// rank receives from a peer lies in its symmetric heap and overlaps none it
+/// sends, so peers may write them in place. Direct reduce-to: every block
+/// this rank sends a peer lies in its heap and overlaps none it writes, so
+/// peers may read them in place (and its blocks and output are aligned to
+/// their element).
 pub const PARAM_DIRECT_OK: u32 = 2;
 
 /// Size of the ABI struct; the device headers assert the same number.

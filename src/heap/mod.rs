@@ -9,7 +9,7 @@
 //!   + SYNC_BARRIER_ARRIVED  u64 [MAX_RANKS]  rank p's barrier count, written by p
 //!   + SYNC_BARRIER_COUNT    u64              barriers this rank entered (local)
 //!   + SYNC_PEER_BASES       u64 [MAX_RANKS]  every rank's heap base as mapped here
-//!                                            (written once; the direct exchange reads it)
+//!                                            (written once; the direct kinds read it)
 //! HEAP_RESERVED         allocations, HEAP_ALIGN-aligned, symmetric
 //! ```
 //!
@@ -38,8 +38,8 @@ pub const SYNC_BARRIER_ARRIVED: usize = 0;
 /// Sync area: `u64`, this rank's barrier count (local).
 pub const SYNC_BARRIER_COUNT: usize = 8 * MAX_RANKS;
 /// Sync area: `u64 [MAX_RANKS]`, every rank's heap base as mapped in this
-/// process, so a kernel given only this table can write into peers' heaps
-/// (`KernelParams::table` of the direct exchange).
+/// process, so a kernel given only this table can reach into peers' heaps
+/// (`KernelParams::table` of the direct kinds).
 pub const SYNC_PEER_BASES: usize = SYNC_BARRIER_COUNT + 8;
 const _: () = assert!(SYNC_PEER_BASES + 8 * MAX_RANKS <= HEAP_RESERVED);
 

@@ -9,9 +9,9 @@ use std::time::Duration;
 use super::check::Checker;
 use super::conformance::{SuiteConfig, SuiteReport};
 use crate::bootstrap::{store_barrier, Store};
-use crate::comm::{Call, Communicator, Tensor};
+use crate::comm::{Call, Communicator, Reduction, Tensor};
 use crate::device::{Device, DeviceBuffer, DevicePtr};
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::heap::{HEAP_ALIGN, HEAP_RESERVED};
 
@@ -269,10 +269,7 @@ fn heap_collectives<D: Device>(
         // exchange (`DIRECT_MIN_BLOCK_BYTES`).
         let epochs = |taken: u32, fell_back: bool, case: &str, c: &mut Checker| {
             let direct = direct && !(gpu && case.contains("all-to-all"));
-            let ok = if direct && fell_back { taken >= 2 } else { taken == 1 };
-            c.check(&format!("{case}: {n} elements, epochs taken"), ok, || {
-                format!("{taken} epochs (direct kind: {direct}, fallback expected: {fell_back})")
-            });
+            check_epochs(c, &format!("{case}: {n} elements"), taken, direct, fell_back);
         };
 
         // All-gather into the heap, then with rank 0's output outside it.
@@ -344,8 +341,222 @@ fn heap_collectives<D: Device>(
         barrier(&format!("gather{round}"))?;
         comm.heap_free(out)?;
         comm.heap_free(inp)?;
+        heap_reductions(comm, c, barrier, n, direct, round)?;
     }
     Ok(())
+}
+
+/// How a call on heap tensors went, from the epochs it took: one for the
+/// direct way (or an inbox call of one chunk), at least two for a direct
+/// kind that fell back to the inbox protocol.
+fn check_epochs(c: &mut Checker, case: &str, taken: u32, direct: bool, fell_back: bool) {
+    let ok = if direct && fell_back { taken >= 2 } else { taken == 1 };
+    c.check(&format!("{case}: epochs taken"), ok, || {
+        format!("{taken} epochs (direct kind: {direct}, fallback expected: {fell_back})")
+    });
+}
+
+/// Reduce-scatter and reduce on heap inputs (`fc_reduce_to_direct_*`, taken
+/// where the direct exchange is): each receiver reads every source's block
+/// straight from that source's heap, and every rank falls back to the inbox
+/// reduce-to when one rank's blocks to peers are not all in its heap (here:
+/// rank 0's input outside it), or not aligned to its element (rank 0's
+/// input 2 bytes off). Where the output lies does not matter (it is only
+/// written by its own rank). Integer-valued i32 and f32 data, so the sums
+/// are exact and checked against the sums themselves; premul_sum (f32) and
+/// avg (bf16, as many bytes a block) on fractional data are checked bit for
+/// bit against the same call on plain buffers, which takes the inbox
+/// reduce-to.
+fn heap_reductions<D: Device>(
+    comm: &Communicator<D>,
+    c: &mut Checker,
+    barrier: &dyn Fn(&str) -> Result<()>,
+    n: usize,
+    direct: bool,
+    round: usize,
+) -> Result<()> {
+    let (rank, world) = (comm.rank(), comm.size());
+    let call = Call::new();
+    let inp = comm.heap_alloc(world * n * 4 + 16)?;
+    let out = comm.heap_alloc(n * 4)?;
+    let plain_in = comm.alloc(world * n * 4)?;
+    let plain_out = comm.alloc(n * 4)?;
+    // Rank s's element i of block q; i32 sums of up to 8 stay far from
+    // overflow, f32 ones below 2^24 (exact).
+    let int = |s: usize, q: usize, i: usize| value(s, round, q * n + i);
+    let float = |s: usize, q: usize, i: usize| ((s + 1) * 1000 + (q * n + i) % 4096) as f32;
+    let blocks = |f: &dyn Fn(usize, usize, usize) -> i32| -> Vec<i32> {
+        (0..world * n).map(|j| f(rank, j / n, j % n)).collect()
+    };
+    let sums = |f: &dyn Fn(usize, usize, usize) -> i32, q: usize| -> Vec<i32> {
+        (0..n)
+            .map(|i| (0..world).fold(0i32, |a, s| a.wrapping_add(f(s, q, i))))
+            .collect()
+    };
+    let float_bits = |s: usize, q: usize, i: usize| float(s, q, i).to_bits() as i32;
+    let float_sums: Vec<i32> = (0..n)
+        .map(|i| (0..world).map(|s| float(s, rank, i)).sum::<f32>().to_bits() as i32)
+        .collect();
+    let heap_read = |buf: &crate::heap::HeapBuffer, count: usize| -> Result<Vec<i32>> {
+        let mut got = vec![0u8; count * 4];
+        comm.heap_read(buf, 0, &mut got)?;
+        Ok(from_bytes(&got))
+    };
+    let plain_read = |buf: &D::Buffer| -> Result<Vec<u8>> {
+        let mut got = vec![0u8; n * 4];
+        comm.read(buf, 0, &mut got)?;
+        Ok(got)
+    };
+    let whole = |dtype: DType| Tensor::view(&inp, dtype, 0, world * n);
+    let timed = |run: &dyn Fn() -> Result<()>| -> Result<u32> {
+        let e0 = ws_epoch(comm)?;
+        run()?;
+        Ok(ws_epoch(comm)?.wrapping_sub(e0))
+    };
+    let done = |c: &mut Checker, case: &str, got: &[i32], want: &[i32], taken: u32, fell_back: bool| {
+        c.report.elements_checked += got.len();
+        c.check_values(&format!("{case} {n}"), got, want);
+        check_epochs(c, &format!("{case} {n}"), taken, direct, fell_back);
+    };
+
+    // Heap input, heap output (i32).
+    comm.heap_write(&inp, 0, &to_bytes(&blocks(&int)))?;
+    let output = Tensor::view(&out, DType::I32, 0, n)?;
+    let taken = timed(&|| {
+        comm.reduce_scatter_single(output, whole(DType::I32)?, ReduceOp::Sum, &call)?
+            .wait(None)
+    })?;
+    done(
+        c,
+        "heap reduce-scatter",
+        &heap_read(&out, n)?,
+        &sums(&int, rank),
+        taken,
+        false,
+    );
+    barrier(&format!("rs{round}"))?;
+
+    // Heap input, output outside the heap (f32, exact sums).
+    comm.heap_write(&inp, 0, &to_bytes(&blocks(&float_bits)))?;
+    let output = Tensor::view(&plain_out, DType::F32, 0, n)?;
+    let taken = timed(&|| {
+        comm.reduce_scatter_single(output, whole(DType::F32)?, ReduceOp::Sum, &call)?
+            .wait(None)
+    })?;
+    let got = from_bytes(&plain_read(&plain_out)?);
+    done(
+        c,
+        "heap reduce-scatter f32 into plain memory",
+        &got,
+        &float_sums,
+        taken,
+        false,
+    );
+    barrier(&format!("rs-plain{round}"))?;
+
+    // In place: the output is this rank's own block of the input, which no
+    // peer reads; the other blocks are only read.
+    let mine = blocks(&int);
+    comm.heap_write(&inp, 0, &to_bytes(&mine))?;
+    let output = Tensor::view(&inp, DType::I32, rank * n * 4, n)?;
+    let taken = timed(&|| {
+        comm.reduce_scatter_single(output, whole(DType::I32)?, ReduceOp::Sum, &call)?
+            .wait(None)
+    })?;
+    let mut want = mine.clone();
+    want[rank * n..(rank + 1) * n].copy_from_slice(&sums(&int, rank));
+    done(
+        c,
+        "heap reduce-scatter in place",
+        &heap_read(&inp, world * n)?,
+        &want,
+        taken,
+        false,
+    );
+    barrier(&format!("rs-in-place{round}"))?;
+
+    // Rank 0's input outside the heap: every rank falls back.
+    comm.heap_write(&inp, 0, &to_bytes(&mine))?;
+    comm.write(&plain_in, 0, &to_bytes(&mine))?;
+    let input = match rank {
+        0 => Tensor::of(&plain_in, DType::I32),
+        _ => whole(DType::I32)?,
+    };
+    let output = Tensor::view(&out, DType::I32, 0, n)?;
+    let taken = timed(&|| {
+        comm.reduce_scatter_single(output, input, ReduceOp::Sum, &call)?
+            .wait(None)
+    })?;
+    let case = "heap reduce-scatter, rank 0's input outside the heap";
+    done(c, case, &heap_read(&out, n)?, &sums(&int, rank), taken, true);
+    barrier(&format!("rs-fallback{round}"))?;
+
+    // Rank 0's input in the heap but not aligned to its element: every rank
+    // falls back (the inbox way realigns it).
+    let skew = if rank == 0 { 2 } else { 0 };
+    comm.heap_write(&inp, skew, &to_bytes(&mine))?;
+    let input = Tensor::view(&inp, DType::I32, skew, world * n)?;
+    let taken = timed(&|| {
+        comm.reduce_scatter_single(output, input, ReduceOp::Sum, &call)?
+            .wait(None)
+    })?;
+    let case = "heap reduce-scatter, rank 0's input not aligned to its element";
+    done(c, case, &heap_read(&out, n)?, &sums(&int, rank), taken, true);
+    barrier(&format!("rs-misaligned{round}"))?;
+    comm.heap_write(&inp, 0, &to_bytes(&mine))?;
+
+    // Reduce to the last rank, in place there; the others' tensors are only read.
+    let root = world - 1;
+    let t = Tensor::view(&inp, DType::I32, 0, n)?;
+    let taken = timed(&|| comm.reduce(t, ReduceOp::Sum, root, &call)?.wait(None))?;
+    let want = match rank == root {
+        true => sums(&int, 0),
+        false => mine[..n].to_vec(),
+    };
+    done(c, "heap reduce", &heap_read(&inp, n)?, &want, taken, false);
+    barrier(&format!("reduce{round}"))?;
+
+    // Fractional data, bit for bit against the same call on plain buffers.
+    let frac = |j: usize| ((rank * 31 + j * 7) % 1000) as f32 / 7.0 + 0.1;
+    let cases = [
+        (
+            "premul_sum f32",
+            DType::F32,
+            Reduction::premul_sum(0.5 + 0.25 * rank as f64),
+        ),
+        ("avg bf16", DType::BF16, Reduction::from(ReduceOp::Avg)),
+    ];
+    for (what, dtype, red) in cases {
+        // As many bytes a block as the i32 cases (the direct kind is chosen by bytes).
+        let m = n * 4 / dtype.size();
+        let data: Vec<u8> = match dtype {
+            DType::BF16 => (0..world * m)
+                .flat_map(|j| half::bf16::from_f32(frac(j)).to_le_bytes())
+                .collect(),
+            _ => (0..world * m).flat_map(|j| frac(j).to_le_bytes()).collect(),
+        };
+        comm.heap_write(&inp, 0, &data)?;
+        comm.write(&plain_in, 0, &data)?;
+        let (heap_in, heap_o) = (
+            Tensor::view(&inp, dtype, 0, world * m)?,
+            Tensor::view(&out, dtype, 0, m)?,
+        );
+        let (plain, plain_o) = (
+            Tensor::view(&plain_in, dtype, 0, world * m)?,
+            Tensor::view(&plain_out, dtype, 0, m)?,
+        );
+        comm.reduce_scatter_single(plain_o, plain, red, &call)?.wait(None)?;
+        let taken = timed(&|| comm.reduce_scatter_single(heap_o, heap_in, red, &call)?.wait(None))?;
+        let mut got = vec![0u8; n * 4];
+        comm.heap_read(&out, 0, &mut got)?;
+        let case = format!("heap reduce-scatter {what} {m}, against plain buffers");
+        c.report.elements_checked += m;
+        c.check_bytes(&case, &got, &plain_read(&plain_out)?);
+        check_epochs(c, &case, taken, direct, false);
+        barrier(&format!("rs-{what}{round}"))?;
+    }
+    comm.heap_free(out)?;
+    comm.heap_free(inp)
 }
 
 /// Rank 0 waits for a signal rank 1 never sends: the wait must end with a
