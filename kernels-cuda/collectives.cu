@@ -667,6 +667,42 @@ FC_DEVICE void exchange(const FcParams& p) {
     exchange_from(p, e0);
 }
 
+// Phase 0 of the direct kinds, by thread t != rank of every block: tell peer
+// t the count we send it, the count we expect from it (aux word 1, which
+// these kinds do not use for the largest block: each side checks the
+// other's before a byte moves) and `at`, where the block of the pair that
+// lives in our heap sits (an offset; 0 for an empty block, so no address can
+// read as FC_AUX_NOT_DIRECT; FC_AUX_NOT_DIRECT when we cannot go direct).
+FC_DEVICE void direct_announce(const FcParams& p, fc_u32 parity, fc_u32 b, fc_u32 t, fc_u64 at) {
+    char* peer = fc_ptr<char>(p.peer_ws[t]);
+    fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_PAIR_COUNT, p.rank), send_count(p, t));
+    fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_LARGEST, p.rank), recv_count(p, t));
+    fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_RECV_AT, p.rank), at);
+}
+
+// After the phase-0 wait (every thread of the block computes the same): 1
+// when every rank can go direct, 0 when every rank falls back, -1 after a
+// count mismatch on either side of a pair (raised once, by thread 0, naming
+// the peer; the block then leaves without touching anyone's memory).
+FC_DEVICE int direct_agree(const FcParams& p, char* own, fc_u32 parity, fc_u32 b, fc_u32 epoch, bool direct_ok) {
+    bool all_direct = direct_ok;
+    for (fc_u32 s = 0; s < p.world; ++s) {
+        bool bad;
+        if (s == p.rank) {
+            bad = send_count(p, s) != recv_count(p, s);
+        } else {
+            bad = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_PAIR_COUNT, s)) != recv_count(p, s) ||
+                  fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_LARGEST, s)) != send_count(p, s);
+            all_direct = all_direct && fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_RECV_AT, s)) != FC_AUX_NOT_DIRECT;
+        }
+        if (bad) {
+            if (fc_thread_id() == 0) raise_mismatch(p, s, epoch);
+            return -1;
+        }
+    }
+    return all_direct ? 1 : 0;
+}
+
 // Direct exchange (zero copy into symmetric-heap blocks; host twin:
 // backends/host/collectives.rs `exchange_direct`). Phase 0: thread q < world
 // tells peer q what we send it and where q's block to us lands, as an offset
@@ -692,39 +728,15 @@ FC_DEVICE void exchange_direct(const FcParams& p) {
     const fc_u64* bases = fc_ptr<const fc_u64>(p.table);
     const bool direct_ok = (p.flags & FC_PARAM_DIRECT_OK) != 0 && p.table != 0;
 
-    // To peer t: the count we send it, the count we expect from it (aux
-    // word 1, which this kind does not use for the largest block: a sender
-    // checks it before writing into our memory), and where its block lands
-    // (an empty block announces 0, so no address can read as "not direct").
+    // Where each peer's block to us lands in our heap.
     const fc_u32 t = fc_thread_id();
-    if (t < world && t != rank) {
-        char* peer = fc_ptr<char>(p.peer_ws[t]);
-        const fc_u64 at = !direct_ok ? FC_AUX_NOT_DIRECT : recv_count(p, t) == 0 ? 0 : recv_addr(p, t) - bases[rank];
-        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_PAIR_COUNT, rank), send_count(p, t));
-        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_LARGEST, rank), recv_count(p, t));
-        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_RECV_AT, rank), at);
-    }
+    if (t < world && t != rank)
+        direct_announce(p, parity, b, t,
+                        !direct_ok ? FC_AUX_NOT_DIRECT : recv_count(p, t) == 0 ? 0 : recv_addr(p, t) - bases[rank]);
     if (!arrive_wait(p, own, epoch, parity, 0, b)) return;
-
-    // Both sides of every pair check it: a receiver what it will get, a
-    // sender what its receiver takes, so no rank writes a block its
-    // receiver does not expect.
-    bool all_direct = direct_ok;
-    for (fc_u32 s = 0; s < world; ++s) {
-        bool bad;
-        if (s == rank) {
-            bad = send_count(p, s) != recv_count(p, s);
-        } else {
-            bad = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_PAIR_COUNT, s)) != recv_count(p, s) ||
-                  fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_LARGEST, s)) != send_count(p, s);
-            all_direct = all_direct && fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_RECV_AT, s)) != FC_AUX_NOT_DIRECT;
-        }
-        if (bad) {
-            if (t == 0) raise_mismatch(p, s, epoch);
-            return;
-        }
-    }
-    if (!all_direct) {
+    const int way = direct_agree(p, own, parity, b, epoch, direct_ok);
+    if (way < 0) return;
+    if (way == 0) {
         exchange_from(p, epoch + 1);
         return;
     }
@@ -967,36 +979,18 @@ FC_DEVICE void reduce_to_direct(const FcParams& p) {
     const bool direct_ok = (p.flags & FC_PARAM_DIRECT_OK) != 0 && p.table != 0 && uniform;
     const float factor = own_factor<T, OP>(p);
 
-    // An empty block announces 0, so no address can read as "not direct".
+    // Where our block to each peer sits in our heap, and our premul factor.
     const fc_u32 t = fc_thread_id();
     if (t < world && t != rank) {
-        char* peer = fc_ptr<char>(p.peer_ws[t]);
-        const fc_u64 at = !direct_ok ? FC_AUX_NOT_DIRECT : send_count(p, t) == 0 ? 0 : send_addr(p, t) - bases[rank];
-        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_PAIR_COUNT, rank), send_count(p, t));
-        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_LARGEST, rank), recv_count(p, t));
-        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_FACTOR, rank), (fc_u64)fc_f32_as_u32(factor));
-        fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_RECV_AT, rank), at);
+        direct_announce(p, parity, b, t,
+                        !direct_ok ? FC_AUX_NOT_DIRECT : send_count(p, t) == 0 ? 0 : send_addr(p, t) - bases[rank]);
+        fc_st_volatile_u64(aux_ptr(p, fc_ptr<char>(p.peer_ws[t]), parity, b, FC_AUX_FACTOR, rank),
+                           (fc_u64)fc_f32_as_u32(factor));
     }
     if (!arrive_wait(p, own, epoch, parity, 0, b)) return;
-
-    // Both sides of every pair check it: a receiver what it will read, a
-    // source what its receiver expects, so no rank reads past a block.
-    bool all_direct = direct_ok;
-    for (fc_u32 s = 0; s < world; ++s) {
-        bool bad;
-        if (s == rank) {
-            bad = send_count(p, s) != recv_count(p, s);
-        } else {
-            bad = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_PAIR_COUNT, s)) != recv_count(p, s) ||
-                  fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_LARGEST, s)) != send_count(p, s);
-            all_direct = all_direct && fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_RECV_AT, s)) != FC_AUX_NOT_DIRECT;
-        }
-        if (bad) {
-            if (t == 0) raise_mismatch(p, s, epoch);
-            return;
-        }
-    }
-    if (!all_direct) {
+    const int way = direct_agree(p, own, parity, b, epoch, direct_ok);
+    if (way < 0) return;
+    if (way == 0) {
         reduce_to_from<T, OP>(p, epoch + 1);
         return;
     }

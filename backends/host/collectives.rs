@@ -199,54 +199,39 @@ pub(super) unsafe fn exchange(l: &Launch) -> Option<u32> {
     Some(l.epoch.wrapping_add(nchunk as u32 - 1))
 }
 
-/// The direct exchange (`fc_exchange_direct`): phase 0 carries, to each
-/// peer, what we send it and where its block to us lands in our heap (or
-/// that we cannot take blocks in place); if every rank can, each writes its
-/// blocks straight into the receivers' heaps, and phase 1 tells receivers
-/// they have landed. Phase 0 also proves each receiver has entered the
-/// launch, so nothing earlier on its stream still uses those blocks. If one
-/// rank cannot, every rank sees it (each rank told everyone) and all run
-/// the exchange from the next epoch. Returns the last epoch, or `None`.
+/// Rank `r`'s heap base as mapped here, from the direct kinds' table.
 ///
-/// # Safety: as [`exchange`]; with `PARAM_DIRECT_OK`, `p.table` holds
-/// every rank's heap base as mapped here, and our receive blocks lie in our
-/// heap.
-pub(super) unsafe fn exchange_direct(l: &Launch) -> Option<u32> {
-    let lists = Lists(l.p);
-    let me = l.me();
-    let world = l.world();
-    let size = elem_size(l.p);
-    let direct_ok = l.p.flags & PARAM_DIRECT_OK != 0 && l.p.table != DevicePtr::NULL;
-    let base = |r: usize| -> u64 {
-        // SAFETY: with PARAM_DIRECT_OK the table holds MAX_RANKS live u64s
-        // (our heap's sync area), written once before any launch.
-        unsafe { (l.p.table.0 as *const u64).add(r).read() }
-    };
-    // To peer q: the count we send it, the count we expect from it (aux
-    // word 1, unused by this kind otherwise: a sender checks it before
-    // writing into our memory), and where its block lands (an empty block
-    // announces 0, so no address can read as "not direct").
+/// # Safety: `l.p.table` is the heap bases' table (`PARAM_DIRECT_OK` set),
+/// which holds MAX_RANKS live u64s in our heap's sync area, written once
+/// before any launch.
+unsafe fn heap_base(l: &Launch, r: usize) -> u64 {
+    // SAFETY: guaranteed by the caller.
+    unsafe { (l.p.table.0 as *const u64).add(r).read() }
+}
+
+/// Phase 0 of the direct kinds: tell each peer q the count we send it, the
+/// count we expect from it (aux word 1, unused by these kinds otherwise:
+/// each side checks the other's before a byte moves) and `at(q)`, where the
+/// pair's block in our heap sits ([`AUX_NOT_DIRECT`] when we cannot go
+/// direct); arrive and wait; agree. `Some(true)`: every rank goes direct;
+/// `Some(false)`: every rank falls back (each told every other, so all
+/// decide alike); `None` after a timeout or a count mismatch on either side
+/// of a pair (raised, naming the peer; nothing moved).
+fn direct_phase0(l: &Launch, lists: &Lists, direct_ok: bool, at: impl Fn(usize) -> u64) -> Option<bool> {
+    let (me, world) = (l.me(), l.world());
     for q in (0..world).filter(|&q| q != me) {
-        let (n, at) = lists.recv(q);
-        let at = match (direct_ok, n) {
-            (false, _) => AUX_NOT_DIRECT,
-            (true, 0) => 0,
-            (true, _) => at.0.wrapping_sub(base(me)),
-        };
         // SAFETY: aux slots lie inside every mapped workspace; `arrive`'s
         // release store publishes them.
         unsafe {
             dword(l.aux_addr(q, AUX_PAIR_COUNT, me)).store(lists.send(q).0 as u64, Ordering::Relaxed);
-            dword(l.aux_addr(q, AUX_LARGEST, me)).store(n as u64, Ordering::Relaxed);
-            dword(l.aux_addr(q, AUX_RECV_AT, me)).store(at, Ordering::Relaxed);
+            dword(l.aux_addr(q, AUX_LARGEST, me)).store(lists.recv(q).0 as u64, Ordering::Relaxed);
+            dword(l.aux_addr(q, AUX_RECV_AT, me)).store(at(q), Ordering::Relaxed);
         }
     }
     l.arrive(0);
     if !l.wait(0) {
         return None;
     }
-    // Both sides of every pair check it, so no rank writes a block its
-    // receiver does not expect.
     let mut all_direct = direct_ok;
     for s in (0..world).filter(|&s| s != me) {
         // SAFETY: our own aux slots, published before the flags we waited for.
@@ -267,7 +252,35 @@ pub(super) unsafe fn exchange_direct(l: &Launch) -> Option<u32> {
         l.mismatch(me);
         return None;
     }
-    if !all_direct {
+    Some(all_direct)
+}
+
+/// The direct exchange (`fc_exchange_direct`): phase 0 carries, to each
+/// peer, what we send it and where its block to us lands in our heap (or
+/// that we cannot take blocks in place); if every rank can, each writes its
+/// blocks straight into the receivers' heaps, and phase 1 tells receivers
+/// they have landed. Phase 0 also proves each receiver has entered the
+/// launch, so nothing earlier on its stream still uses those blocks. If one
+/// rank cannot, every rank sees it (each rank told everyone) and all run
+/// the exchange from the next epoch. Returns the last epoch, or `None`.
+///
+/// # Safety: as [`exchange`]; with `PARAM_DIRECT_OK`, `p.table` holds
+/// every rank's heap base as mapped here, and our receive blocks lie in our
+/// heap.
+pub(super) unsafe fn exchange_direct(l: &Launch) -> Option<u32> {
+    let lists = Lists(l.p);
+    let me = l.me();
+    let world = l.world();
+    let size = elem_size(l.p);
+    let direct_ok = l.p.flags & PARAM_DIRECT_OK != 0 && l.p.table != DevicePtr::NULL;
+    // Where each peer's block to us lands in our heap.
+    let at = |q: usize| match (direct_ok, lists.recv(q)) {
+        (false, _) => AUX_NOT_DIRECT,
+        (true, (0, _)) => 0,
+        // SAFETY: with PARAM_DIRECT_OK, `table` is the heap bases' table.
+        (true, (_, to)) => to.0.wrapping_sub(unsafe { heap_base(l, me) }),
+    };
+    if !direct_phase0(l, &lists, direct_ok, at)? {
         // SAFETY: forwarded from the caller.
         return unsafe { exchange(&l.chunk(1)) };
     }
@@ -281,7 +294,7 @@ pub(super) unsafe fn exchange_direct(l: &Launch) -> Option<u32> {
         let at = unsafe { dword(l.aux_addr(me, AUX_RECV_AT, q)).load(Ordering::Relaxed) };
         // SAFETY: q's receive block from us lies in q's heap at `at` (q said
         // so), holds `n` elements (the counts agreed) and overlaps none q sends.
-        unsafe { copy_bytes(DevicePtr(base(q).wrapping_add(at)), from, n * size) };
+        unsafe { copy_bytes(DevicePtr(heap_base(l, q).wrapping_add(at)), from, n * size) };
     }
     let ((n, from), (_, to)) = (lists.send(me), lists.recv(me));
     // SAFETY: both blocks hold `n` elements; equal addresses (in place) are fine.
@@ -362,55 +375,15 @@ pub(super) unsafe fn reduce_to_direct<T: Lanes>(l: &Launch, op: Reduction) -> Op
     // inbox way, where it reads its own inboxes.
     let uniform = (0..world).all(|s| lists.recv(s).0 == n);
     let direct_ok = l.p.flags & PARAM_DIRECT_OK != 0 && l.p.table != DevicePtr::NULL && uniform;
-    let base = |r: usize| -> u64 {
-        // SAFETY: with PARAM_DIRECT_OK the table holds MAX_RANKS live u64s
-        // (our heap's sync area), written once before any launch.
-        unsafe { (l.p.table.0 as *const u64).add(r).read() }
+    // Where our block to each peer sits in our heap (`arrive` adds our
+    // premul_sum factor).
+    let at = |q: usize| match (direct_ok, lists.send(q)) {
+        (false, _) => AUX_NOT_DIRECT,
+        (true, (0, _)) => 0,
+        // SAFETY: with PARAM_DIRECT_OK, `table` is the heap bases' table.
+        (true, (_, from)) => from.0.wrapping_sub(unsafe { heap_base(l, me) }),
     };
-    // To peer q: the count we send it, the count we expect from it (so both
-    // sides check the pair before q reads our memory), and where our block
-    // to it lies (an empty block announces 0, so no address can read as
-    // "not direct"). `arrive` adds our premul_sum factor.
-    for q in (0..world).filter(|&q| q != me) {
-        let (count, from) = lists.send(q);
-        let at = match (direct_ok, count) {
-            (false, _) => AUX_NOT_DIRECT,
-            (true, 0) => 0,
-            (true, _) => from.0.wrapping_sub(base(me)),
-        };
-        // SAFETY: aux slots lie inside every mapped workspace; `arrive`'s
-        // release store publishes them.
-        unsafe {
-            dword(l.aux_addr(q, AUX_PAIR_COUNT, me)).store(count as u64, Ordering::Relaxed);
-            dword(l.aux_addr(q, AUX_LARGEST, me)).store(lists.recv(q).0 as u64, Ordering::Relaxed);
-            dword(l.aux_addr(q, AUX_RECV_AT, me)).store(at, Ordering::Relaxed);
-        }
-    }
-    l.arrive(0);
-    if !l.wait(0) {
-        return None;
-    }
-    let mut all_direct = direct_ok;
-    for s in (0..world).filter(|&s| s != me) {
-        // SAFETY: our own aux slots, published before the flags we waited for.
-        let (pair, expects, at) = unsafe {
-            (
-                dword(l.aux_addr(me, AUX_PAIR_COUNT, s)).load(Ordering::Relaxed),
-                dword(l.aux_addr(me, AUX_LARGEST, s)).load(Ordering::Relaxed),
-                dword(l.aux_addr(me, AUX_RECV_AT, s)).load(Ordering::Relaxed),
-            )
-        };
-        if pair != lists.recv(s).0 as u64 || expects != lists.send(s).0 as u64 {
-            l.mismatch(s);
-            return None;
-        }
-        all_direct &= at != AUX_NOT_DIRECT;
-    }
-    if lists.send(me).0 != lists.recv(me).0 {
-        l.mismatch(me);
-        return None;
-    }
-    if !all_direct {
+    if !direct_phase0(l, &lists, direct_ok, at)? {
         // SAFETY: forwarded from the caller.
         return unsafe { reduce_to::<T>(&l.chunk(1), op) };
     }
@@ -421,7 +394,8 @@ pub(super) unsafe fn reduce_to_direct<T: Lanes>(l: &Launch, op: Reduction) -> Op
                 false => {
                     // SAFETY: our own aux slot from s, read above.
                     let at = unsafe { dword(l.aux_addr(me, AUX_RECV_AT, s)).load(Ordering::Relaxed) };
-                    DevicePtr(base(s).wrapping_add(at))
+                    // SAFETY: every rank went direct, so `table` is the heap bases' table.
+                    DevicePtr(unsafe { heap_base(l, s) }.wrapping_add(at))
                 }
             })
             .collect();
