@@ -386,6 +386,46 @@ FC_DEVICE void ll_clear_lines(char* at, fc_u64 stride, fc_u32 world, fc_u32 rank
         if (s != rank) fc_st_volatile_v2u64(at + (fc_u64)s * stride, 0ull, 0ull);
 }
 
+// The LL kinds' handshake, per block: thread q < world (q != rank) stores
+// our fingerprint record {fp_lo, flag}, {fp_hi, flag} at peer q's record
+// [parity][b][rank]. Every LL kind sends and awaits it with every peer, also
+// one it moves no data with: it is the evidence that each peer started this
+// launch, on which the reuse of the LL area at E + 2 rests.
+FC_DEVICE void ll_send_record(const FcParams& p, fc_u32 parity, fc_u32 b, fc_u32 flag) {
+    const fc_u32 t = fc_thread_id();
+    if (t < p.world && t != p.rank)
+        fc_st_volatile_v2u64(fc_ptr<char>(p.peer_ws[t] + ll_fp_offset(p, parity, b, p.rank)),
+                             ll_unit((fc_u32)p.fingerprint, flag), ll_unit((fc_u32)(p.fingerprint >> 32), flag));
+}
+
+// Thread s < world (s != rank) waits for record [parity][b][s], clears it and
+// compares it with our fingerprint. False (this thread) after raising a
+// timeout or a mismatch for s; callers combine with fc_barrier_or.
+FC_DEVICE bool ll_check_record(const FcParams& p, char* own, fc_u32 parity, fc_u32 b, fc_u32 flag, fc_u32 epoch) {
+    const fc_u32 t = fc_thread_id();
+    if (t >= p.world || t == p.rank) return true;
+    char* rec = own + ll_fp_offset(p, parity, b, t);
+    fc_u64 lo, hi;
+    fc_ld_volatile_v2u64(rec, lo, hi);
+    if ((fc_u32)(lo >> 32) != flag || (fc_u32)(hi >> 32) != flag) {
+        const fc_u64 start = fc_globaltimer_ns();
+        for (;;) {
+            fc_ld_volatile_v2u64(rec, lo, hi);
+            if ((fc_u32)(lo >> 32) == flag && (fc_u32)(hi >> 32) == flag) break;
+            if (fc_globaltimer_ns() - start >= p.timeout_ns) {
+                raise_timeout(p, t, epoch);
+                return false;
+            }
+        }
+    }
+    fc_st_volatile_v2u64(rec, 0ull, 0ull);
+    if (((lo & 0xffffffffull) | (hi << 32)) != p.fingerprint) {
+        raise_mismatch(p, t, epoch);
+        return false;
+    }
+    return true;
+}
+
 // One-shot, LL. Block b owns block_range(count, b, nb): lines of 8 data bytes
 // from its first element, line i handled by thread i % nt.
 // 1. Thread q < world (q != rank) stores our fingerprint record
@@ -423,9 +463,7 @@ FC_DEVICE void oneshot_ll(const FcParams& p) {
     const bool in_aligned = (p.input & 3) == 0;
     const bool out_aligned = (p.output & 3) == 0;
 
-    if (t < world && t != rank)
-        fc_st_volatile_v2u64(fc_ptr<char>(p.peer_ws[t] + ll_fp_offset(p, parity, b, rank)),
-                             ll_unit((fc_u32)p.fingerprint, flag), ll_unit((fc_u32)(p.fingerprint >> 32), flag));
+    ll_send_record(p, parity, b, flag);
 
     const fc_u64 mine = lines + (fc_u64)rank * stride + line0 * 16u;
     for (fc_u64 i = t; i < nline; i += nt) {
@@ -439,31 +477,7 @@ FC_DEVICE void oneshot_ll(const FcParams& p) {
         }
     }
 
-    bool failed = false;
-    if (t < world && t != rank) {
-        char* rec = own + ll_fp_offset(p, parity, b, t);
-        fc_u64 lo, hi;
-        fc_ld_volatile_v2u64(rec, lo, hi);
-        if ((fc_u32)(lo >> 32) != flag || (fc_u32)(hi >> 32) != flag) {
-            const fc_u64 start = fc_globaltimer_ns();
-            for (;;) {
-                fc_ld_volatile_v2u64(rec, lo, hi);
-                if ((fc_u32)(lo >> 32) == flag && (fc_u32)(hi >> 32) == flag) break;
-                if (fc_globaltimer_ns() - start >= p.timeout_ns) {
-                    raise_timeout(p, t, epoch);
-                    failed = true;
-                    break;
-                }
-            }
-        }
-        if (!failed) {
-            fc_st_volatile_v2u64(rec, 0ull, 0ull);
-            if (((lo & 0xffffffffull) | (hi << 32)) != p.fingerprint) {
-                raise_mismatch(p, t, epoch);
-                failed = true;
-            }
-        }
-    }
+    bool failed = !ll_check_record(p, own, parity, b, flag, epoch);
     if (fc_barrier_or(failed)) return;
 
     const AvgDiv avg = make_avg(world);
@@ -1025,6 +1039,169 @@ FC_DEVICE void reduce_to_direct(const FcParams& p) {
         }
     }
     if (!arrive_wait(p, own, epoch, parity, 1, b)) return;
+    complete(own, epoch);
+}
+
+// ===========================================================================
+// Exchange and reduce-to, LL (protocol.md "Exchange and reduce-to, LL"):
+// the small-message twins of the two kinds above, on the LL lines of
+// oneshot_ll instead of inboxes and flags. The host takes them only when
+// every non-empty block of the call is the agreed p.count elements (the
+// fingerprint covers it) and fits one source's lines (ll_stride / 2 bytes),
+// so there are no chunks and no counts to agree on. Block b owns the lines
+// of block_range(p.count, b, gridDim) of every pair's block; the sender and
+// the receiver cut alike, and every line is cleared by the thread that
+// read it. Sources are awaited four at a time, their loads in flight
+// together. Every rank sends and awaits the fingerprint record with every
+// peer, also one it moves nothing with (gather, scatter, reduce), so the
+// reuse argument of oneshot_ll holds.
+
+// Exchange, LL: all-gather, gather, scatter (bytes of any dtype, unchanged).
+// Every line of a send block goes to its receiver as soon as the thread has
+// loaded it; after the records, thread t writes line i of every received
+// block (and of our own, straight across, unless in place), so a receive
+// block that is its own pair's send block is overwritten only after the
+// same thread pushed that line.
+FC_DEVICE void exchange_ll(const FcParams& p) {
+    char* own = fc_ptr<char>(p.peer_ws[p.rank]);
+    const fc_u32 epoch = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
+    const fc_u32 parity = epoch & 1;
+    const fc_u32 flag = epoch | 1u;
+    const fc_u32 b = fc_block_id();
+    const fc_u32 world = p.world;
+    const fc_u32 rank = p.rank;
+    const fc_u32 t = fc_thread_id();
+    const fc_u32 nt = fc_block_threads();
+    const fc_u64 es = dtype_bytes(p.dtype);
+    // Bytes: a range of whole elements, 8-element multiples, so whole lines.
+    Range r = block_range(p.count, b, fc_grid_blocks());
+    r.lo *= es;
+    r.hi *= es;
+    const fc_u64 nline = div_ceil(r.hi - r.lo, 8);
+    const fc_u64 stride = ll_stride(p);
+    const fc_u64 lines = ll_lines_offset(p, parity) + (r.lo / 8) * 16u;
+
+    ll_send_record(p, parity, b, flag);
+    for (fc_u64 i = t; i < nline; i += nt) {
+        const fc_u64 e0 = r.lo + i * 8;
+        for (fc_u32 k = 1; k < world; ++k) {
+            fc_u32 q = rank + k;
+            if (q >= world) q -= world;
+            const fc_u64 n = send_count(p, q) * es;
+            if (n <= e0) continue;
+            const fc_u64 addr = send_addr(p, q);
+            fc_u32 w0, w1;
+            load_line<1>(fc_ptr<const char>(addr), e0, min_u64(r.hi, n), (addr & 3) == 0, w0, w1);
+            fc_st_volatile_v2u64(fc_ptr<char>(p.peer_ws[q] + lines + (fc_u64)rank * stride + i * 16u),
+                                 ll_unit(w0, flag), ll_unit(w1, flag));
+        }
+    }
+    bool failed = !ll_check_record(p, own, parity, b, flag, epoch);
+    if (fc_barrier_or(failed)) return;
+
+    const fc_u64 from = send_addr(p, rank), to = recv_addr(p, rank);
+    const fc_u64 n_own = from != to ? recv_count(p, rank) * es : 0;
+    char* at = own + lines;
+    for (fc_u64 i = t; i < nline; i += nt) {
+        const fc_u64 e0 = r.lo + i * 8;
+        if (e0 < n_own) {
+            fc_u32 w0, w1;
+            load_line<1>(fc_ptr<const char>(from), e0, min_u64(r.hi, n_own), (from & 3) == 0, w0, w1);
+            store_line<1>(fc_ptr<char>(to), e0, min_u64(r.hi, n_own), (to & 3) == 0, w0, w1);
+        }
+#pragma unroll
+        for (int g = 0; g < (int)FC_MAX_RANKS; g += 4) {
+            if ((fc_u32)g >= world) break;
+            fc_vec16 v[4];
+            fc_u32 take = 0, pending = 0;
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                const fc_u32 src = (fc_u32)(g + s);
+                if (src >= world || src == rank || recv_count(p, src) * es <= e0) continue;
+                take |= 1u << s;
+                if (!ll_load(at + i * 16u + (fc_u64)src * stride, flag, v[s].w[0], v[s].w[1])) pending |= 1u << s;
+            }
+            if (pending != 0 && !ll_wait(p, at + i * 16u + (fc_u64)g * stride, stride, (fc_u32)g, flag, epoch, pending, v)) {
+                failed = true;
+                break;
+            }
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                if (((take >> s) & 1u) == 0) continue;
+                const fc_u32 src = (fc_u32)(g + s);
+                const fc_u64 addr = recv_addr(p, src);
+                store_line<1>(fc_ptr<char>(addr), e0, min_u64(r.hi, recv_count(p, src) * es), (addr & 3) == 0,
+                              v[s].w[0], v[s].w[1]);
+                fc_st_volatile_v2u64(at + i * 16u + (fc_u64)src * stride, 0ull, 0ull);
+            }
+        }
+        if (failed) break;
+    }
+    if (fc_barrier_or(failed)) return;
+    complete(own, epoch);
+}
+
+// Reduce-to, LL: reduce-scatter, reduce (every op but premul_sum, whose
+// per-source factors have no place in a line). A receiver gets p.count
+// elements from every source; line i of its output is our own block's line
+// (re-read by the thread that writes the output line, so in place is safe)
+// reduced with every peer's in rank order (ll_reduce_line: the same
+// arithmetic as every other path, so the same bits).
+template <class T, int OP>
+FC_DEVICE void reduce_to_ll(const FcParams& p) {
+    const int ES = sizeof(typename T::S);
+    const fc_u64 H = 8 / ES;
+    char* own = fc_ptr<char>(p.peer_ws[p.rank]);
+    const fc_u32 epoch = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
+    const fc_u32 parity = epoch & 1;
+    const fc_u32 flag = epoch | 1u;
+    const fc_u32 b = fc_block_id();
+    const fc_u32 world = p.world;
+    const fc_u32 rank = p.rank;
+    const fc_u32 t = fc_thread_id();
+    const fc_u32 nt = fc_block_threads();
+    const Range r = block_range(p.count, b, fc_grid_blocks());
+    const fc_u64 nline = div_ceil(r.hi - r.lo, H);
+    const fc_u64 stride = ll_stride(p);
+    const fc_u64 lines = ll_lines_offset(p, parity) + (r.lo / H) * 16u;
+
+    ll_send_record(p, parity, b, flag);
+    for (fc_u64 i = t; i < nline; i += nt) {
+        const fc_u64 e0 = r.lo + i * H;
+        for (fc_u32 k = 1; k < world; ++k) {
+            fc_u32 q = rank + k;
+            if (q >= world) q -= world;
+            const fc_u64 n = send_count(p, q);
+            if (n <= e0) continue;
+            const fc_u64 addr = send_addr(p, q);
+            fc_u32 w0, w1;
+            load_line<ES>(fc_ptr<const char>(addr), e0, min_u64(r.hi, n), (addr & 3) == 0, w0, w1);
+            fc_st_volatile_v2u64(fc_ptr<char>(p.peer_ws[q] + lines + (fc_u64)rank * stride + i * 16u),
+                                 ll_unit(w0, flag), ll_unit(w1, flag));
+        }
+    }
+    bool failed = !ll_check_record(p, own, parity, b, flag, epoch);
+    if (fc_barrier_or(failed)) return;
+
+    if (recv_count(p, rank) > 0) {
+        const AvgDiv avg = make_avg(world);
+        const fc_u64 in = send_addr(p, rank);
+        char* at = own + lines;
+        const char* input = fc_ptr<const char>(in);
+        char* output = fc_ptr<char>(p.output);
+        const bool in_aligned = (in & 3) == 0, out_aligned = (p.output & 3) == 0;
+        for (fc_u64 i = t; i < nline; i += nt) {
+            fc_u32 w0, w1, r0, r1;
+            load_line<ES>(input, r.lo + i * H, r.hi, in_aligned, w0, w1);
+            if (!ll_reduce_line<T, OP>(p, flag, epoch, at + i * 16u, stride, w0, w1, avg, r0, r1)) {
+                failed = true;
+                break;
+            }
+            store_line<ES>(output, r.lo + i * H, r.hi, out_aligned, r0, r1);
+            ll_clear_lines(at + i * 16u, stride, world, rank);
+        }
+    }
+    if (fc_barrier_or(failed)) return;
     complete(own, epoch);
 }
 

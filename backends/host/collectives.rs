@@ -55,21 +55,21 @@ unsafe fn dword<'a>(addr: DevicePtr) -> &'a AtomicU64 {
 
 /// Bytes per element of a launch's dtype (the data-moving protocols move
 /// any dtype).
-fn elem_size(p: &KernelParams) -> usize {
+pub(super) fn elem_size(p: &KernelParams) -> usize {
     DType::from_code(p.dtype).map_or(1, DType::size)
 }
 
 /// Per-peer counts and addresses of a launch.
-struct Lists<'a>(&'a KernelParams);
+pub(super) struct Lists<'a>(pub(super) &'a KernelParams);
 
 impl Lists<'_> {
-    fn send(&self, q: usize) -> (usize, DevicePtr) {
+    pub(super) fn send(&self, q: usize) -> (usize, DevicePtr) {
         (
             self.0.per_peer[SEND_COUNT][q] as usize,
             DevicePtr(self.0.per_peer[SEND_ADDR][q]),
         )
     }
-    fn recv(&self, s: usize) -> (usize, DevicePtr) {
+    pub(super) fn recv(&self, s: usize) -> (usize, DevicePtr) {
         (
             self.0.per_peer[RECV_COUNT][s] as usize,
             DevicePtr(self.0.per_peer[RECV_ADDR][s]),

@@ -12,11 +12,12 @@ use half::{bf16, f16};
 use super::collectives;
 use super::fused;
 use super::futex;
+use super::ll;
 use super::quickreduce;
 use super::reduce::{Lanes, Reduction, Tiles};
 use crate::algo::kernels::{
     collective_kernel_names, kernel_name, qr_encode_name, quick_reduce_kernel_names, quick_reduce_name, KernelKind,
-    COLLECTIVES, FUSED, QR_CODECS, QR_DTYPES, QUICK_REDUCE,
+    COLLECTIVES, FUSED, KERNEL_OPS, QR_CODECS, QR_DTYPES, QUICK_REDUCE,
 };
 use crate::algo::layout::{
     aux_offset, ll_parity_bytes, ll_stride, push_oneshot_stride, push_twoshot_stride, segment_elems, AUX_FACTOR,
@@ -44,10 +45,14 @@ pub(super) enum HostKernel {
     Exchange,
     /// `fc_exchange_direct`: the exchange into receivers' heap blocks.
     ExchangeDirect,
+    /// `fc_exchange_ll`: the exchange of small agreed blocks on LL lines.
+    ExchangeLl,
     /// `fc_reduce_to_<dtype>_<op>`: reduce-scatter, reduce.
     ReduceTo { dtype: DType, op: ReduceOp },
     /// `fc_reduce_to_direct_<dtype>_<op>`: the reduce-to reading heap blocks in place.
     ReduceToDirect { dtype: DType, op: ReduceOp },
+    /// `fc_reduce_to_ll_<dtype>_<op>`: the reduce-to of small agreed blocks on LL lines.
+    ReduceToLl { dtype: DType, op: ReduceOp },
     /// `fc_sendrecv`: a batch of sends and receives (no epoch).
     SendRecv,
     /// `fc_fused_<kind>_[moe_]<pattern>_<dtype>`: a fused all-reduce epilogue.
@@ -85,6 +90,7 @@ impl HostKernel {
                 },
                 HostKernel::Exchange => launch(p, |l| collectives::exchange(l)),
                 HostKernel::ExchangeDirect => launch(p, |l| collectives::exchange_direct(l)),
+                HostKernel::ExchangeLl => launch(p, |l| ll::exchange_ll(l).then_some(l.epoch)),
                 HostKernel::ReduceTo { dtype, op } => match dtype {
                     DType::F32 => launch(p, |l| collectives::reduce_to::<f32>(l, op.into())),
                     DType::F16 => launch(p, |l| collectives::reduce_to::<f16>(l, op.into())),
@@ -101,6 +107,17 @@ impl HostKernel {
                     // `module_kernels` names reducible dtypes only.
                     _ => {}
                 },
+                HostKernel::ReduceToLl { dtype, op } => {
+                    let run = |l: &Launch| match dtype {
+                        DType::F32 => ll::reduce_to_ll::<f32>(l, op.into()),
+                        DType::F16 => ll::reduce_to_ll::<f16>(l, op.into()),
+                        DType::BF16 => ll::reduce_to_ll::<bf16>(l, op.into()),
+                        DType::I32 => ll::reduce_to_ll::<i32>(l, op.into()),
+                        // `module_kernels` names reducible dtypes only.
+                        _ => false,
+                    };
+                    launch(p, |l| run(l).then_some(l.epoch))
+                }
                 HostKernel::SendRecv => collectives::send_recv(p),
                 HostKernel::Fused {
                     kind,
@@ -162,6 +179,12 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
                     HostKernel::ReduceToDirect { dtype, op },
                 );
             }
+            for op in KERNEL_OPS.into_iter().filter(|&op| dtype.supports(op)) {
+                map.insert(
+                    kernel_name(KernelKind::ReduceToLl, dtype, op),
+                    HostKernel::ReduceToLl { dtype, op },
+                );
+            }
         }
         let any = DType::F32;
         map.insert(
@@ -171,6 +194,10 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
         map.insert(
             kernel_name(KernelKind::ExchangeDirect, any, ReduceOp::Sum),
             HostKernel::ExchangeDirect,
+        );
+        map.insert(
+            kernel_name(KernelKind::ExchangeLl, any, ReduceOp::Sum),
+            HostKernel::ExchangeLl,
         );
         map.insert(
             kernel_name(KernelKind::SendRecv, any, ReduceOp::Sum),
@@ -211,13 +238,13 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
 // ---- raw access to the shared workspace (all unsafe, all tiny) ----
 
 /// # Safety: `addr` is a live, 4-byte aligned u32 in shared memory.
-unsafe fn atomic_u32<'a>(addr: DevicePtr) -> &'a AtomicU32 {
+pub(super) unsafe fn atomic_u32<'a>(addr: DevicePtr) -> &'a AtomicU32 {
     // SAFETY: guaranteed by the caller; AtomicU32 has u32's layout.
     unsafe { &*(addr.0 as *const AtomicU32) }
 }
 
 /// # Safety: `addr` is a live, 8-byte aligned u64 in shared memory.
-unsafe fn atomic_u64<'a>(addr: DevicePtr) -> &'a AtomicU64 {
+pub(super) unsafe fn atomic_u64<'a>(addr: DevicePtr) -> &'a AtomicU64 {
     // SAFETY: guaranteed by the caller; AtomicU64 has u64's layout.
     unsafe { &*(addr.0 as *const AtomicU64) }
 }
@@ -275,13 +302,13 @@ impl Launch<'_> {
     }
 
     /// Rank `rank`'s LL fingerprint record for `src` (this parity and block).
-    fn ll_fp_addr(&self, rank: usize, src: usize) -> DevicePtr {
+    pub(super) fn ll_fp_addr(&self, rank: usize, src: usize) -> DevicePtr {
         self.ll_base(rank)
             .offset(((self.parity * MAX_BLOCKS + self.block) * MAX_RANKS + src) * 16)
     }
 
     /// Rank `rank`'s LL lines from `src` (this parity).
-    fn ll_lines(&self, rank: usize, src: usize) -> DevicePtr {
+    pub(super) fn ll_lines(&self, rank: usize, src: usize) -> DevicePtr {
         self.ll_base(rank).offset(
             LL_FP_BYTES
                 + self.parity * ll_parity_bytes(self.slot_bytes())
@@ -291,7 +318,7 @@ impl Launch<'_> {
 
     /// The flag word of every LL unit this launch writes: never 0 (the
     /// cleared state) and different for launches `E` and `E + 2`.
-    fn ll_flag(&self) -> u32 {
+    pub(super) fn ll_flag(&self) -> u32 {
         self.epoch | 1
     }
 
@@ -498,14 +525,16 @@ unsafe fn run<T: Lanes>(l: &Launch, kind: KernelKind, op: Reduction) -> Option<u
             KernelKind::TwoShot => twoshot::<T>(l, op).then_some(l.epoch),
             KernelKind::Broadcast => broadcast::<T>(l).then_some(l.epoch),
             KernelKind::OneShotPush => oneshot_push::<T>(l, op),
-            KernelKind::OneShotLl => oneshot_ll::<T>(l, op).then_some(l.epoch),
+            KernelKind::OneShotLl => ll::oneshot_ll::<T>(l, op).then_some(l.epoch),
             KernelKind::TwoShotPush => twoshot_push::<T>(l, op),
             // Not names of this dispatch (module_kernels maps them elsewhere).
             KernelKind::QuickReduce
             | KernelKind::Exchange
             | KernelKind::ExchangeDirect
+            | KernelKind::ExchangeLl
             | KernelKind::ReduceTo
             | KernelKind::ReduceToDirect
+            | KernelKind::ReduceToLl
             | KernelKind::SendRecv => None,
         }
     }
@@ -517,7 +546,13 @@ unsafe fn run<T: Lanes>(l: &Launch, kind: KernelKind, op: Reduction) -> Option<u
 ///
 /// # Safety: every `srcs` range of `n` elements is live, every `outs` range
 /// live and writable. An output may equal a source (in place).
-unsafe fn reduce_range<T: Lanes>(l: &Launch, op: Reduction, srcs: &[DevicePtr], n: usize, outs: &[DevicePtr]) {
+pub(super) unsafe fn reduce_range<T: Lanes>(
+    l: &Launch,
+    op: Reduction,
+    srcs: &[DevicePtr],
+    n: usize,
+    outs: &[DevicePtr],
+) {
     debug_assert_eq!(srcs.len(), l.world());
     // SAFETY: forwarded from the caller.
     unsafe { Tiles::<T>::new().reduce(l.reduction(op), l.world(), srcs, n, outs) }
@@ -715,134 +750,4 @@ unsafe fn twoshot_push<T: Lanes>(l: &Launch, op: Reduction) -> Option<u32> {
         }
     }
     Some(l.epoch.wrapping_add(nchunk as u32 - 1))
-}
-
-/// The flag half (high 32 bits, little-endian) of the LL unit at `unit`, as
-/// a futex word. Only its address and a plain load are used: the unit itself
-/// is written and read as one 8-byte atomic.
-fn ll_flag_word<'a>(unit: DevicePtr) -> &'a AtomicU32 {
-    // SAFETY: LL units lie inside live, 8-byte aligned workspaces; the flag
-    // half is the aligned u32 at offset 4.
-    unsafe { atomic_u32(unit.offset(4)) }
-}
-
-/// An LL unit: 4 data bytes (low half) and the launch's flag (high half),
-/// written and read as one 8-byte atomic.
-fn ll_unit(word: u32, flag: u32) -> u64 {
-    ((flag as u64) << 32) | word as u64
-}
-
-/// One-shot, LL: every 4 bytes of our input (zero-padded to whole 8-byte
-/// lines) travel as one 8-byte unit `{data, flag = E | 1}` into our lines at
-/// every peer; then so does the fingerprint (one 16-byte record). Readers
-/// wait for the record, then for every unit of every peer, reduce with our own
-/// input in rank order, and clear what they read (to 0) for the launch two
-/// later.
-///
-/// # Safety: see [`HostKernel::call`].
-unsafe fn oneshot_ll<T: Lanes>(l: &Launch, op: Reduction) -> bool {
-    let n = l.p.count as usize;
-    let world = l.world();
-    let me = l.me();
-    let size = std::mem::size_of::<T>();
-    let flag = l.ll_flag();
-    let bytes = n * size;
-    let words = bytes.div_ceil(8) * 2;
-    let unit_at = |addr: DevicePtr| {
-        // SAFETY: LL units lie inside every mapped workspace (8-byte aligned).
-        unsafe { atomic_u64(addr) }
-    };
-    // Our input, as whole words (zero padded).
-    let mut mine = vec![0u8; words * 4];
-    // SAFETY: the input holds `count` elements.
-    unsafe { std::ptr::copy_nonoverlapping(l.p.input.0 as *const u8, mine.as_mut_ptr(), bytes) };
-    let word = |buf: &[u8], u: usize| u32::from_le_bytes(buf[u * 4..u * 4 + 4].try_into().unwrap());
-    for k in 1..world {
-        let q = (me + k) % world;
-        let lines = l.ll_lines(q, me);
-        for u in 0..words {
-            unit_at(lines.offset(u * 8)).store(ll_unit(word(&mine, u), flag), Ordering::Release);
-        }
-    }
-    let fp = l.p.fingerprint;
-    for k in 1..world {
-        let q = (me + k) % world;
-        let rec = l.ll_fp_addr(q, me);
-        unit_at(rec.offset(8)).store(ll_unit((fp >> 32) as u32, flag), Ordering::Release);
-        unit_at(rec).store(ll_unit(fp as u32, flag), Ordering::Release);
-        futex::wake_all(ll_flag_word(rec));
-    }
-    // A reader sleeps on the flag half of a record's first unit, which its
-    // writer stores last (after the data units) and wakes.
-    let record_word = |s: usize| ll_flag_word(l.ll_fp_addr(me, s));
-    // Fingerprint records: wait, compare, clear.
-    let mut fps = [0u64; MAX_RANKS];
-    let got = l.spin_all(
-        |s| {
-            if s == me {
-                fps[s] = fp;
-                return true;
-            }
-            let rec = l.ll_fp_addr(me, s);
-            let (lo, hi) = (
-                unit_at(rec).load(Ordering::Acquire),
-                unit_at(rec.offset(8)).load(Ordering::Acquire),
-            );
-            let ok = (lo >> 32) as u32 == flag && (hi >> 32) as u32 == flag;
-            if ok {
-                fps[s] = (lo & 0xffff_ffff) | (hi << 32);
-                unit_at(rec).store(0, Ordering::Relaxed);
-                unit_at(rec.offset(8)).store(0, Ordering::Relaxed);
-            }
-            ok
-        },
-        record_word,
-    );
-    if !got {
-        return false;
-    }
-    if let Some(s) = (0..world).find(|&s| fps[s] != fp) {
-        l.mismatch(s);
-        return false;
-    }
-    // Data: every unit of every peer, in order; each cleared once read.
-    let mut bufs: Vec<Vec<u8>> = (0..world).map(|_| Vec::new()).collect();
-    let mut next = vec![0usize; world];
-    let got = l.spin_all(
-        |s| {
-            if s == me {
-                return true;
-            }
-            let lines = l.ll_lines(me, s);
-            let buf = &mut bufs[s];
-            while next[s] < words {
-                let unit = unit_at(lines.offset(next[s] * 8));
-                let v = unit.load(Ordering::Acquire);
-                if (v >> 32) as u32 != flag {
-                    return false;
-                }
-                buf.extend_from_slice(&(v as u32).to_le_bytes());
-                unit.store(0, Ordering::Relaxed);
-                next[s] += 1;
-            }
-            true
-        },
-        record_word,
-    );
-    if !got {
-        return false;
-    }
-    let srcs: Vec<DevicePtr> = (0..world)
-        .map(|s| {
-            if s == me {
-                l.p.input
-            } else {
-                DevicePtr(bufs[s].as_ptr() as u64)
-            }
-        })
-        .collect();
-    // SAFETY: every source holds at least `count` elements (the buffers hold
-    // whole words), the output `count`; in place is fine (reduce_range tiles).
-    unsafe { reduce_range::<T>(l, op, &srcs, n, &[l.p.output]) };
-    true
 }

@@ -12,6 +12,7 @@ mod fused;
 mod futex;
 pub(crate) mod heap_kernels;
 mod kernels;
+mod ll;
 mod memory;
 mod quickreduce;
 mod reduce;
@@ -21,7 +22,7 @@ pub use memory::{HostBuffer, HostErrorFlags, HostPeerBuffer};
 pub use stream::{HostEvent, HostGraph, HostStream};
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::device::{
     check_range, BackendKind, Device, DeviceBuffer, DeviceFacts, DevicePtr, ExportedHandle, KernelParams, LaunchConfig,
@@ -34,6 +35,22 @@ pub struct HostModule {
     kernels: HashMap<String, kernels::HostKernel>,
     /// Heap kernels (`launch_raw`), by name.
     raw: HashMap<&'static str, heap_kernels::RawKernel>,
+}
+
+/// Launches per kernel name, in this process (every host device).
+fn launch_counts() -> &'static Mutex<HashMap<String, u64>> {
+    static COUNTS: OnceLock<Mutex<HashMap<String, u64>>> = OnceLock::new();
+    COUNTS.get_or_init(Default::default)
+}
+
+/// How many launches of `kernel` (an entry-point name such as
+/// `fc_exchange_ll`) the host backend has queued in this process, over every
+/// device. It shows which protocol a call took: tests compare it before and
+/// after their calls (other threads' launches only add to it).
+pub fn launches(kernel: &str) -> u64 {
+    launch_counts()
+        .lock()
+        .map_or(0, |m| m.get(kernel).copied().unwrap_or(0))
 }
 
 /// One host rank's device.
@@ -211,6 +228,9 @@ impl Device for HostDevice {
         let Some(&k) = module.kernels.get(kernel) else {
             return Err(Error::invalid(format!("host module has no kernel named {kernel}")));
         };
+        if let Ok(mut m) = launch_counts().lock() {
+            *m.entry(kernel.to_owned()).or_default() += 1;
+        }
         let params = *params;
         stream.submit(Arc::new(move || {
             // SAFETY: the algorithm layer built `params` from live workspaces and

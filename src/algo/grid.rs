@@ -64,6 +64,7 @@ fn env_prefix(kind: KernelKind) -> &'static str {
         KernelKind::QuickReduce => "QUICK_REDUCE",
         KernelKind::Exchange | KernelKind::ExchangeDirect => "EXCHANGE",
         KernelKind::ReduceTo | KernelKind::ReduceToDirect => "REDUCE_TO",
+        KernelKind::ExchangeLl | KernelKind::ReduceToLl => "COLL_LL",
         KernelKind::SendRecv => "SENDRECV",
     }
 }
@@ -82,6 +83,10 @@ fn default_rule(kind: KernelKind) -> GridRule {
         // (8 KiB 4.75 vs 5.08 us, 64 KiB 5.64 vs 5.91), but one block is best
         // up to 4 KiB (2 KiB: 4.04 us in one block, 4.59 in two).
         KernelKind::OneShotLl => (1 << 10, 64, 4 << 10),
+        // The exchange and reduce-to on LL lines, by the per-peer block: as
+        // the LL all-reduce, whose lines from each source they share (not
+        // measured for these kernels yet, TODO(measure) on 2 GPUs).
+        KernelKind::ExchangeLl | KernelKind::ReduceToLl => (1 << 10, 64, 4 << 10),
         // Push two-shot: ~16 KiB a block up to 128 (16 vs 32 KiB, graph
         // replay: w2 256 KiB 9.44 vs 10.43 us, 1 MiB 11.28 vs 11.47; w4 1 MiB
         // 14.12 vs 14.23; equal from 2 MiB up, where 128 blocks are reached).
@@ -110,7 +115,7 @@ impl GridTable {
     /// Defaults per kind (see [`default_rule`]), each overridable with
     /// `FERROCOMM_<KIND>_MAX_BLOCKS` (1..=128) and `FERROCOMM_<KIND>_BLOCK_BYTES`,
     /// `<KIND>` one of ONESHOT, TWOSHOT, ONESHOT_PUSH, ONESHOT_LL, TWOSHOT_PUSH,
-    /// QUICK_REDUCE, EXCHANGE, REDUCE_TO (every rank must set the same).
+    /// QUICK_REDUCE, EXCHANGE, REDUCE_TO, COLL_LL (every rank must set the same).
     pub fn new(facts: &DeviceFacts) -> Result<Self> {
         let mut rules = [default_rule(KernelKind::OneShot); KernelKind::ALL.len()];
         for (rule, kind) in rules.iter_mut().zip(KernelKind::ALL) {

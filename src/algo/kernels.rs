@@ -86,7 +86,7 @@ fn device_op(op: ReduceOp) -> &'static str {
 
 /// Parse `fc_<kind>_<dtype>_<op>` back, for every name the module exports.
 fn parse_collective(name: &str) -> Option<(KernelKind, DType, ReduceOp)> {
-    for kind in [KernelKind::Exchange, KernelKind::ExchangeDirect] {
+    for kind in KernelKind::EXCHANGES {
         if name == kernel_name(kind, DType::U8, ReduceOp::Sum) {
             return Some((kind, DType::U8, ReduceOp::Sum));
         }
@@ -97,6 +97,11 @@ fn parse_collective(name: &str) -> Option<(KernelKind, DType, ReduceOp)> {
                 if kernel_name(kind, dtype, op) == name {
                     return Some((kind, dtype, op));
                 }
+            }
+        }
+        for op in KERNEL_OPS.into_iter().filter(|&op| dtype.supports(op)) {
+            if kernel_name(KernelKind::ReduceToLl, dtype, op) == name {
+                return Some((KernelKind::ReduceToLl, dtype, op));
             }
         }
         for kind in KernelKind::COLLECTIVES {
@@ -113,7 +118,7 @@ fn parse_collective(name: &str) -> Option<(KernelKind, DType, ReduceOp)> {
 /// The C++ definition of one entry point of [`COLLECTIVES`].
 pub fn collective_entry(name: &str) -> Option<String> {
     let (kind, dtype, op) = parse_collective(name)?;
-    if matches!(kind, KernelKind::Exchange | KernelKind::ExchangeDirect) {
+    if KernelKind::EXCHANGES.contains(&kind) {
         // Bytes of any dtype: the element size comes from `FcParams::dtype`.
         return Some(format!("FC_KERNEL({name}) {{ fc::{}(p); }}\n", kind.name()));
     }
@@ -127,9 +132,12 @@ pub fn collective_entry(name: &str) -> Option<String> {
         KernelKind::TwoShotPush => format!("fc::twoshot_push<{ty}, {}>(p)", device_op(op)),
         KernelKind::ReduceTo => format!("fc::reduce_to<{ty}, {}>(p)", device_op(op)),
         KernelKind::ReduceToDirect => format!("fc::reduce_to_direct<{ty}, {}>(p)", device_op(op)),
-        KernelKind::QuickReduce | KernelKind::Exchange | KernelKind::ExchangeDirect | KernelKind::SendRecv => {
-            return None
-        }
+        KernelKind::ReduceToLl => format!("fc::reduce_to_ll<{ty}, {}>(p)", device_op(op)),
+        KernelKind::QuickReduce
+        | KernelKind::Exchange
+        | KernelKind::ExchangeDirect
+        | KernelKind::ExchangeLl
+        | KernelKind::SendRecv => return None,
     };
     Some(format!("FC_KERNEL({name}) {{ {call}; }}\n"))
 }
@@ -217,6 +225,11 @@ pub enum KernelKind {
     /// more flag round trip); else, decided the same on every rank after the
     /// first flags, the exchange. `fc_exchange_direct`.
     ExchangeDirect,
+    /// The exchange for small messages on LL lines (the data carries the
+    /// epoch, as in [`KernelKind::OneShotLl`]; no inbox, flags or chunks)
+    /// when every non-empty block is the call's agreed size and fits one
+    /// source's lines: all-gather, gather, scatter. `fc_exchange_ll`.
+    ExchangeLl,
     /// Every rank sends a block to some peers, and each receiver reduces
     /// what it receives (its own block included) in rank order:
     /// reduce-scatter and reduce. `fc_reduce_to_<dtype>_<op>` on every
@@ -227,6 +240,10 @@ pub enum KernelKind {
     /// no chunks, one more flag round trip); else, decided the same on every
     /// rank after the first flags, the reduce-to. `fc_reduce_to_direct_<dtype>_<op>`.
     ReduceToDirect,
+    /// The reduce-to for small messages on LL lines (as
+    /// [`KernelKind::ExchangeLl`]; every op but premul_sum):
+    /// reduce-scatter, reduce. `fc_reduce_to_ll_<dtype>_<op>`.
+    ReduceToLl,
     /// A batch of sends and receives between pairs, with per-pair sequence
     /// numbers instead of the group's epochs. Host protocol; GPUs use NCCL.
     SendRecv,
@@ -244,8 +261,10 @@ impl KernelKind {
             KernelKind::QuickReduce => "qr",
             KernelKind::Exchange => "exchange",
             KernelKind::ExchangeDirect => "exchange_direct",
+            KernelKind::ExchangeLl => "exchange_ll",
             KernelKind::ReduceTo => "reduce_to",
             KernelKind::ReduceToDirect => "reduce_to_direct",
+            KernelKind::ReduceToLl => "reduce_to_ll",
             KernelKind::SendRecv => "sendrecv",
         }
     }
@@ -253,16 +272,22 @@ impl KernelKind {
     /// The protocols of the collectives beyond all-reduce and broadcast,
     /// with per-peer lists (the host module has them all; the GPU modules
     /// have exchange and reduce-to; send/recv goes to NCCL/RCCL on GPUs).
-    pub const HOST_PROTOCOLS: [KernelKind; 5] = [
+    pub const HOST_PROTOCOLS: [KernelKind; 7] = [
         KernelKind::Exchange,
         KernelKind::ExchangeDirect,
+        KernelKind::ExchangeLl,
         KernelKind::ReduceTo,
         KernelKind::ReduceToDirect,
+        KernelKind::ReduceToLl,
         KernelKind::SendRecv,
     ];
 
+    /// The kinds that move bytes of any dtype from per-peer lists
+    /// (`fc_<kind>`, one entry point each).
+    pub const EXCHANGES: [KernelKind; 3] = [KernelKind::Exchange, KernelKind::ExchangeDirect, KernelKind::ExchangeLl];
+
     /// Every kind, in a fixed order.
-    pub const ALL: [KernelKind; 12] = [
+    pub const ALL: [KernelKind; 14] = [
         KernelKind::OneShot,
         KernelKind::TwoShot,
         KernelKind::Broadcast,
@@ -272,8 +297,10 @@ impl KernelKind {
         KernelKind::QuickReduce,
         KernelKind::Exchange,
         KernelKind::ExchangeDirect,
+        KernelKind::ExchangeLl,
         KernelKind::ReduceTo,
         KernelKind::ReduceToDirect,
+        KernelKind::ReduceToLl,
         KernelKind::SendRecv,
     ];
 
@@ -301,7 +328,9 @@ impl KernelKind {
 /// only move bytes (exchange, sendrecv) are `fc_<kind>`.
 pub fn kernel_name(kind: KernelKind, dtype: DType, op: ReduceOp) -> String {
     match kind {
-        KernelKind::Exchange | KernelKind::ExchangeDirect | KernelKind::SendRecv => format!("fc_{}", kind.name()),
+        KernelKind::Exchange | KernelKind::ExchangeDirect | KernelKind::ExchangeLl | KernelKind::SendRecv => {
+            format!("fc_{}", kind.name())
+        }
         KernelKind::Broadcast => format!("fc_{}_{}_sum", kind.name(), dtype.name()),
         _ => format!("fc_{}_{}_{}", kind.name(), dtype.name(), op.name()),
     }
@@ -360,12 +389,13 @@ pub fn all_kernel_names() -> Vec<String> {
 /// every reducible dtype and kernel op it supports, broadcast once per
 /// reducible dtype (it only moves bytes of that size), reduce-to and its
 /// direct twin for every reducible dtype and [`REDUCE_TO_OPS`] op it
-/// supports, and `fc_exchange` and `fc_exchange_direct` (bytes of any dtype).
+/// supports, its LL twin for every kernel op, and the exchanges
+/// ([`KernelKind::EXCHANGES`], bytes of any dtype).
 pub fn collective_kernel_names() -> Vec<String> {
-    let mut names = vec![
-        kernel_name(KernelKind::Exchange, DType::U8, ReduceOp::Sum),
-        kernel_name(KernelKind::ExchangeDirect, DType::U8, ReduceOp::Sum),
-    ];
+    let mut names: Vec<String> = KernelKind::EXCHANGES
+        .iter()
+        .map(|&kind| kernel_name(kind, DType::U8, ReduceOp::Sum))
+        .collect();
     for dtype in DType::REDUCIBLE {
         for kind in KernelKind::REDUCE {
             for op in KERNEL_OPS {
@@ -373,6 +403,9 @@ pub fn collective_kernel_names() -> Vec<String> {
                     names.push(kernel_name(kind, dtype, op));
                 }
             }
+        }
+        for op in KERNEL_OPS.into_iter().filter(|&op| dtype.supports(op)) {
+            names.push(kernel_name(KernelKind::ReduceToLl, dtype, op));
         }
         names.push(kernel_name(KernelKind::Broadcast, dtype, ReduceOp::Sum));
         for op in REDUCE_TO_OPS.into_iter().filter(|&op| dtype.supports(op)) {

@@ -153,7 +153,9 @@ pub fn chunk_elems(
         // Each source's inbox holds one segment; whole segments per launch.
         KernelKind::TwoShotPush => world * (push_twoshot_stride(slot_bytes, world) / elem),
         // An LL unit carries 4 data bytes in 8.
-        KernelKind::OneShotLl => ll_stride(slot_bytes, world) / 2 / elem,
+        KernelKind::OneShotLl | KernelKind::ExchangeLl | KernelKind::ReduceToLl => {
+            ll_stride(slot_bytes, world) / 2 / elem
+        }
         // Per peer and chunk: one inbox (the host protocols loop over chunks).
         KernelKind::Exchange | KernelKind::ExchangeDirect | KernelKind::ReduceTo | KernelKind::ReduceToDirect => {
             push_twoshot_stride(slot_bytes, world) / elem
@@ -177,6 +179,8 @@ pub const fn whole_call(kind: KernelKind) -> bool {
             | KernelKind::ExchangeDirect
             | KernelKind::ReduceTo
             | KernelKind::ReduceToDirect
+            | KernelKind::ExchangeLl
+            | KernelKind::ReduceToLl
             | KernelKind::SendRecv
     )
 }

@@ -436,7 +436,7 @@ impl<D: Device> Communicator<D> {
                 l.recvs[q] = Some((n, *out));
             }
             if on_host {
-                return exchange(s, dtype, &l, 0);
+                return exchange(s, dtype, &l, n);
             }
             if n == 0 {
                 return Ok(());
@@ -721,7 +721,7 @@ impl<D: Device> Communicator<D> {
         let (dtype, on_host) = (input.dtype(), self.on_host());
         self.submit(call, "gather", |s| {
             if on_host {
-                return exchange(s, dtype, &l, 0);
+                return exchange(s, dtype, &l, n);
             }
             match route_of(s, Coll::Gather, Some(n * dtype.size())) {
                 Route::Custom => exchange(s, dtype, &l, n),
@@ -762,7 +762,7 @@ impl<D: Device> Communicator<D> {
         let (dtype, on_host) = (output.dtype(), self.on_host());
         self.submit(call, "scatter", |s| {
             if on_host {
-                return exchange(s, dtype, &l, 0);
+                return exchange(s, dtype, &l, n);
             }
             match route_of(s, Coll::Scatter, Some(n * dtype.size())) {
                 Route::Custom => exchange(s, dtype, &l, n),
@@ -999,6 +999,7 @@ fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists, agreed: u
     let direct = direct_exchange(s, dtype, &l, agreed);
     let kind = match direct {
         Some(_) => KernelKind::ExchangeDirect,
+        None if takes_ll(s, KernelKind::ExchangeLl, dtype, &l, agreed) => KernelKind::ExchangeLl,
         None => KernelKind::Exchange,
     };
     let mut c = CollectiveCall::new(kind, dtype, ReduceOp::Sum, agreed, DevicePtr::NULL, DevicePtr::NULL);
@@ -1008,6 +1009,45 @@ fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists, agreed: u
         c.flags |= if in_place { PARAM_DIRECT_OK } else { 0 };
     }
     enqueue(s, &c)
+}
+
+/// Largest agreed per-peer block (bytes) the exchange and the reduce-to
+/// take their LL kinds at (`fc_exchange_ll`, `fc_reduce_to_ll_*`; 0: never),
+/// unless `CommOptions::coll_ll_bytes` says otherwise. Not measured for
+/// these kernels yet (TODO(measure) on 2 GPUs): taken from the LL
+/// all-reduce's ladder (`algo::dispatch`, 4x H200), whose link traffic per
+/// source is the same as theirs per peer block: LL beat every other
+/// all-reduce kernel by ~2 us to 64 KiB (w2 64K: 4.39 us against 6.25 for
+/// the push one-shot; w4 64K: 5.63 against 6.41 for the pull one-shot) and
+/// still at 128-256 KiB, where the margin shrinks. Worlds above 4 halve it,
+/// as that ladder does. The inbox kinds they replace pay a flag round trip
+/// and a copy out of the inbox that LL does not.
+pub(crate) fn ll_max_block_bytes(world: usize) -> usize {
+    if world <= 4 {
+        64 << 10
+    } else {
+        32 << 10
+    }
+}
+
+/// Whether an exchange or reduce-to (`kind`, its LL twin) goes on LL lines,
+/// decided alike on every rank from what all of them share: the agreed
+/// per-peer block (`agreed` elements; the fingerprint checks it) against
+/// the threshold and one source's lines, and every non-empty block of this
+/// rank's lists being that block (so no counts need agreeing in the kernel).
+fn takes_ll<D: Device>(s: &Submit<'_, D>, kind: KernelKind, dtype: DType, l: &Lists, agreed: usize) -> bool {
+    let Some(ws) = &s.res.ws else { return false };
+    let world = s.inner.world;
+    let max = s.inner.opts.coll_ll_bytes.unwrap_or_else(|| ll_max_block_bytes(world));
+    let fits = agreed > 0
+        && agreed.saturating_mul(dtype.size()) <= max
+        && agreed <= crate::algo::chunk_elems(kind, None, ws.slot_bytes(), world, dtype.size(), 0);
+    fits && l
+        .sends
+        .iter()
+        .chain(l.recvs.iter())
+        .flatten()
+        .all(|&(n, _)| n == 0 || n == agreed)
 }
 
 /// Smallest agreed per-peer block (bytes) a GPU exchange takes the direct
@@ -1184,6 +1224,9 @@ fn reduce_to<D: Device>(
     let direct = direct_reduce_to(s, dtype, &l, n, out);
     let kind = match direct {
         Some(_) => KernelKind::ReduceToDirect,
+        None if op != ReduceOp::PreMulSum && takes_ll(s, KernelKind::ReduceToLl, dtype, &l, n) => {
+            KernelKind::ReduceToLl
+        }
         None => KernelKind::ReduceTo,
     };
     let mut c = CollectiveCall::new(kind, dtype, op, n, DevicePtr::NULL, output);

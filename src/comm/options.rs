@@ -49,6 +49,13 @@ pub struct CommOptions {
     /// tokens per rank needs about 240 MiB per peer), 64 MiB on the host. The
     /// heap is reserved on its first use, not at creation.
     pub heap_bytes: Option<usize>,
+    /// Largest agreed per-peer block (bytes) the exchange and reduce-to
+    /// kernels carry on LL lines, the small-message kinds
+    /// (`FERROCOMM_COLL_LL_BYTES`; 0 turns them off; every rank must set
+    /// the same). `None`: 64 KiB to world 4, 32 KiB above
+    /// (`comm::collectives::ll_max_block_bytes`). A block also has to fit one
+    /// source's LL lines (a quarter of a slot over the world).
+    pub coll_ll_bytes: Option<usize>,
 }
 
 impl Default for CommOptions {
@@ -64,6 +71,7 @@ impl Default for CommOptions {
             local_size: None,
             autotune: None,
             heap_bytes: None,
+            coll_ll_bytes: None,
         }
     }
 }
@@ -136,6 +144,13 @@ impl CommOptions {
                     .map_err(|_| Error::invalid(format!("FERROCOMM_HEAP_BYTES={v:?} is not a byte count")))?,
             );
         }
+        if let Some(v) = env_var("FERROCOMM_COLL_LL_BYTES") {
+            o.coll_ll_bytes = Some(
+                v.trim()
+                    .parse()
+                    .map_err(|_| Error::invalid(format!("FERROCOMM_COLL_LL_BYTES={v:?} is not a byte count")))?,
+            );
+        }
         if let Some(v) = env_var("FERROCOMM_QUICK_REDUCE") {
             o.quantization = v.parse()?;
         }
@@ -161,6 +176,12 @@ impl CommOptions {
 
     pub fn with_coll_route(mut self, route: CollRoute) -> Self {
         self.coll_route = route;
+        self
+    }
+
+    /// See [`CommOptions::coll_ll_bytes`] (0: never the LL kinds).
+    pub fn with_coll_ll_bytes(mut self, bytes: usize) -> Self {
+        self.coll_ll_bytes = Some(bytes);
         self
     }
 

@@ -222,6 +222,17 @@ pub fn run_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &Sui
     Ok(s.report)
 }
 
+/// The collectives beyond all-reduce and broadcast alone (all-gather,
+/// reduce-scatter, all-to-all(-v), gather, scatter, reduce, send/receive):
+/// the suite runs them with the small-message LL kinds in force, and again
+/// with them off (`CommOptions::coll_ll_bytes = Some(0)`), so that the inbox
+/// kinds meet small and odd counts and every op too.
+pub fn run_collectives<D: Device>(comm: &Communicator<D>, cfg: &SuiteConfig) -> Result<SuiteReport> {
+    let mut s = Suite::new(comm, cfg);
+    s.collectives()?;
+    Ok(s.report)
+}
+
 /// One small launch of every kernel family and dtype (for sanitizers): the
 /// all-reduce kinds, broadcast, the data movers, the fused epilogues, graph
 /// replay, quick-reduce.
@@ -831,6 +842,22 @@ macro_rules! conformance_tests {
             $(#[$attr])*
             fn fused_chunked_world_3() {
                 run_fused_chunked(3)
+            }
+
+            #[test]
+            $(#[$attr])*
+            fn collectives_without_ll_world_2() {
+                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
+                $crate::testing::conformance::run_thread_suite(
+                    stringify!($backend),
+                    2,
+                    $skip(2),
+                    &$make,
+                    |o| o.with_coll_ll_bytes(0),
+                    |comm, _, cfg| $crate::testing::conformance::run_collectives(comm, cfg),
+                    &cfg,
+                    1,
+                );
             }
 
             #[test]
