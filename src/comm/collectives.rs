@@ -1026,12 +1026,16 @@ pub(crate) const DIRECT_MIN_BLOCK_BYTES: usize = 4 << 20;
 
 /// Whether a call takes a direct kind (`fc_exchange_direct`,
 /// `fc_reduce_to_direct_*`), decided alike on every rank: from the agreed
-/// per-peer block (`agreed` elements) and the heap, which every rank
-/// reserves together. Then: the heap, whose bases' table the kernel gets.
+/// per-peer block (`agreed` elements), the threshold
+/// (`CommOptions::direct_min_bytes`, which every rank sets alike, else the
+/// backend's default) and the heap, which every rank reserves together.
+/// Then: the heap, whose bases' table the kernel gets.
 fn direct_heap<'a, D: Device>(s: &'a Submit<'_, D>, dtype: DType, agreed: usize) -> Option<&'a Heap<D>> {
-    let sized = match s.inner.device.facts().backend {
-        BackendKind::Host => true,
-        _ => agreed.saturating_mul(dtype.size()) >= DIRECT_MIN_BLOCK_BYTES,
+    let bytes = agreed.saturating_mul(dtype.size());
+    let sized = match (s.inner.opts.direct_min_bytes, s.inner.device.facts().backend) {
+        (Some(min), _) => bytes >= min,
+        (None, BackendKind::Host) => true,
+        (None, _) => bytes >= DIRECT_MIN_BLOCK_BYTES,
     };
     if !sized {
         return None;
