@@ -187,6 +187,17 @@ if [[ " $STEPS " == *" collbench "* ]]; then
             --dtype bf16 --min-bytes 4K --max-bytes "${COLL_MAX:-64M}" \
             --iters "${BENCH_ITERS:-10}" --warmup "${BENCH_WARMUP:-3}" --json "$LOG/collbench_w$w.json"
     done
+    # The direct kinds against the inbox way, for DIRECT_MIN_BLOCK_BYTES (4
+    # MiB a peer, not measured): every row on plain buffers, then on heap
+    # buffers, which FERROCOMM_DIRECT_MIN_BYTES=0 sends direct at every size
+    # the kernels take (auto gives all-gather blocks under 512 KiB to NCCL,
+    # plain or heap); the log ends with the pairs side by side.
+    for w in $(bench_worlds collbench_direct); do
+        step "collbench_direct_w$w" env FERROCOMM_DIRECT_MIN_BYTES=0 "$BIN/ferrocomm-bench" --backend cuda --world "$w" \
+            --coll all_gather,reduce_scatter,reduce --operands both --algo auto,nccl --graph \
+            --dtype bf16 --min-bytes 4K --max-bytes "${DIRECT_MAX:-256M}" \
+            --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}" --json "$LOG/collbench_direct_w$w.json"
+    done
 fi
 
 if [[ " $STEPS " == *" fused "* ]]; then

@@ -143,3 +143,61 @@ fn heap_and_windows_as_processes() {
     let outs = run(&["heap", "--backend", "host", "--timeout-secs", "60"], 3, 120);
     assert_all_ok(&outs);
 }
+
+/// `ferrocomm-bench --operands both`: the rows on plain buffers, then on
+/// symmetric-heap buffers (the direct kinds from FERROCOMM_DIRECT_MIN_BYTES
+/// a peer: here the reduce-to's blocks from 32 KiB; the host's exchanges
+/// carry no agreed block and stay on the inbox way), every output checked
+/// (the bench fails on a wrong element) and the pairs printed side by side.
+#[test]
+fn bench_plain_and_heap_operands() {
+    let json = std::env::temp_dir().join(format!("ferrocomm-bench-operands-{}.json", std::process::id()));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ferrocomm-bench"))
+        .args([
+            "--backend",
+            "host",
+            "--world",
+            "2",
+            "--coll",
+            "all_gather,reduce_scatter,reduce",
+            "--operands",
+            "both",
+            "--graph",
+            "--min-bytes",
+            "4K",
+            "--max-bytes",
+            "256K",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--timeout-secs",
+            "60",
+            "--json",
+        ])
+        .arg(&json)
+        .env("FERROCOMM_DIRECT_MIN_BYTES", "32768")
+        .env_remove("RANK")
+        .output()
+        .expect("running ferrocomm-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("operands=plain,heap direct_min_bytes=32768"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("# plain vs heap operands"), "{stdout}");
+    let report = std::fs::read_to_string(&json).expect("the bench's JSON");
+    let _ = std::fs::remove_file(&json);
+    let rows = report.matches("\"coll\":").count();
+    let heap_rows = report.matches("\"operands\":\"heap\"").count();
+    // 3 collectives x 7 sizes x 2 modes on the heap; plain adds memcpy.
+    assert_eq!(heap_rows, 3 * 7 * 2, "{report}");
+    assert!(rows > heap_rows, "{report}");
+    assert_eq!(report.matches("\"wrong\":0").count(), rows, "{report}");
+    assert!(report.contains("\"direct_min_bytes\":32768"), "{report}");
+}

@@ -1056,8 +1056,8 @@ fn takes_ll<D: Device>(s: &Submit<'_, D>, kind: KernelKind, dtype: DType, l: &Li
 /// copy out of its inbox (each received byte read and written once more in
 /// local memory, ~2 TB/s of copy on an H200) and the flags between inbox-
 /// sized chunks, and costs one more flag round trip (~2-3 us): about even
-/// at 4 MiB a peer. The host backend takes it whenever there is a heap (its
-/// calls carry no agreed block), so CI runs it; all-to-all-v has no agreed
+/// at 4 MiB a peer. The host backend takes it whenever there is a heap (so
+/// CI runs it at every size); all-to-all-v has no agreed
 /// block either, and on GPUs stays on the inbox exchange. The direct
 /// reduce-to takes the same threshold, not measured either: it saves each
 /// source's copy into the inboxes and the chunk flags, and reduces from
@@ -1066,12 +1066,16 @@ pub(crate) const DIRECT_MIN_BLOCK_BYTES: usize = 4 << 20;
 
 /// Whether a call takes a direct kind (`fc_exchange_direct`,
 /// `fc_reduce_to_direct_*`), decided alike on every rank: from the agreed
-/// per-peer block (`agreed` elements) and the heap, which every rank
-/// reserves together. Then: the heap, whose bases' table the kernel gets.
+/// per-peer block (`agreed` elements), the threshold
+/// (`CommOptions::direct_min_bytes`, which every rank sets alike, else the
+/// backend's default) and the heap, which every rank reserves together.
+/// Then: the heap, whose bases' table the kernel gets.
 fn direct_heap<'a, D: Device>(s: &'a Submit<'_, D>, dtype: DType, agreed: usize) -> Option<&'a Heap<D>> {
-    let sized = match s.inner.device.facts().backend {
-        BackendKind::Host => true,
-        _ => agreed.saturating_mul(dtype.size()) >= DIRECT_MIN_BLOCK_BYTES,
+    let bytes = agreed.saturating_mul(dtype.size());
+    let sized = match (s.inner.opts.direct_min_bytes, s.inner.device.facts().backend) {
+        (Some(min), _) => bytes >= min,
+        (None, BackendKind::Host) => true,
+        (None, _) => bytes >= DIRECT_MIN_BLOCK_BYTES,
     };
     if !sized {
         return None;

@@ -56,6 +56,18 @@ pub struct CommOptions {
     /// (`comm::collectives::ll_max_block_bytes`). A block also has to fit one
     /// source's LL lines (a quarter of a slot over the world).
     pub coll_ll_bytes: Option<usize>,
+    /// Smallest agreed per-peer block (bytes) from which all-gather, gather,
+    /// scatter (outputs in the heap), reduce-scatter and reduce (inputs in
+    /// the heap) take the direct kinds (`fc_exchange_direct`,
+    /// `fc_reduce_to_direct_*`; docs/protocol.md "Direct exchange") when the
+    /// communicator has a symmetric heap (`FERROCOMM_DIRECT_MIN_BYTES`, a
+    /// byte count; every rank must set the same, as the choice must come
+    /// out alike on every rank). `Some(n)`: direct from `n` bytes a peer, on
+    /// GPUs and on the host; calls without an agreed block (all-to-alls)
+    /// count as 0 bytes, so only `Some(0)` sends them direct. `None`: the defaults, 4 MiB a peer on GPUs (not
+    /// measured yet, `comm::collectives::DIRECT_MIN_BLOCK_BYTES`) and always
+    /// on the host.
+    pub direct_min_bytes: Option<usize>,
 }
 
 impl Default for CommOptions {
@@ -72,12 +84,20 @@ impl Default for CommOptions {
             autotune: None,
             heap_bytes: None,
             coll_ll_bytes: None,
+            direct_min_bytes: None,
         }
     }
 }
 
 fn env_var(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// A byte count from the environment (a plain integer, no suffix).
+fn byte_count(name: &str, v: &str) -> Result<usize> {
+    v.trim()
+        .parse()
+        .map_err(|_| Error::invalid(format!("{name}={v:?} is not a byte count")))
 }
 
 /// An on/off environment value.
@@ -131,25 +151,16 @@ impl CommOptions {
             o.coll_route = v.parse()?;
         }
         if let Some(v) = env_var("FERROCOMM_SLOT_BYTES") {
-            o.slot_bytes = Some(
-                v.trim()
-                    .parse()
-                    .map_err(|_| Error::invalid(format!("FERROCOMM_SLOT_BYTES={v:?} is not a byte count")))?,
-            );
+            o.slot_bytes = Some(byte_count("FERROCOMM_SLOT_BYTES", &v)?);
         }
         if let Some(v) = env_var("FERROCOMM_HEAP_BYTES") {
-            o.heap_bytes = Some(
-                v.trim()
-                    .parse()
-                    .map_err(|_| Error::invalid(format!("FERROCOMM_HEAP_BYTES={v:?} is not a byte count")))?,
-            );
+            o.heap_bytes = Some(byte_count("FERROCOMM_HEAP_BYTES", &v)?);
+        }
+        if let Some(v) = env_var("FERROCOMM_DIRECT_MIN_BYTES") {
+            o.direct_min_bytes = Some(byte_count("FERROCOMM_DIRECT_MIN_BYTES", &v)?);
         }
         if let Some(v) = env_var("FERROCOMM_COLL_LL_BYTES") {
-            o.coll_ll_bytes = Some(
-                v.trim()
-                    .parse()
-                    .map_err(|_| Error::invalid(format!("FERROCOMM_COLL_LL_BYTES={v:?} is not a byte count")))?,
-            );
+            o.coll_ll_bytes = Some(byte_count("FERROCOMM_COLL_LL_BYTES", &v)?);
         }
         if let Some(v) = env_var("FERROCOMM_QUICK_REDUCE") {
             o.quantization = v.parse()?;
@@ -217,9 +228,40 @@ impl CommOptions {
         self
     }
 
+    /// The direct kinds from `bytes` a peer (see [`CommOptions::direct_min_bytes`]).
+    pub fn with_direct_min_bytes(mut self, bytes: usize) -> Self {
+        self.direct_min_bytes = Some(bytes);
+        self
+    }
+
     /// Pseudo-nodes of `ranks` consecutive ranks (see [`CommOptions::local_size`]).
     pub fn with_local_size(mut self, ranks: usize) -> Self {
         self.local_size = Some(ranks);
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_parse_and_name_the_variable_on_errors() {
+        assert_eq!(byte_count("FERROCOMM_DIRECT_MIN_BYTES", "0").unwrap(), 0);
+        assert_eq!(byte_count("FERROCOMM_DIRECT_MIN_BYTES", " 4194304 ").unwrap(), 4 << 20);
+        for bad in ["4M", "-1", "1.5", "lots"] {
+            let e = byte_count("FERROCOMM_DIRECT_MIN_BYTES", bad).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e:?}");
+            let m = e.to_string();
+            assert!(
+                m.contains("FERROCOMM_DIRECT_MIN_BYTES") && m.contains(&format!("{bad:?}")),
+                "{m}"
+            );
+        }
+        assert_eq!(CommOptions::default().direct_min_bytes, None);
+        assert_eq!(
+            CommOptions::default().with_direct_min_bytes(0).direct_min_bytes,
+            Some(0)
+        );
     }
 }

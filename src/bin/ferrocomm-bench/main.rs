@@ -10,6 +10,10 @@
 //! launches and, with `--graph`, graph replays. Every row is checked
 //! exactly (#wrong). Sizes and bus bandwidth follow nccl-tests.
 //!
+//! `--operands heap|both` puts the `--coll` rows' buffers in the symmetric
+//! heap (the direct kinds from `FERROCOMM_DIRECT_MIN_BYTES` a peer), or
+//! times plain and heap rows in one run (`operands.rs`).
+//!
 //! `--quantization int4,int6,int8,fp8` adds a quick-reduce row per codec
 //! (f16/bf16 sums) next to the `--algo` rows, feeds Gaussian data instead of
 //! small integers, and prints each row's relative error against an fp64 sum
@@ -22,6 +26,7 @@ mod colls;
 mod ep;
 mod fused;
 mod heap;
+mod operands;
 mod plot;
 
 use std::fmt::Write as _;
@@ -35,7 +40,7 @@ use ferrocomm::algo::kernels::QR_DTYPES;
 use ferrocomm::algo::{AlgoChoice, Algorithm};
 use ferrocomm::bootstrap::{store_all_gather, Store, TcpStore};
 use ferrocomm::codec::{self, Half16, Quantization};
-use ferrocomm::device::{BackendKind, Device, DeviceBuffer};
+use ferrocomm::device::{BackendKind, Device};
 use ferrocomm::testing::data::{self, Values};
 use ferrocomm::testing::launch::run_process_ranks_echo;
 use ferrocomm::{CommOptions, Communicator, DType, Error, ReduceOp, Result, Tensor};
@@ -58,6 +63,8 @@ const USAGE: &str =
                        [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
                        [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|oneshot-push|twoshot-push|oneshot-ll|nccl|all]
                        [--graph] [--graph-only] [--eager-only] [--json FILE] [--plot FILE.svg] [--timeout-secs S]
+                       [--operands plain|heap|both]  (--coll rows' buffers: comm.alloc, the symmetric heap, or both
+                        side by side; heap operands take the direct kinds from FERROCOMM_DIRECT_MIN_BYTES a peer)
                        [--quantization int4,int6,int8,fp8]
                        [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok|all [--tokens 1,32,128,2048] [--hidden 4096]
                         [--fused-moe TOPK,..]]
@@ -95,6 +102,8 @@ struct Args {
     hidden: usize,
     /// `--heap`: the symmetric heap's rows (`heap.rs`) instead of the collectives.
     heap: bool,
+    /// `--operands`: where the `--coll` rows' buffers live (plain first).
+    operands: Vec<operands::Operands>,
     /// `--ep`: time EP dispatch + combine against an all-to-all-v pipeline.
     ep: bool,
     /// Whether `--tokens` / `--hidden` were given (`--ep` has its own defaults).
@@ -235,6 +244,7 @@ fn parse_args() -> Result<Args> {
         quantization: Vec::new(),
         fused: None,
         heap: false,
+        operands: vec![operands::Operands::Plain],
         fused_moe: Vec::new(),
         tokens: vec![1, 32, 128, 2048],
         hidden: 4096,
@@ -286,6 +296,7 @@ fn parse_args() -> Result<Args> {
             }
             "--fused" => a.fused = Some(fused::parse_patterns(&value()?)?),
             "--heap" => a.heap = true,
+            "--operands" => a.operands = operands::Operands::parse(&value()?)?,
             "--fused-moe" => a.fused_moe = fused::parse_topks(&value()?)?,
             "--ep" => a.ep = true,
             "--experts" => {
@@ -329,6 +340,11 @@ fn parse_args() -> Result<Args> {
     }
     if !a.quantization.is_empty() && (a.op != ReduceOp::Sum || a.dtypes.iter().any(|d| !QR_DTYPES.contains(d))) {
         return Err(Error::invalid("--quantization runs f16/bf16 sums only"));
+    }
+    if a.operands != [operands::Operands::Plain] && (a.fused.is_some() || !a.fused_moe.is_empty() || a.heap || a.ep) {
+        return Err(Error::invalid(
+            "--operands heap|both applies to the --coll rows, not to --fused, --fused-moe, --heap or --ep",
+        ));
     }
     if !a.fused_moe.is_empty() && a.fused.is_none() {
         // MoE rows alone: the pattern of a MoE layer's end.
@@ -441,6 +457,8 @@ struct Row {
     wrong: Option<usize>,
     /// ‖out − exact‖ / ‖exact‖ against an fp64 sum (with `--quantization`).
     relerr: Option<f64>,
+    /// Where the row's buffers lived (`--operands`).
+    operands: operands::Operands,
 }
 
 /// Bytes of input rotated through per size, so repeated runs do not sit in
@@ -449,6 +467,20 @@ const ROTATE_BYTES: usize = 128 << 20;
 
 /// Collectives per timed sample.
 const OPS_PER_SAMPLE: usize = 20;
+
+/// Inputs a row of `in_bytes` rotates through (at most [`ROTATE_BYTES`] in
+/// all, 1 to 8).
+fn rotation(in_bytes: usize) -> usize {
+    (ROTATE_BYTES / in_bytes.max(1)).clamp(1, 8)
+}
+
+/// The `--coll` rows' sizes for `dtype`: powers of two from `--min-bytes`
+/// (at least one element a rank) to `--max-bytes`.
+fn sizes(a: &Args, dtype: DType, world: usize) -> impl Iterator<Item = usize> {
+    let first = a.min_bytes.max(dtype.size() * world);
+    let max = a.max_bytes;
+    std::iter::successors(Some(first), |b| b.checked_mul(2)).take_while(move |&b| b <= max)
+}
 
 /// What a row times.
 #[derive(Clone, Copy)]
@@ -504,6 +536,8 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
         // The heap holds the sweep's largest EP buffer.
         opts = ep::with_heap(opts, a, backend, world)?;
     }
+    // The heap holds the heap rows' buffers (`--operands heap|both`).
+    opts = operands::with_heap(opts, a, backend, world)?;
     let comm = Communicator::new(dev, store.clone(), rank, world, opts)?;
     if a.ep {
         return ep::bench_ep(&comm, &store, a);
@@ -545,22 +579,23 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
         (false, true) => &["graph"],
         _ => &["eager"],
     };
-    let sizes = |dtype: DType| {
-        let first = a.min_bytes.max(dtype.size() * world);
-        std::iter::successors(Some(first), |b| b.checked_mul(2)).take_while(|&b| b <= a.max_bytes)
-    };
+    let sizes = |dtype: DType| sizes(a, dtype, world);
     // Subjects a collective takes: the all-reduce's algorithms apply to it
     // alone; memcpy rows once per size.
-    let applies = |c: colls::Coll, s: &Subject| match s {
+    // With --operands both, the heap rows leave memcpy and nccl-direct
+    // (ferrocomm's route plays no part in them) to the plain rows.
+    let both = a.operands.len() > 1;
+    let applies = |c: colls::Coll, s: &Subject, on: operands::Operands| match s {
         Subject::Ferro(choice) => colls::algo_applies(c, *choice),
-        Subject::NcclDirect => true,
-        Subject::Memcpy => c == a.colls[0],
+        Subject::NcclDirect => !(both && on == operands::Operands::Heap),
+        Subject::Memcpy => c == a.colls[0] && !(both && on == operands::Operands::Heap),
     };
     let rows_total: usize = a
-        .colls
+        .operands
         .iter()
-        .map(|&c| {
-            let per_size = subjects.iter().filter(|(_, s)| applies(c, s)).count() * modes.len();
+        .flat_map(|&on| a.colls.iter().map(move |&c| (on, c)))
+        .map(|(on, c)| {
+            let per_size = subjects.iter().filter(|(_, s)| applies(c, s, on)).count() * modes.len();
             a.dtypes.iter().map(|&d| sizes(d).count()).sum::<usize>() * per_size
         })
         .sum();
@@ -569,20 +604,23 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     let mut seq = 0usize;
     if rank == 0 {
         println!(
-            "# ferrocomm-bench backend={} world={world} iters={} warmup={} ({})",
+            "# ferrocomm-bench backend={} world={world} iters={} warmup={} operands={} direct_min_bytes={} ({})",
             a.backend,
             a.iters_for(backend),
             a.warmup_for(backend),
+            a.operands.iter().map(|o| o.name()).collect::<Vec<_>>().join(","),
+            direct_min_label(&comm),
             comm.device().facts().name
         );
         println!(
-            "{:>14} {:>12} {:>12} {:>6} {:>5} {:>20} {:>6} {:>10} {:>9} {:>9} {:>8} {:>7} {:>8}",
+            "{:>14} {:>12} {:>12} {:>6} {:>5} {:>20} {:>8} {:>6} {:>10} {:>9} {:>9} {:>8} {:>7} {:>8}",
             "coll",
             "size",
             "count",
             "dtype",
             "op",
             "algo",
+            "operands",
             "mode",
             "time_us",
             "algbw",
@@ -592,7 +630,14 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
             "relerr"
         );
     }
-    for &coll in &a.colls {
+    // Plain rows first; the heap is reserved when the heap rows start: a
+    // communicator with a heap launches the direct kinds on plain buffers
+    // too (to fall back), so plain rows after it would not time the inbox way.
+    let mut heap_ops: Option<operands::HeapOperands> = None;
+    for (on, coll) in a.operands.iter().flat_map(|&on| a.colls.iter().map(move |&c| (on, c))) {
+        if on == operands::Operands::Heap && heap_ops.is_none() {
+            heap_ops = Some(operands::HeapOperands::alloc(&comm, a)?);
+        }
         for &dtype in &a.dtypes {
             if coll.reduces() {
                 ferrocomm::dtype::check_supported(dtype, a.op)?;
@@ -613,15 +658,16 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
                     with_dtype!(dtype, colls::data_for(coll, seed, rank, world, n_in, n_out, a.op))
                 };
                 for (name, subject) in &subjects {
-                    if !applies(coll, subject) {
+                    if !applies(coll, subject, on) {
                         continue;
                     }
                     for &mode in modes {
                         seq += 1;
                         progress.step(&format!(
-                            "{} {} {name} {mode}",
+                            "{} {} {name} {} {mode}",
                             coll.name(),
-                            plot::human_bytes(bytes as f64)
+                            plot::human_bytes(bytes as f64),
+                            on.name()
                         ));
                         let case = Case {
                             coll,
@@ -630,7 +676,7 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
                             n_out,
                             bytes,
                         };
-                        let (mut row, got) = measure(&comm, a, &case, *subject, mode, &input)?;
+                        let (mut row, got) = measure(&comm, a, &case, *subject, mode, &input, heap_ops.as_ref())?;
                         match *subject {
                             Subject::Memcpy => {
                                 row.algo = name.clone();
@@ -674,11 +720,19 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
             }
         }
     }
+    if let Some(h) = heap_ops {
+        comm.device().synchronize(comm.stream())?;
+        h.free(&comm)?;
+    }
     progress.finish();
     comm.finalize()?;
     if rank == 0 {
+        if both {
+            print_pairs(&rows);
+        }
         if let Some(path) = &a.json {
-            std::fs::write(path, to_json(&rows, a)).map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+            std::fs::write(path, to_json(&rows, a, comm.options().direct_min_bytes))
+                .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
         }
         if let Some(path) = &a.plot {
             let points: Vec<plot::Point> = rows
@@ -686,13 +740,17 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
                 .map(|r| plot::Point {
                     // "auto:oneshot" and "auto:twoshot-push" are one line, "auto".
                     series: format!(
-                        "{}{} {}",
+                        "{}{}{} {}",
                         if a.colls.len() > 1 {
                             format!("{} ", r.coll.name())
                         } else {
                             String::new()
                         },
                         r.algo.split(':').next().unwrap_or(&r.algo),
+                        match r.operands {
+                            operands::Operands::Heap => "+heap",
+                            operands::Operands::Plain => "",
+                        },
                         r.mode
                     ),
                     bytes: r.bytes,
@@ -733,6 +791,10 @@ struct Case {
     bytes: usize,
 }
 
+/// One row's samples and the output of one more run. `heap`: the row's
+/// buffers are views of these heap allocations (`--operands heap`), else
+/// plain allocations of its own.
+#[allow(clippy::too_many_arguments)]
 fn measure<D: Device>(
     comm: &Communicator<D>,
     a: &Args,
@@ -740,23 +802,20 @@ fn measure<D: Device>(
     subject: Subject,
     mode: &'static str,
     input: &[u8],
+    heap: Option<&operands::HeapOperands>,
 ) -> Result<(Row, Vec<u8>)> {
     let dev = comm.device();
     let backend = dev.facts().backend;
     let (coll, dtype) = (case.coll, case.dtype);
     let (in_bytes, out_bytes) = (case.n_in * dtype.size(), case.n_out * dtype.size());
-    let nbuf = (ROTATE_BYTES / in_bytes.max(1)).clamp(1, 8);
-    let inputs: Vec<D::Buffer> = (0..nbuf).map(|_| comm.alloc(in_bytes)).collect::<Result<_>>()?;
-    let output = comm.alloc(out_bytes.max(in_bytes))?;
-    for buf in &inputs {
-        comm.write(buf, 0, input)?;
-    }
-    // The writes are ordered on the communicator's stream; the runs below go
-    // on another one.
-    dev.synchronize(comm.stream())?;
+    let nbuf = rotation(in_bytes);
+    let bufs = operands::RowBuffers::new(comm, heap, nbuf, in_bytes, out_bytes)?;
+    // The writes are ordered on the communicator's stream, and waited for:
+    // the runs below go on another one.
+    bufs.write_inputs(comm, nbuf, input)?;
     let stream = dev.create_stream()?;
-    let t_in = |i: usize| Tensor::view(&inputs[i % nbuf], dtype, 0, case.n_in);
-    let t_out = Tensor::view(&output, dtype, 0, case.n_out)?;
+    let t_in = |i: usize| bufs.input(i % nbuf, dtype, case.n_in);
+    let t_out = bufs.output(dtype, case.n_out)?;
     let run = |i: usize| -> Result<()> {
         match subject {
             Subject::Ferro(choice) => {
@@ -764,7 +823,7 @@ fn measure<D: Device>(
                 colls::through_ferrocomm(comm, &call, coll, t_in(i)?, t_out, a.op)
             }
             Subject::NcclDirect => nccl_direct(comm, &stream, coll, t_in(i)?, t_out, a.op),
-            Subject::Memcpy => dev.copy_device(output.ptr(), inputs[i % nbuf].ptr(), in_bytes, &stream),
+            Subject::Memcpy => dev.copy_device(bufs.output_ptr(), bufs.input_ptr(i % nbuf), in_bytes, &stream),
         }
     };
     // A sample is a few back-to-back operations (eager launches, or one
@@ -780,14 +839,13 @@ fn measure<D: Device>(
         out_bytes
     };
     if colls::in_place(coll) && !matches!(subject, Subject::Memcpy) {
-        comm.write(&output, 0, input)?;
-        dev.synchronize(comm.stream())?;
+        bufs.write_output(comm, input)?;
     } else {
-        dev.memset(&output, 0, check_len, 0x7F, &stream)?;
+        bufs.poison_output(comm, check_len, &stream)?;
     }
     run(0)?;
     let mut got = vec![0u8; check_len];
-    dev.copy_to_host(&output, 0, &mut got, &stream)?;
+    bufs.read_output(comm, &mut got, &stream)?;
     let row = Row {
         coll,
         bytes: case.bytes,
@@ -800,6 +858,7 @@ fn measure<D: Device>(
         cpu_us: median(&mut cpu),
         wrong: None,
         relerr: None,
+        operands: bufs.operands(),
     };
     Ok((row, got))
 }
@@ -933,13 +992,14 @@ fn print_row(r: &Row, world: usize) {
     let relerr = r.relerr.map_or("-".to_string(), |e| format!("{e:.4}"));
     let op = if r.coll.reduces() { r.op.name() } else { "-" };
     println!(
-        "{:>14} {:>12} {:>12} {:>6} {:>5} {:>20} {:>6} {:>10.2} {:>9.2} {:>9.2} {:>8.2} {:>7} {:>8}",
+        "{:>14} {:>12} {:>12} {:>6} {:>5} {:>20} {:>8} {:>6} {:>10.2} {:>9.2} {:>9.2} {:>8.2} {:>7} {:>8}",
         r.coll.name(),
         r.bytes,
         r.count,
         r.dtype,
         op,
         r.algo,
+        r.operands.name(),
         r.mode,
         r.time_us,
         algbw,
@@ -950,18 +1010,61 @@ fn print_row(r: &Row, world: usize) {
     );
 }
 
-fn to_json(rows: &[Row], a: &Args) -> String {
+/// `FERROCOMM_DIRECT_MIN_BYTES` as the header shows it.
+fn direct_min_label<D: Device>(comm: &Communicator<D>) -> String {
+    comm.options()
+        .direct_min_bytes
+        .map_or("default".to_string(), |n| n.to_string())
+}
+
+/// With `--operands both`: each heap row beside its plain twin (same
+/// collective, size, dtype, algorithm and mode), slowest rank's median us.
+fn print_pairs(rows: &[Row]) {
+    let heap_rows = rows.iter().filter(|r| r.operands == operands::Operands::Heap);
+    println!("# plain vs heap operands (the inbox way vs the direct kinds where they apply)");
+    println!(
+        "# {:>12} {:>12} {:>6} {:>20} {:>6} {:>10} {:>10} {:>11}",
+        "coll", "size", "dtype", "algo", "mode", "plain_us", "heap_us", "plain/heap"
+    );
+    for h in heap_rows {
+        let twin = rows.iter().find(|p| {
+            p.operands == operands::Operands::Plain
+                && p.coll == h.coll
+                && p.bytes == h.bytes
+                && p.dtype == h.dtype
+                && p.algo == h.algo
+                && p.mode == h.mode
+        });
+        if let Some(p) = twin {
+            println!(
+                "# {:>12} {:>12} {:>6} {:>20} {:>6} {:>10.2} {:>10.2} {:>11.3}",
+                h.coll.name(),
+                h.bytes,
+                h.dtype,
+                h.algo,
+                h.mode,
+                p.time_us,
+                h.time_us,
+                p.time_us / h.time_us
+            );
+        }
+    }
+}
+
+fn to_json(rows: &[Row], a: &Args, direct_min: Option<usize>) -> String {
     let mut s = format!(
-        "{{\"backend\":\"{}\",\"world\":{},\"iters\":{},\"rows\":[",
+        "{{\"backend\":\"{}\",\"world\":{},\"iters\":{},\"operands\":\"{}\",\"direct_min_bytes\":{},\"rows\":[",
         a.backend,
         a.world,
-        a.iters.map_or("\"default\"".to_string(), |i| i.to_string())
+        a.iters.map_or("\"default\"".to_string(), |i| i.to_string()),
+        a.operands.iter().map(|o| o.name()).collect::<Vec<_>>().join(","),
+        direct_min.map_or("null".to_string(), |n| n.to_string())
     );
     for (i, r) in rows.iter().enumerate() {
         let (algbw, busbw) = bandwidths(r, a.world);
         let _ = write!(
             s,
-            "{}{{\"coll\":\"{}\",\"size\":{},\"count\":{},\"dtype\":\"{}\",\"op\":\"{}\",\"algo\":\"{}\",\"mode\":\"{}\",\"time_us\":{:.3},\"algbw\":{:.3},\"busbw\":{:.3},\"cpu_us\":{:.3},\"wrong\":{},\"relerr\":{}}}",
+            "{}{{\"coll\":\"{}\",\"size\":{},\"count\":{},\"dtype\":\"{}\",\"op\":\"{}\",\"algo\":\"{}\",\"operands\":\"{}\",\"mode\":\"{}\",\"time_us\":{:.3},\"algbw\":{:.3},\"busbw\":{:.3},\"cpu_us\":{:.3},\"wrong\":{},\"relerr\":{}}}",
             if i == 0 { "" } else { "," },
             r.coll.name(),
             r.bytes,
@@ -969,6 +1072,7 @@ fn to_json(rows: &[Row], a: &Args) -> String {
             r.dtype,
             r.op,
             r.algo,
+            r.operands.name(),
             r.mode,
             r.time_us,
             algbw,
