@@ -30,7 +30,7 @@ use crate::backend::{with_any, AnyComm, AnyEp, Backend};
 use crate::comm::{Opts, PyComm};
 use crate::dlpack::Owner;
 use crate::errors::{run, to_pyerr, Failure};
-use crate::export::{self, capsule, dlpack_args, ensure_open, gone, Counter, Exported, Loan};
+use crate::export::{self, ensure_open, gone, Counter, Exported, Loan};
 use crate::heap::{comm_as, dl_device, enqueue};
 use crate::work::{lock, PyWork};
 
@@ -534,10 +534,16 @@ impl PyEpTensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = stream;
-        let versioned = dlpack_args(self.exported.device, max_version, dl_device, copy)?;
-        let loan = Loan::take(&[&self.lender, &self.own]).map_err(|why| gone("EP buffer view", why))?;
-        capsule(py, &self.exported, loan, versioned)
+        export::dlpack(
+            py,
+            &self.exported,
+            &[&self.lender, &self.own],
+            "EP buffer view",
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        )
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {

@@ -25,7 +25,7 @@ use crate::backend::{with_any, AnyComm, AnyWindow, AnyWork, Backend};
 use crate::comm::{Opts, PyComm};
 use crate::dlpack::{Imported, Owner, KDL_CPU};
 use crate::errors::{detached, run, to_pyerr, Failure};
-use crate::export::{self, capsule, dlpack_args, ensure_open, gone, Counter, Exported, Loan};
+use crate::export::{self, ensure_open, gone, Counter, Exported, Loan};
 use crate::work::{lock, PyWork};
 
 /// The DLPack device of a communicator's memory (CPU memory is device 0).
@@ -130,10 +130,16 @@ impl PyHeapTensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = stream;
-        let versioned = dlpack_args(self.device, max_version, dl_device, copy)?;
-        let loan = Loan::take(&[&self.lender, &self.own]).map_err(|why| gone("heap tensor", why))?;
-        capsule(py, &self.exported(), loan, versioned)
+        export::dlpack(
+            py,
+            &self.exported(),
+            &[&self.lender, &self.own],
+            "heap tensor",
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        )
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
@@ -238,10 +244,16 @@ impl PyHeapBits {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = stream;
-        let versioned = dlpack_args(self.exported.device, max_version, dl_device, copy)?;
-        let loan = Loan::take(&[&self.lender, &self.own]).map_err(|why| gone("heap tensor", why))?;
-        capsule(py, &self.exported, loan, versioned)
+        export::dlpack(
+            py,
+            &self.exported,
+            &[&self.lender, &self.own],
+            "heap tensor",
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        )
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
@@ -659,10 +671,16 @@ impl PyRemoteTensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = stream;
-        let versioned = dlpack_args(self.exported.device, max_version, dl_device, copy)?;
-        let loan = Loan::take(&[&self.lender, &self.views]).map_err(|why| gone("remote tensor", why))?;
-        capsule(py, &self.exported, loan, versioned)
+        export::dlpack(
+            py,
+            &self.exported,
+            &[&self.lender, &self.views],
+            "remote tensor",
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        )
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
