@@ -9,9 +9,6 @@ itself):
 """
 
 import os
-import secrets
-import socket
-import subprocess
 import sys
 
 import numpy as np
@@ -65,19 +62,10 @@ def rank_main() -> None:
     comm.finalize()
 
 
-def launch(world: int = 2) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-               FERROCOMM_TOKEN=secrets.token_hex(16))
-    procs = [subprocess.Popen([sys.executable, __file__], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
-             for r in range(world)]
-    return max(p.wait(timeout=120) for p in procs)
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ:
+    if "RANK" in os.environ:  # one rank, started by a launcher (torchrun, or _launch below)
         rank_main()
     else:
-        sys.exit(launch())
+        from _launch import launch  # this folder's _launch.py: this script again, as 2 local ranks
+
+        sys.exit(launch(__file__, world=2))

@@ -27,7 +27,7 @@ from . import _ferrocomm as _native
 from ._ep import EpBuffer
 from ._errors import InvalidArgument
 from ._ops import ReduceOp, as_op
-from ._tensors import HOST_MEMORY, current_device_stream, current_stream, device_type, prepare, stream_handle
+from ._tensors import HOST_MEMORY, call_stream, current_stream, device_type, prepare, stream_handle
 
 __all__ = [
     "Communicator", "Work", "P2POp", "HeapTensor", "HeapTensorBits", "Window", "RemoteTensor", "EpBuffer",
@@ -156,15 +156,7 @@ class Window:
         self._comm = comm
 
     def _stream(self, stream: Any, tensor: Any = None) -> Optional[int]:
-        if self._comm.backend == "host":
-            if stream is not None:
-                raise InvalidArgument("stream= is for GPU windows; the host backend has none")
-            return None
-        if stream is not None:
-            return stream_handle(stream)
-        if tensor is not None:
-            return current_stream(tensor)
-        return current_device_stream(self._comm.device)
+        return call_stream(self._comm, stream, tensor, "windows")
 
     def tensor_register(self, tensor: Any) -> None:
         """Make ``tensor`` the window's buffer (collective; sizes may differ

@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional
 
 from . import _ferrocomm as _native
 from ._errors import InvalidArgument
-from ._tensors import current_stream, is_torch, prepare, stream_handle
+from ._tensors import call_stream, is_torch, prepare
 
 __all__ = ["EpBuffer", "DispatchOut", "EpTensor"]
 
@@ -192,13 +192,7 @@ class EpBuffer:
     # ------------------------------------------------------------ calls
 
     def _stream(self, stream: Any, tensor: Any) -> Optional[int]:
-        if self._comm.backend == "host":
-            if stream is not None:
-                raise InvalidArgument("stream= is for GPU EP buffers; the host backend has none")
-            return None
-        if stream is not None:
-            return stream_handle(stream)
-        return current_stream(tensor)
+        return call_stream(self._comm, stream, tensor, "EP buffers")
 
     def _received(self, framework: Optional[str]) -> Dict[str, Any]:
         views = self._views.get(framework)

@@ -98,10 +98,7 @@ def current_stream(t: Any) -> Optional[int]:
         if t.device.type != "cuda":
             return None
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw is not None:
-            return int(raw(index))
-        return int(torch.cuda.current_stream(index).cuda_stream)
+        return _torch_current_stream(torch, index)
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(t, cupy.ndarray):
         return int(cupy.cuda.get_current_stream().ptr)
@@ -115,7 +112,30 @@ def current_device_stream(device: int) -> Optional[int]:
     torch = _torch()
     if torch is None or not torch.cuda.is_available():
         return None
+    return _torch_current_stream(torch, device)
+
+
+def _torch_current_stream(torch: Any, device: int) -> int:
+    """torch's current stream on GPU ``device``, as a raw handle (torch's
+    own raw-stream call where it has one)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
         return int(raw(device))
     return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def call_stream(comm: Any, stream: Any, tensor: Any, what: str) -> Optional[int]:
+    """The stream a call of a window or an EP buffer (``what``, for the
+    error) of ``comm`` runs on: none on the host backend, which refuses
+    ``stream=``; else ``stream``, else the current stream of ``tensor``'s
+    framework, else (no tensor: a window's signal and wait) torch's
+    current stream on the communicator's device."""
+    if comm.backend == "host":
+        if stream is not None:
+            raise InvalidArgument(f"stream= is for GPU {what}; the host backend has none")
+        return None
+    if stream is not None:
+        return stream_handle(stream)
+    if tensor is not None:
+        return current_stream(tensor)
+    return current_device_stream(comm.device)

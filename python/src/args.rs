@@ -8,8 +8,9 @@ use pyo3::prelude::*;
 
 use crate::errors::to_pyerr;
 
-pub fn invalid(msg: String) -> PyErr {
-    to_pyerr(Error::InvalidArgument(msg))
+/// An `InvalidArgument` (a `ValueError`) saying `msg`.
+pub fn invalid(msg: impl Into<String>) -> PyErr {
+    to_pyerr(Error::InvalidArgument(msg.into()))
 }
 
 /// A count, size or offset: `what` names the call and the argument.

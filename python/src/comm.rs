@@ -19,11 +19,13 @@ use ferrocomm::algo::fused::MOE_MAX_TOPK;
 use ferrocomm::bootstrap::{rendezvous_from_env, EnvRendezvous, Store};
 use ferrocomm::device::Device;
 use ferrocomm::{
-    Call, CommOptions, Error, Fusion, FusionPattern, MoeFinalize, P2p, ReduceOp, Reduction, Registration, Tensor,
+    Call, CommOptions, Communicator, Error, Fusion, FusionPattern, MoeFinalize, P2p, ReduceOp, Reduction, Registration,
+    Tensor, Work,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt};
 
+use crate::args::invalid;
 use crate::backend::{self, with_any, AnyComm, AnyWork, Backend};
 use crate::dlpack::{self, Imported, Owner, KDL_CUDA, KDL_CUDA_MANAGED, KDL_ROCM};
 use crate::ep::{EpShape, PyEpBuffer};
@@ -44,10 +46,10 @@ fn fusion_pattern(name: &str) -> PyResult<FusionPattern> {
         "residual_rms_norm_fp8_per_token" | "rms_fp8tok" => FusionPattern::ResidualRmsNormFp8PerToken,
         "residual_rms_norm_int8_per_token" | "rms_i8tok" => FusionPattern::ResidualRmsNormInt8PerToken,
         _ => {
-            return Err(to_pyerr(Error::invalid(format!(
+            return Err(invalid(format!(
                 "unknown fusion pattern {name:?}: residual_add, residual_rms_norm, residual_rms_norm_fp8, \
                  residual_rms_norm_fp8_per_token or residual_rms_norm_int8_per_token"
-            ))))
+            )))
         }
     };
     Ok(p)
@@ -58,9 +60,9 @@ pub fn duration(secs: f64) -> PyResult<Duration> {
     if secs.is_finite() && secs > 0.0 {
         Ok(Duration::from_secs_f64(secs))
     } else {
-        Err(to_pyerr(Error::invalid(format!(
+        Err(invalid(format!(
             "timeout {secs} s: expected a positive number of seconds"
-        ))))
+        )))
     }
 }
 
@@ -71,9 +73,9 @@ pub fn duration_of(obj: &Bound<'_, PyAny>) -> PyResult<Duration> {
     } else if obj.is_instance_of::<PyFloat>() || (obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>()) {
         obj.extract::<f64>()?
     } else {
-        return Err(to_pyerr(Error::invalid(format!(
+        return Err(invalid(format!(
             "timeout {obj}: expected seconds or a datetime.timedelta"
-        ))));
+        )));
     };
     duration(secs)
 }
@@ -159,14 +161,14 @@ impl Batch {
     pub(crate) fn import_checked(&mut self, obj: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<Imported> {
         let dl = self.dl_stream;
         let gpu_memory = |t: i32| matches!(t, KDL_CUDA | KDL_ROCM | KDL_CUDA_MANAGED);
-        let invalid = |m: String| Err(to_pyerr(Error::InvalidArgument(format!("{what}: {m}"))));
+        let refuse = |m: String| Err(invalid(format!("{what}: {m}")));
         let wrong_device =
             |t: i32, id: i32| self.gpu && gpu_memory(t) && t != KDL_CUDA_MANAGED && id as usize != self.ordinal;
         // Before the export: a producer asked for our stream on another
         // device refuses with its own error (torch: BufferError).
         if let Ok((t, id)) = dlpack::device_of(obj) {
             if wrong_device(t, id) {
-                return invalid(format!(
+                return refuse(format!(
                     "it is on {} device {id} but this communicator uses device {}",
                     self.backend, self.ordinal
                 ));
@@ -177,20 +179,20 @@ impl Batch {
             Err(_) => dlpack::import(obj, |t| if gpu_memory(t) { dl } else { None })?,
         };
         if !(self.accepts)(imp.device_type) {
-            return invalid(format!(
+            return refuse(format!(
                 "its memory is on DLPack device type {} but this communicator runs on the {} backend (CPU arrays \
                  go to a host communicator, GPU tensors to a GPU one)",
                 imp.device_type, self.backend
             ));
         }
         if self.gpu && imp.device_type != KDL_CUDA_MANAGED && imp.device_id as usize != self.ordinal {
-            return invalid(format!(
+            return refuse(format!(
                 "it is on {} device {} but this communicator uses device {}",
                 self.backend, imp.device_id, self.ordinal
             ));
         }
         if writes && imp.readonly {
-            return invalid("it is read-only, and the collective writes into it".into());
+            return refuse("it is read-only, and the collective writes into it".into());
         }
         Ok(imp)
     }
@@ -227,38 +229,54 @@ impl Batch {
                 "premul_sum factor",
             )?)),
             (op, None) => Ok(Reduction::Op(op)),
-            (op, Some(_)) => Err(to_pyerr(Error::invalid(format!(
-                "a factor goes with premul_sum, not with {op}"
-            )))),
+            (op, Some(_)) => Err(invalid(format!("a factor goes with premul_sum, not with {op}"))),
         }
     }
 }
 
+/// Queue `f` on `c` with the per-call options (the caller's stream
+/// borrowed for the call), with the GIL released: the work, and whether
+/// the stream is capturing a graph.
+pub(crate) fn enqueue<D: Backend>(
+    py: Python<'_>,
+    c: &Communicator<D>,
+    opts: &Opts,
+    f: impl for<'s> FnOnce(&Call<'s, D>) -> ferrocomm::Result<Work<D>> + Send,
+) -> Result<(AnyWork, bool), Failure> {
+    detached(py, || queue(c, opts, f))
+}
+
+/// [`enqueue`] for a caller that has released the GIL already.
+pub(crate) fn queue<D: Backend>(
+    c: &Communicator<D>,
+    opts: &Opts,
+    f: impl for<'s> FnOnce(&Call<'s, D>) -> ferrocomm::Result<Work<D>>,
+) -> ferrocomm::Result<(AnyWork, bool)> {
+    let borrowed = match opts.stream {
+        // SAFETY: `raw` is the caller's stream of this device (an int they
+        // passed, or torch's/CuPy's current stream); the wrapper lives for
+        // this call only and never destroys it, and the caller keeps the
+        // stream alive while it has work.
+        Some(raw) => Some(unsafe { c.device().borrow_stream(raw)? }),
+        None => None,
+    };
+    let capturing = match &borrowed {
+        Some(s) => c.device().is_capturing(s)?,
+        None => false,
+    };
+    let call = opts.call(borrowed.as_ref());
+    let work = f(&call)?;
+    Ok((D::wrap_work(work), capturing))
+}
+
 /// Queue `$body` (a call of the Rust communicator `$c` with the per-call
-/// options `$call`) on whichever backend this communicator has, with the
-/// GIL released, then finish the call (see [`PyComm::finish`]).
+/// options `$call`, a `&Call`) on whichever backend this communicator has,
+/// with the GIL released ([`enqueue`]), then finish the call (see
+/// [`PyComm::finish`]).
 macro_rules! launch {
     ($self:ident, $py:ident, $batch:ident, $opts:ident, $what:literal, |$c:ident, $call:ident| $body:expr) => {{
         let opts = &$opts;
-        let res: Result<(AnyWork, bool), Failure> = with_any!(&*$self.comm, AnyComm, |$c| {
-            detached($py, || {
-                let borrowed = match opts.stream {
-                    // SAFETY: `raw` is the caller's stream of this device (an
-                    // int they passed, or torch's/CuPy's current stream); the
-                    // wrapper lives for this call only and never destroys it,
-                    // and the caller keeps the stream alive while it has work.
-                    Some(raw) => Some(unsafe { $c.device().borrow_stream(raw)? }),
-                    None => None,
-                };
-                let capturing = match &borrowed {
-                    Some(s) => $c.device().is_capturing(s)?,
-                    None => false,
-                };
-                let $call = opts.call(borrowed.as_ref());
-                let work = $body?;
-                Ok((Backend::wrap_work(work), capturing))
-            })
-        });
+        let res = with_any!(&*$self.comm, AnyComm, |$c| enqueue($py, $c, opts, |$call| $body));
         $self.finish($py, res, $batch, opts, $what, false)
     }};
 }
@@ -557,7 +575,7 @@ impl PyComm {
         let t = batch.import(tensor, true, "all_reduce tensor")?;
         let red = batch.reduction(op, factor)?;
         launch!(self, py, batch, opts, "all_reduce", |c, call| c
-            .all_reduce(t, red, &call))
+            .all_reduce(t, red, call))
     }
 
     /// Out of place: `output` (as long as `input`) receives the reduction
@@ -582,7 +600,7 @@ impl PyComm {
         let inp = batch.import(input, false, "all_reduce input")?;
         let red = batch.reduction(op, factor)?;
         launch!(self, py, batch, opts, "all_reduce", |c, call| c
-            .all_reduce_into(inp, out, red, &call))
+            .all_reduce_into(inp, out, red, call))
     }
 
     /// All-reduce (sum) of `input` (tokens x `hidden`, f16/bf16) fused with
@@ -628,17 +646,17 @@ impl PyComm {
             (Some(idx), Some(sc), Some(k)) => {
                 let k = usize::try_from(k).ok().filter(|k| (1..=MOE_MAX_TOPK).contains(k));
                 let Some(k) = k else {
-                    return Err(to_pyerr(Error::invalid(format!(
+                    return Err(invalid(format!(
                         "all_reduce_fused: topk = {} must be 1 to {MOE_MAX_TOPK}",
                         topk.unwrap_or_default()
-                    ))));
+                    )));
                 };
                 Some((idx, sc, k))
             }
             (None, None, None) if shared_expert_output.is_none() => None,
             _ => {
                 let given = |x: bool| if x { "given" } else { "missing" };
-                return Err(to_pyerr(Error::invalid(format!(
+                return Err(invalid(format!(
                     "all_reduce_fused: the MoE-finalize prologue takes expanded_idx_to_permuted_idx, expert_scales \
                      and topk together (shared_expert_output only with them): expanded_idx_to_permuted_idx {}, \
                      expert_scales {}, topk {}, shared_expert_output {}",
@@ -646,7 +664,7 @@ impl PyComm {
                     given(expert_scales.is_some()),
                     given(topk.is_some()),
                     given(shared_expert_output.is_some()),
-                ))));
+                )));
             }
         };
         let mut batch = self.batch(stream);
@@ -668,10 +686,10 @@ impl PyComm {
             }
             (None, None) => {}
             _ => {
-                return Err(to_pyerr(Error::invalid(
+                return Err(invalid(
                     "all_reduce_fused: quant_out and scale go together (the scale is read for a per-tensor FP8 \
                      pattern, written for the per-token ones)",
-                )))
+                ))
             }
         }
         if let Some(t) = allreduce_out {
@@ -687,7 +705,7 @@ impl PyComm {
             fusion = fusion.with_moe_finalize(m);
         }
         launch!(self, py, batch, opts, "all_reduce_fused", |c, call| c
-            .all_reduce_fused(inp, &fusion, &call))
+            .all_reduce_fused(inp, &fusion, call))
     }
 
     #[pyo3(signature = (tensor, root, *, async_op=false, timeout=None, hints=None, stream=None))]
@@ -705,8 +723,7 @@ impl PyComm {
         let opts = Opts::new(async_op, timeout, hints, stream)?;
         let mut batch = self.batch(stream);
         let t = batch.import(tensor, true, "broadcast tensor")?;
-        launch!(self, py, batch, opts, "broadcast", |c, call| c
-            .broadcast(t, root, &call))
+        launch!(self, py, batch, opts, "broadcast", |c, call| c.broadcast(t, root, call))
     }
 
     #[pyo3(signature = (tensor, root, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
@@ -727,7 +744,7 @@ impl PyComm {
         let mut batch = self.batch(stream);
         let t = batch.import(tensor, true, "reduce tensor")?;
         let red = batch.reduction(op, factor)?;
-        launch!(self, py, batch, opts, "reduce", |c, call| c.reduce(t, red, root, &call))
+        launch!(self, py, batch, opts, "reduce", |c, call| c.reduce(t, red, root, call))
     }
 
     #[pyo3(signature = (tensor_list, tensor, *, async_op=false, timeout=None, hints=None, stream=None))]
@@ -747,7 +764,7 @@ impl PyComm {
         let outs = batch.import_list(tensor_list, true, "all_gather tensor_list")?;
         let input = batch.import(tensor, false, "all_gather tensor")?;
         launch!(self, py, batch, opts, "all_gather", |c, call| c
-            .all_gather(&outs, input, &call))
+            .all_gather(&outs, input, call))
     }
 
     #[pyo3(signature = (output, input, *, async_op=false, timeout=None, hints=None, stream=None))]
@@ -767,7 +784,7 @@ impl PyComm {
         let out = batch.import(output, true, "all_gather_single output")?;
         let inp = batch.import(input, false, "all_gather_single input")?;
         launch!(self, py, batch, opts, "all_gather", |c, call| c
-            .all_gather_single(out, inp, &call))
+            .all_gather_single(out, inp, call))
     }
 
     #[pyo3(signature = (output, input_list, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
@@ -790,7 +807,7 @@ impl PyComm {
         let ins = batch.import_list(input_list, false, "reduce_scatter input_list")?;
         let red = batch.reduction(op, factor)?;
         launch!(self, py, batch, opts, "reduce_scatter", |c, call| c
-            .reduce_scatter(out, &ins, red, &call))
+            .reduce_scatter(out, &ins, red, call))
     }
 
     #[pyo3(signature = (output, input, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
@@ -813,7 +830,7 @@ impl PyComm {
         let inp = batch.import(input, false, "reduce_scatter_single input")?;
         let red = batch.reduction(op, factor)?;
         launch!(self, py, batch, opts, "reduce_scatter", |c, call| c
-            .reduce_scatter_single(out, inp, red, &call))
+            .reduce_scatter_single(out, inp, red, call))
     }
 
     #[pyo3(signature = (output_list, input_list, *, async_op=false, timeout=None, hints=None, stream=None))]
@@ -833,7 +850,7 @@ impl PyComm {
         let outs = batch.import_list(output_list, true, "all_to_all output_list")?;
         let ins = batch.import_list(input_list, false, "all_to_all input_list")?;
         launch!(self, py, batch, opts, "all_to_all", |c, call| c
-            .all_to_all(&outs, &ins, &call))
+            .all_to_all(&outs, &ins, call))
     }
 
     /// `output_split_sizes` / `input_split_sizes` count rows (slices along
@@ -859,7 +876,7 @@ impl PyComm {
         let outs = rows_to_elements(output_split_sizes.unwrap_or_default(), &out, out_rows, "output")?;
         let ins = rows_to_elements(input_split_sizes.unwrap_or_default(), &inp, in_rows, "input")?;
         launch!(self, py, batch, opts, "all_to_all", |c, call| c
-            .all_to_all_v_single(out, inp, &outs, &ins, &call))
+            .all_to_all_v_single(out, inp, &outs, &ins, call))
     }
 
     #[pyo3(signature = (output, input, *, async_op=false, timeout=None, hints=None, stream=None))]
@@ -879,7 +896,7 @@ impl PyComm {
         let out = batch.import(output, true, "all_to_all_single output")?;
         let inp = batch.import(input, false, "all_to_all_single input")?;
         launch!(self, py, batch, opts, "all_to_all", |c, call| c
-            .all_to_all_single(out, inp, &call))
+            .all_to_all_single(out, inp, call))
     }
 
     /// `output_list` matters on the root only (elsewhere it may be empty).
@@ -901,7 +918,7 @@ impl PyComm {
         let outs = batch.import_list(output_list, true, "gather output_list")?;
         let inp = batch.import(input, false, "gather input")?;
         launch!(self, py, batch, opts, "gather", |c, call| c
-            .gather(&outs, inp, root, &call))
+            .gather(&outs, inp, root, call))
     }
 
     /// `input_list` matters on the root only (elsewhere it may be empty).
@@ -923,7 +940,7 @@ impl PyComm {
         let out = batch.import(output, true, "scatter output")?;
         let ins = batch.import_list(input_list, false, "scatter input_list")?;
         launch!(self, py, batch, opts, "scatter", |c, call| c
-            .scatter(out, &ins, root, &call))
+            .scatter(out, &ins, root, call))
     }
 
     #[pyo3(signature = (tensor, dst, *, async_op=false, timeout=None, hints=None, stream=None))]
@@ -941,7 +958,7 @@ impl PyComm {
         let opts = Opts::new(async_op, timeout, hints, stream)?;
         let mut batch = self.batch(stream);
         let t = batch.import(tensor, false, "send tensor")?;
-        launch!(self, py, batch, opts, "send", |c, call| c.send(t, dst, &call))
+        launch!(self, py, batch, opts, "send", |c, call| c.send(t, dst, call))
     }
 
     #[pyo3(signature = (tensor, src, *, async_op=false, timeout=None, hints=None, stream=None))]
@@ -959,7 +976,7 @@ impl PyComm {
         let opts = Opts::new(async_op, timeout, hints, stream)?;
         let mut batch = self.batch(stream);
         let t = batch.import(tensor, true, "recv tensor")?;
-        launch!(self, py, batch, opts, "recv", |c, call| c.recv(t, src, &call))
+        launch!(self, py, batch, opts, "recv", |c, call| c.recv(t, src, call))
     }
 
     /// Sends and receives as one group: `ops` is a list of
@@ -984,7 +1001,7 @@ impl PyComm {
                 false => P2p::Recv(batch.import(t, true, &what)?, *peer),
             });
         }
-        launch!(self, py, batch, opts, "batch_p2p", |c, call| c.batch_p2p(&list, &call))
+        launch!(self, py, batch, opts, "batch_p2p", |c, call| c.batch_p2p(&list, call))
     }
 
     /// Every rank waits for every other. Without `async_op` it blocks the
@@ -1000,22 +1017,8 @@ impl PyComm {
     ) -> PyResult<Option<PyWork>> {
         let opts = Opts::new(async_op, timeout, hints, stream)?;
         let batch = self.batch(stream);
-        let res: Result<(AnyWork, bool), Failure> = with_any!(&*self.comm, AnyComm, |c| {
-            let o = &opts;
-            detached(py, || {
-                let borrowed = match o.stream {
-                    // SAFETY: as in `launch!`: the caller's live stream, borrowed for this call.
-                    Some(raw) => Some(unsafe { c.device().borrow_stream(raw)? }),
-                    None => None,
-                };
-                let capturing = match &borrowed {
-                    Some(s) => c.device().is_capturing(s)?,
-                    None => false,
-                };
-                let work = c.barrier(&o.call(borrowed.as_ref()))?;
-                Ok((Backend::wrap_work(work), capturing))
-            })
-        });
+        let o = &opts;
+        let res = with_any!(&*self.comm, AnyComm, |c| enqueue(py, c, o, |call| c.barrier(call)));
         let block = !async_op && !res.as_ref().is_ok_and(|(_, capturing)| *capturing);
         self.finish(py, res, batch, &opts, "barrier", block)
     }
@@ -1048,10 +1051,10 @@ impl PyComm {
     /// (NumPy arrays, torch tensors) are held: they would outlive it.
     fn finalize(&self, py: Python<'_>) -> PyResult<()> {
         if let Err(n) = self.lender.close("finalized") {
-            return Err(to_pyerr(Error::invalid(format!(
+            return Err(invalid(format!(
                 "finalize: {n} DLPack view(s) of this communicator's heap tensors, windows or EP buffers (NumPy \
                  arrays, torch tensors, map_remote_tensor views, dispatch results) are still held; let them go first"
-            ))));
+            )));
         }
         let comm = &*self.comm;
         let r = run(py, || with_any!(comm, AnyComm, |c| c.finalize()));
@@ -1142,7 +1145,7 @@ fn rows_to_elements(rows: Vec<usize>, t: &Tensor, nrows: usize, what: &str) -> P
     rows.iter()
         .map(|r| r.checked_mul(per_row))
         .collect::<Option<Vec<_>>>()
-        .ok_or_else(|| to_pyerr(Error::invalid(format!("all_to_all: {what} split sizes overflow"))))
+        .ok_or_else(|| invalid(format!("all_to_all: {what} split sizes overflow")))
 }
 
 /// A registered tensor (`Comm.register`).

@@ -12,11 +12,13 @@
 use std::ffi::{c_void, CStr};
 use std::ptr::NonNull;
 
-use ferrocomm::{DType, Error, Tensor};
+use ferrocomm::{DType, Tensor};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use pyo3::{ffi, intern};
+
+use crate::args::invalid;
 
 // ------------------------------------------------------------ the C ABI
 
@@ -501,10 +503,6 @@ fn not_a_tensor(obj: &Bound<'_, PyAny>) -> PyErr {
     invalid(format!(
         "expected a tensor or array with __dlpack__ (torch, CuPy, JAX, NumPy) or __array_interface__, got {ty}"
     ))
-}
-
-fn invalid(msg: impl Into<String>) -> PyErr {
-    crate::errors::to_pyerr(Error::InvalidArgument(msg.into()))
 }
 
 #[cfg(test)]

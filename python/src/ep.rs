@@ -27,11 +27,11 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::args::{count_arg, invalid};
 use crate::backend::{with_any, AnyComm, AnyEp, Backend};
-use crate::comm::{Opts, PyComm};
+use crate::comm::{enqueue, Opts, PyComm};
 use crate::dlpack::Owner;
 use crate::errors::{run, to_pyerr, Failure};
-use crate::export::{self, capsule, dlpack_args, ensure_open, gone, Counter, Exported, Loan};
-use crate::heap::{comm_as, dl_device, enqueue};
+use crate::export::{self, ensure_open, gone, Counter, Exported, Loan};
+use crate::heap::{comm_as, dl_device};
 use crate::work::{lock, PyWork};
 
 /// `Comm.ep_buffer`'s arguments as Python gave them (checked by [`PyEpBuffer::create`]).
@@ -303,11 +303,11 @@ impl PyEpBuffer {
             }
             (EpPayload::Fp8, None) => {
                 return Err(invalid(
-                    "EP dispatch: float8 rows need their scales (float32 [num_tokens, hidden / 128])".into(),
+                    "EP dispatch: float8 rows need their scales (float32 [num_tokens, hidden / 128])",
                 ))
             }
             (EpPayload::Bf16, Some(_)) => {
-                return Err(invalid("EP dispatch: bfloat16 rows take no scales".into()));
+                return Err(invalid("EP dispatch: bfloat16 rows take no scales"));
             }
             (EpPayload::Bf16, None) => None,
         };
@@ -534,10 +534,16 @@ impl PyEpTensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = stream;
-        let versioned = dlpack_args(self.exported.device, max_version, dl_device, copy)?;
-        let loan = Loan::take(&[&self.lender, &self.own]).map_err(|why| gone("EP buffer view", why))?;
-        capsule(py, &self.exported, loan, versioned)
+        export::dlpack(
+            py,
+            &self.exported,
+            &[&self.lender, &self.own],
+            "EP buffer view",
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        )
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {

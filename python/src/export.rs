@@ -227,7 +227,7 @@ unsafe extern "C" fn capsule_destructor(cap: *mut ffi::PyObject) {
 
 /// A DLPack capsule of `e`, holding `loan` until the consumer lets go:
 /// versioned (DLPack 1.1) when `versioned`, else legacy.
-pub fn capsule<'py>(py: Python<'py>, e: &Exported, loan: Loan, versioned: bool) -> PyResult<Bound<'py, PyAny>> {
+fn capsule<'py>(py: Python<'py>, e: &Exported, loan: Loan, versioned: bool) -> PyResult<Bound<'py, PyAny>> {
     let dims = dims_of(&e.shape);
     let (raw, name) = if versioned {
         let mut h = Box::new(Holder {
@@ -290,7 +290,7 @@ pub fn capsule<'py>(py: Python<'py>, e: &Exported, loan: Loan, versioned: bool) 
 /// ferrocomm has no pending work of its own on this memory (heap memory is
 /// zeroed and synchronized at allocation; puts and signals are ordered by
 /// the caller's `wait_signal`), so any stream the consumer names is fine.
-pub fn dlpack_args(
+fn dlpack_args(
     device: (i32, i32),
     max_version: Option<(u32, u32)>,
     dl_device: Option<(i32, i32)>,
@@ -310,6 +310,29 @@ pub fn dlpack_args(
         }
     }
     Ok(max_version.is_some_and(|(major, _)| major >= 1))
+}
+
+/// `__dlpack__` of memory ferrocomm exports (heap tensors and their bits,
+/// peers' window buffers, EP buffer views), the one body of every
+/// exporter's method: the arguments checked ([`dlpack_args`]; `stream` is
+/// accepted and needs nothing, as said there), then a hold on each of
+/// `holds` for the consumer (refused as [`gone`], naming `what`, once one
+/// is closed), then the capsule of `e`.
+#[allow(clippy::too_many_arguments)]
+pub fn dlpack<'py>(
+    py: Python<'py>,
+    e: &Exported,
+    holds: &[&Arc<Counter>],
+    what: &str,
+    stream: Option<&Bound<'py, PyAny>>,
+    max_version: Option<(u32, u32)>,
+    dl_device: Option<(i32, i32)>,
+    copy: Option<bool>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let _ = stream;
+    let versioned = dlpack_args(e.device, max_version, dl_device, copy)?;
+    let loan = Loan::take(holds).map_err(|why| gone(what, why))?;
+    capsule(py, e, loan, versioned)
 }
 
 /// Refused as [`gone`] once `c` is closed (what it counts holds on is gone).

@@ -16,16 +16,16 @@ use std::sync::{Arc, Mutex};
 
 use ferrocomm::device::DeviceBuffer;
 use ferrocomm::heap::HeapBuffer;
-use ferrocomm::{Call, Communicator, DType, Error, Window, Work};
+use ferrocomm::{Communicator, DType, Error, Window};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
 use crate::args::{count_arg, element_count, invalid, rank_arg};
-use crate::backend::{with_any, AnyComm, AnyWindow, AnyWork, Backend};
-use crate::comm::{Opts, PyComm};
+use crate::backend::{with_any, AnyComm, AnyWindow, Backend};
+use crate::comm::{queue, Opts, PyComm};
 use crate::dlpack::{Imported, Owner, KDL_CPU};
 use crate::errors::{detached, run, to_pyerr, Failure};
-use crate::export::{self, capsule, dlpack_args, ensure_open, gone, Counter, Exported, Loan};
+use crate::export::{self, ensure_open, gone, Counter, Exported, Loan};
 use crate::work::{lock, PyWork};
 
 /// The DLPack device of a communicator's memory (CPU memory is device 0).
@@ -130,10 +130,16 @@ impl PyHeapTensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = stream;
-        let versioned = dlpack_args(self.device, max_version, dl_device, copy)?;
-        let loan = Loan::take(&[&self.lender, &self.own]).map_err(|why| gone("heap tensor", why))?;
-        capsule(py, &self.exported(), loan, versioned)
+        export::dlpack(
+            py,
+            &self.exported(),
+            &[&self.lender, &self.own],
+            "heap tensor",
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        )
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
@@ -238,10 +244,16 @@ impl PyHeapBits {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = stream;
-        let versioned = dlpack_args(self.exported.device, max_version, dl_device, copy)?;
-        let loan = Loan::take(&[&self.lender, &self.own]).map_err(|why| gone("heap tensor", why))?;
-        capsule(py, &self.exported, loan, versioned)
+        export::dlpack(
+            py,
+            &self.exported,
+            &[&self.lender, &self.own],
+            "heap tensor",
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        )
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
@@ -328,38 +340,6 @@ fn comm_for<'a, D: Backend>(_: &Window<D>, any: &'a AnyComm) -> Result<&'a Commu
 /// buffer) was made on it, so another backend is a bug.
 pub(crate) fn comm_as<'a, D: Backend>(any: &'a AnyComm, what: &str) -> Result<&'a Communicator<D>, Failure> {
     D::comm_of(any).ok_or_else(|| Failure::Panic(format!("{what} of one backend on a communicator of another")))
-}
-
-/// Queue `f` on `c` with the per-call options (the caller's stream
-/// borrowed for the call), with the GIL released.
-pub(crate) fn enqueue<D: Backend>(
-    py: Python<'_>,
-    c: &Communicator<D>,
-    opts: &Opts,
-    f: impl for<'s> FnOnce(&Call<'s, D>) -> ferrocomm::Result<Work<D>> + Send,
-) -> Result<(AnyWork, bool), Failure> {
-    detached(py, || queue(c, opts, f))
-}
-
-/// [`enqueue`] for a caller that has released the GIL already.
-fn queue<D: Backend>(
-    c: &Communicator<D>,
-    opts: &Opts,
-    f: impl for<'s> FnOnce(&Call<'s, D>) -> ferrocomm::Result<Work<D>>,
-) -> ferrocomm::Result<(AnyWork, bool)> {
-    let borrowed = match opts.stream {
-        // SAFETY: `raw` is the caller's live stream of this device; the
-        // wrapper lives for this call only and never destroys it.
-        Some(raw) => Some(unsafe { c.device().borrow_stream(raw)? }),
-        None => None,
-    };
-    let capturing = match &borrowed {
-        Some(s) => c.device().is_capturing(s)?,
-        None => false,
-    };
-    let call = opts.call(borrowed.as_ref());
-    let work = f(&call)?;
-    Ok((D::wrap_work(work), capturing))
 }
 
 impl PyWindow {
@@ -469,24 +449,22 @@ impl PyWindow {
     fn tensor_register(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
         if lock(&self.buffer).is_some() {
             return Err(invalid(
-                "window tensor_register: the window has a buffer; tensor_deregister it first".into(),
+                "window tensor_register: the window has a buffer; tensor_deregister it first",
             ));
         }
-        let imp = match tensor.cast::<PyHeapTensor>() {
-            Ok(h) => h.get().lend(tensor)?,
+        let (imp, shape) = match tensor.cast::<PyHeapTensor>() {
+            Ok(h) => (h.get().lend(tensor)?, h.get().dims().to_vec()),
             Err(_) => {
                 let mut batch = self.parent.get().batch(None);
-                batch.import_checked(tensor, true, "window tensor_register tensor")?
+                let imp = batch.import_checked(tensor, true, "window tensor_register tensor")?;
+                let shape = tensor
+                    .getattr("shape")
+                    .and_then(|s| s.extract::<Vec<i64>>())
+                    .ok()
+                    .filter(|s| s.iter().try_fold(1i64, |n, &d| n.checked_mul(d)) == Some(imp.count as i64))
+                    .unwrap_or_else(|| vec![imp.count as i64]);
+                (imp, shape)
             }
-        };
-        let shape = match tensor.cast::<PyHeapTensor>() {
-            Ok(h) => h.get().dims().to_vec(),
-            Err(_) => tensor
-                .getattr("shape")
-                .and_then(|s| s.extract::<Vec<i64>>())
-                .ok()
-                .filter(|s| s.iter().try_fold(1i64, |n, &d| n.checked_mul(d)) == Some(imp.count as i64))
-                .unwrap_or_else(|| vec![imp.count as i64]),
         };
         let t = imp.tensor();
         // A second registration racing this one on another thread is
@@ -558,7 +536,7 @@ impl PyWindow {
         let buffer = lock(&self.buffer).as_ref().map(|b| (b.views.clone(), b.shape.clone()));
         let Some((views, local_shape)) = buffer else {
             return Err(invalid(
-                "window map_remote_tensor: the window has no buffer (tensor_register one first)".into(),
+                "window map_remote_tensor: the window has no buffer (tensor_register one first)",
             ));
         };
         let any = &*self.comm;
@@ -592,7 +570,7 @@ impl PyWindow {
     /// `map_remote_tensor` are held. Puts queued into it must have completed.
     fn tensor_deregister(&self, py: Python<'_>) -> PyResult<()> {
         if !self.close_views("tensor_deregister", "deregistered")? {
-            return Err(invalid("window tensor_deregister: the window has no buffer".into()));
+            return Err(invalid("window tensor_deregister: the window has no buffer"));
         }
         let win = &self.win;
         run(py, || match lock(win).as_mut() {
@@ -611,7 +589,7 @@ impl PyWindow {
         self.close_views("free", "freed")?;
         let win = &self.win;
         let Some(w) = detached(py, || Ok(lock(win).take()))? else {
-            return Err(invalid("window free: the window was freed already".into()));
+            return Err(invalid("window free: the window was freed already"));
         };
         let r = run(py, || with_any!(w, AnyWindow, |w| w.free()));
         self.drop_buffer();
@@ -659,10 +637,16 @@ impl PyRemoteTensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = stream;
-        let versioned = dlpack_args(self.exported.device, max_version, dl_device, copy)?;
-        let loan = Loan::take(&[&self.lender, &self.views]).map_err(|why| gone("remote tensor", why))?;
-        capsule(py, &self.exported, loan, versioned)
+        export::dlpack(
+            py,
+            &self.exported,
+            &[&self.lender, &self.views],
+            "remote tensor",
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        )
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {

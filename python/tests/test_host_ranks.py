@@ -86,14 +86,20 @@ def test_window_two_threads():
     expect_ok(results)
 
 
-def test_windows_example_runs():
-    """python/examples/host_windows.py (the README's window example) as a user runs it."""
-    example = Path(__file__).resolve().parents[1] / "examples" / "host_windows.py"
+def run_example(name: str) -> str:
+    """python/examples/`name` as a user runs it (it starts its own ranks):
+    its stdout, which the ranks share (their lines may interleave)."""
+    example = Path(__file__).resolve().parents[1] / "examples" / name
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     p = subprocess.run([sys.executable, str(example)], env=env, capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stdout + p.stderr
-    # The ranks share stdout: their lines may interleave.
-    assert sorted(re.findall(r"rank (\d): got", p.stdout)) == ["0", "1", "2"], p.stdout
+    return p.stdout
+
+
+def test_windows_example_runs():
+    """python/examples/host_windows.py (the README's window example)."""
+    out = run_example("host_windows.py")
+    assert sorted(re.findall(r"rank (\d): got", out)) == ["0", "1", "2"], out
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -113,11 +119,14 @@ def test_ep_peer_never_dispatches():
 
 
 def test_ep_example_runs():
-    """python/examples/host_ep.py (the README's EP example) as a user runs it."""
-    example = Path(__file__).resolve().parents[1] / "examples" / "host_ep.py"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    p = subprocess.run([sys.executable, str(example)], env=env, capture_output=True, text=True, timeout=150)
-    assert p.returncode == 0, p.stdout + p.stderr
-    # The ranks share stdout: their lines may interleave.
-    assert sorted(re.findall(r"rank (\d): sent", p.stdout)) == ["0", "1"], p.stdout
-    assert p.stdout.count("combined rows match") == 2, p.stdout
+    """python/examples/host_ep.py (the README's EP example)."""
+    out = run_example("host_ep.py")
+    assert sorted(re.findall(r"rank (\d): sent", out)) == ["0", "1"], out
+    assert out.count("combined rows match") == 2, out
+
+
+def test_allreduce_example_runs():
+    """python/examples/host_allreduce.py (the README's CPU example; CI also
+    runs it from a fresh install)."""
+    out = run_example("host_allreduce.py")
+    assert sorted(re.findall(r"rank (\d): all_reduce", out)) == ["0", "1"], out

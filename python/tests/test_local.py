@@ -2,6 +2,7 @@
 exception, nothing queued), DLPack import paths, memory lifetime, the
 Python-side helpers."""
 
+import contextlib
 import datetime
 import secrets
 import sys
@@ -14,8 +15,11 @@ from ferrocomm import ReduceOp
 from _ranks import free_port
 
 
-@pytest.fixture(scope="module")
-def comm():
+@contextlib.contextmanager
+def one_rank_env():
+    """This process as the only rank of a world of one, as a launcher sets
+    it up (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK and a fresh
+    FERROCOMM_TOKEN), for `ferrocomm.init()` here; restored on exit."""
     with pytest.MonkeyPatch.context() as mp:
         for k, v in dict(
             MASTER_ADDR="127.0.0.1",
@@ -27,6 +31,12 @@ def comm():
         ).items():
             mp.setenv(k, v)
         mp.delenv("FERROCOMM_TOKEN_FILE", raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def comm():
+    with one_rank_env():
         c = ferrocomm.init(backend="host", name="local", timeout=30)
     yield c
     c.finalize()
@@ -162,11 +172,7 @@ def test_reduce_op_spellings():
 
 
 def test_finalize_twice_and_abort():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MASTER_PORT", str(free_port()))
-        mp.setenv("RANK", "0")
-        mp.setenv("WORLD_SIZE", "1")
-        mp.setenv("FERROCOMM_TOKEN", "t" * 16)
+    with one_rank_env():
         c = ferrocomm.init(backend="host")
         c.abort()
         with pytest.raises(ferrocomm.Aborted):
@@ -191,11 +197,7 @@ def test_gpu_backend_without_gpu_is_a_clear_error():
     # No GPU on CI: asking for one must be an error naming why, not a crash.
     if "cuda" not in ferrocomm.BACKENDS:
         pytest.skip("built without the cuda backend")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MASTER_PORT", str(free_port()))
-        mp.setenv("RANK", "0")
-        mp.setenv("WORLD_SIZE", "1")
-        mp.setenv("FERROCOMM_TOKEN", "t" * 16)
+    with one_rank_env():
         try:
             c = ferrocomm.init(backend="cuda", device=0)
         except (ferrocomm.LibraryMissing, ferrocomm.NoDevice) as e:
