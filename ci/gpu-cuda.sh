@@ -4,7 +4,8 @@
 #
 #   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
 #   STEPS: tests coldstart torchrun layered example sanitizer bench collbench
-#          fused heap qrbench python baseline (default: all)
+#          fused heap qrbench python baseline (default: all), and shared (not
+#          in the default: protocol checks for a machine of one GPU)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a
 # shared host's GPUs down. Every test runs with FERROCOMM_REQUIRE_GPU=1, so a
@@ -170,6 +171,30 @@ if [[ " $STEPS " == *" sanitizer "* ]]; then
     done
 fi
 
+if [[ " $STEPS " == *" shared "* ]] && command -v torchrun >/dev/null; then
+    # One GPU, two ranks as processes sharing it (FERROCOMM_TEST_SHARE_GPU;
+    # NCCL refuses two ranks on one GPU, so FERROCOMM_CCL=0 and every
+    # collective runs ferrocomm's kernels): the whole conformance suite, with
+    # the small-message LL kinds in force and with them off, then the smoke
+    # run of every kernel family under memcheck and racecheck, one sanitizer
+    # per rank. Protocol checks on real GPU memory; no timing means anything.
+    shared=(env FERROCOMM_TEST_SHARE_GPU=1 FERROCOMM_CCL=0)
+    step shared_conformance "${shared[@]}" torchrun --nproc_per_node=2 --no-python "$BIN/ferrocomm-worker" \
+        conformance --backend cuda --timeout-secs 120
+    step shared_conformance_no_ll "${shared[@]}" FERROCOMM_COLL_LL_BYTES=0 torchrun --nproc_per_node=2 --no-python \
+        "$BIN/ferrocomm-worker" conformance --backend cuda --timeout-secs 120
+    if command -v compute-sanitizer >/dev/null; then
+        for tool in memcheck racecheck; do
+            wrapper="/tmp/ferrocomm-sanitize-shared-$tool.sh"
+            printf '#!/bin/sh\nexec compute-sanitizer --tool %s --error-exitcode 9 "%s" "$@"\n' "$tool" \
+                "$BIN/ferrocomm-worker" >"$wrapper"
+            chmod +x "$wrapper"
+            step "shared_smoke_$tool" "${shared[@]}" torchrun --nproc_per_node=2 --no-python "$wrapper" smoke \
+                --backend cuda --timeout-secs 300
+        done
+    fi
+fi
+
 if [[ " $STEPS " == *" bench "* ]]; then
     for w in $(bench_worlds bench); do
         step "bench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --algo "${BENCH_ALGOS:-all}" --graph \
@@ -197,6 +222,20 @@ if [[ " $STEPS " == *" collbench "* ]]; then
             --coll all_gather,reduce_scatter,reduce --operands both --algo auto,nccl --graph \
             --dtype bf16 --min-bytes 4K --max-bytes "${DIRECT_MAX:-256M}" \
             --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}" --json "$LOG/collbench_direct_w$w.json"
+    done
+    # The LL kinds (small agreed blocks: FERROCOMM_COLL_LL_BYTES, 64 KiB a
+    # peer to world 4, taken from the LL all-reduce's ladder, not timed)
+    # against the inbox kinds and NCCL, on the kernels at every size
+    # (FERROCOMM_COLL_ROUTE=custom): once with LL in force, once with it off.
+    for w in $(bench_worlds collbench_ll); do
+        for ll in on off; do
+            lloff=()
+            [ "$ll" = off ] && lloff=(FERROCOMM_COLL_LL_BYTES=0)
+            step "collbench_ll${ll}_w$w" env FERROCOMM_COLL_ROUTE=custom "${lloff[@]}" "$BIN/ferrocomm-bench" \
+                --backend cuda --world "$w" --coll all_gather,reduce_scatter,reduce --algo auto,nccl --graph \
+                --dtype bf16 --min-bytes 1K --max-bytes 1M \
+                --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}" --json "$LOG/collbench_ll${ll}_w$w.json"
+        done
     done
 fi
 

@@ -187,6 +187,110 @@ FC_DEVICE float fu_group_max(float v) {
     return v;
 }
 
+// A fused call's row operands (per_peer rows FU_ROW_SCALARS and
+// FU_ROW_PTRS), read once per launch; both row walkers below take them.
+struct FuRows {
+    fc_u64 hidden;
+    fc_u64 packs; // 8-element packs a row
+    fc_u64 row_bytes;
+    float eps;
+    const char* resid_in;
+    char* resid_out;
+    const char* weight;
+    char* norm_out;
+    char* quant_out;
+    float* scale; // static FP8: the given scale; per-token patterns: one a row, written
+    char* ar_out;
+};
+
+template <class T>
+FC_DEVICE FuRows fu_rows(const FcParams& p) {
+    const fc_u64* ptr = p.per_peer[FU_ROW_PTRS];
+    FuRows w;
+    w.hidden = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_HIDDEN];
+    w.packs = w.hidden / 8;
+    w.row_bytes = w.hidden * sizeof(typename T::S);
+    w.eps = fc_u32_as_f32((fc_u32)p.per_peer[FU_ROW_SCALARS][FU_SCALAR_EPS]);
+    w.resid_in = fc_ptr<const char>(ptr[FU_PTR_RESIDUAL_IN]);
+    w.resid_out = fc_ptr<char>(ptr[FU_PTR_RESIDUAL_OUT]);
+    w.weight = fc_ptr<const char>(ptr[FU_PTR_WEIGHT]);
+    w.norm_out = fc_ptr<char>(ptr[FU_PTR_NORM_OUT]);
+    w.quant_out = fc_ptr<char>(ptr[FU_PTR_QUANT_OUT]);
+    w.scale = fc_ptr<float>(ptr[FU_PTR_SCALE]);
+    w.ar_out = fc_ptr<char>(ptr[FU_PTR_ALLREDUCE_OUT]);
+    return w;
+}
+
+// Pass 1 on the pack at byte `off` of row `rb` (byte offset of the row in
+// the caller's tensors): the all-reduce of the sources in rank order, its
+// optional output, the residual add and its store. Returns the stored
+// residual pack (the sum of squares is taken from these rounded values).
+template <class T>
+FC_DEVICE fc_vec16 fu_residual_pack(const FuRows& w, const char* src, fc_u64 stride, fc_u32 world, fc_u64 rb,
+                                    fc_u64 off) {
+    float a[8], r[8];
+    fu_reduce_pack<T>(src + off, stride, world, a);
+    const fc_vec16 arp = fu_pack<T>(a);
+    if (w.ar_out != nullptr) fc_store16(w.ar_out + rb + off, arp);
+    T::unpack(arp, a);
+    T::unpack(fc_load16(w.resid_in + rb + off), r);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) r[k] = fc_fadd(a[k], r[k]);
+    const fc_vec16 resp = fu_pack<T>(r);
+    fc_store16(w.resid_out + rb + off, resp);
+    return resp;
+}
+
+// ss + the squares of a pack's 8 values, in order (fc_fmul then fc_fadd).
+template <class T>
+FC_DEVICE float fu_add_squares(float ss, const fc_vec16& pack) {
+    float x[8];
+    T::unpack(pack, x);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ss = fc_fadd(ss, fc_fmul(x[k], x[k]));
+    return ss;
+}
+
+// rstd = 1 / sqrt(sum / hidden + eps), correctly rounded steps.
+FC_DEVICE float fu_rstd(float ss, const FuRows& w) {
+    const float mean = fc_fdiv(ss, (float)w.hidden);
+    return fc_fdiv(1.0f, fc_fsqrt(fc_fadd(mean, w.eps)));
+}
+
+// Per-token scale = max(amax / QMAX, 1 / (QMAX * 512)).
+template <int PAT>
+FC_DEVICE float fu_token_scale(float amax) {
+    const float qmax = PAT == FU_PAT_RMS_I8TOK ? 127.0f : 448.0f;
+    return fc_fmax(fc_fdiv(amax, qmax), fc_fdiv(1.0f, fc_fmul(qmax, 512.0f)));
+}
+
+// Pass 2 on pack i of row g: the normed values and their optional output;
+// static FP8 quantizes here (with `scale`), per-token patterns fold the
+// values' magnitudes into `amax`.
+template <class T, int PAT>
+FC_DEVICE void fu_norm_step(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, float rstd, float scale, float& amax) {
+    const fc_u64 off = i * 16u;
+    float y[8];
+    const fc_vec16 n = fu_norm_pack<T>(w.resid_out + rb + off, w.weight + off, rstd, y);
+    if (w.norm_out != nullptr) fc_store16(w.norm_out + rb + off, n);
+    if (PAT == FU_PAT_RMS_FP8) {
+        fu_store_quant<PAT>(w.quant_out + g * w.hidden + i * 8u, y, scale);
+    } else if (PAT == FU_PAT_RMS_FP8TOK || PAT == FU_PAT_RMS_I8TOK) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) amax = fc_fmax(amax, fu_fabs(y[k]));
+    }
+}
+
+// Pass 3 on pack i of row g (per-token patterns): the normed values
+// recomputed (same bits) and quantized with the row's scale.
+template <class T, int PAT>
+FC_DEVICE void fu_quant_step(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, float rstd, float scale) {
+    const fc_u64 off = i * 16u;
+    float y[8];
+    fu_norm_pack<T>(w.resid_out + rb + off, w.weight + off, rstd, y);
+    fu_store_quant<PAT>(w.quant_out + g * w.hidden + i * 8u, y, scale);
+}
+
 // The epilogue with the whole block on one row at a time, for blocks that
 // own few rows (one group per row would leave most of the block idle and
 // walk each row in a chain of dependent loads: 13.9 us for one 4096-wide
@@ -197,7 +301,7 @@ FC_DEVICE float fu_group_max(float v) {
 // absolute maximum is a max, the same in any order. Every thread of the
 // block runs every barrier and shuffle.
 template <class T, int PAT>
-FC_DEVICE void fused_rows_block(const FcParams& p, const char* region, fc_u64 stride, fc_u32 world, fc_u64 first,
+FC_DEVICE void fused_rows_block(const FuRows& w, const char* region, fc_u64 stride, fc_u32 world, fc_u64 first,
                                 fc_u64 rlo, fc_u64 rhi) {
     __shared__ float fu_shared[FC_MAX_BLOCK_THREADS / FU_GROUP + 1];
     const fc_u32 tid = fc_thread_id();
@@ -205,35 +309,13 @@ FC_DEVICE void fused_rows_block(const FcParams& p, const char* region, fc_u64 st
     const fc_u32 lane = tid % FU_GROUP;
     const fc_u32 group = tid / FU_GROUP;
     const fc_u32 ngroups = nt / FU_GROUP;
-    const fc_u64 hidden = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_HIDDEN];
-    const float eps = fc_u32_as_f32((fc_u32)p.per_peer[FU_ROW_SCALARS][FU_SCALAR_EPS]);
-    const fc_u64 packs = hidden / 8;
-    const fc_u64 row_bytes = hidden * sizeof(typename T::S);
-    const fc_u64* ptr = p.per_peer[FU_ROW_PTRS];
-    const char* resid_in = fc_ptr<const char>(ptr[FU_PTR_RESIDUAL_IN]);
-    char* resid_out = fc_ptr<char>(ptr[FU_PTR_RESIDUAL_OUT]);
-    const char* weight = fc_ptr<const char>(ptr[FU_PTR_WEIGHT]);
-    char* norm_out = fc_ptr<char>(ptr[FU_PTR_NORM_OUT]);
-    char* quant_out = fc_ptr<char>(ptr[FU_PTR_QUANT_OUT]);
-    char* ar_out = fc_ptr<char>(ptr[FU_PTR_ALLREDUCE_OUT]);
 
     for (fc_u64 row = rlo; row < rhi; ++row) {
         const fc_u64 g = first + row;
-        const fc_u64 rb = g * row_bytes;
-        const char* src = region + row * row_bytes;
+        const fc_u64 rb = g * w.row_bytes;
+        const char* src = region + row * w.row_bytes;
         // All-reduce and residual add, every thread a pack at a time.
-        for (fc_u64 i = tid; i < packs; i += nt) {
-            const fc_u64 off = i * 16u;
-            float a[8], r[8];
-            fu_reduce_pack<T>(src + off, stride, world, a);
-            const fc_vec16 arp = fu_pack<T>(a);
-            if (ar_out != nullptr) fc_store16(ar_out + rb + off, arp);
-            T::unpack(arp, a);
-            T::unpack(fc_load16(resid_in + rb + off), r);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) r[k] = fc_fadd(a[k], r[k]);
-            fc_store16(resid_out + rb + off, fu_pack<T>(r));
-        }
+        for (fc_u64 i = tid; i < w.packs; i += nt) fu_residual_pack<T>(w, src, stride, world, rb, i * 16u);
         if (PAT == FU_PAT_RES) continue;
         fc_barrier();
         // The sum of squares in its fixed order, from the stored residual
@@ -241,38 +323,20 @@ FC_DEVICE void fused_rows_block(const FcParams& p, const char* region, fc_u64 st
         if (group == 0) {
             float ss = 0.0f;
 #pragma unroll 4
-            for (fc_u64 i = lane; i < packs; i += FU_GROUP) {
-                float x[8];
-                T::unpack(fc_load16(resid_out + rb + i * 16u), x);
-#pragma unroll
-                for (int k = 0; k < 8; ++k) ss = fc_fadd(ss, fc_fmul(x[k], x[k]));
-            }
+            for (fc_u64 i = lane; i < w.packs; i += FU_GROUP)
+                ss = fu_add_squares<T>(ss, fc_load16(w.resid_out + rb + i * 16u));
             ss = fu_group_sum(ss);
-            if (lane == 0) {
-                const float mean = fc_fdiv(ss, (float)hidden);
-                fu_shared[0] = fc_fdiv(1.0f, fc_fsqrt(fc_fadd(mean, eps)));
-            }
+            if (lane == 0) fu_shared[0] = fu_rstd(ss, w);
         }
         fc_barrier();
         const float rstd = fu_shared[0];
         float scale = 1.0f;
-        if (PAT == FU_PAT_RMS_FP8) scale = fc_load(fc_ptr<const float>(ptr[FU_PTR_SCALE]));
+        if (PAT == FU_PAT_RMS_FP8) scale = fc_load(w.scale);
         float amax = 0.0f;
-        for (fc_u64 i = tid; i < packs; i += nt) {
-            const fc_u64 off = i * 16u;
-            float y[8];
-            const fc_vec16 n = fu_norm_pack<T>(resid_out + rb + off, weight + off, rstd, y);
-            if (norm_out != nullptr) fc_store16(norm_out + rb + off, n);
-            if (PAT == FU_PAT_RMS_FP8) {
-                fu_store_quant<PAT>(quant_out + g * hidden + i * 8u, y, scale);
-            } else if (PAT == FU_PAT_RMS_FP8TOK || PAT == FU_PAT_RMS_I8TOK) {
-#pragma unroll
-                for (int k = 0; k < 8; ++k) amax = fc_fmax(amax, fu_fabs(y[k]));
-            }
-        }
+        for (fc_u64 i = tid; i < w.packs; i += nt) fu_norm_step<T, PAT>(w, g, rb, i, rstd, scale, amax);
         if (PAT == FU_PAT_RMS_FP8TOK || PAT == FU_PAT_RMS_I8TOK) {
             // The row's maximum over the block, then the per-token scale
-            // and the quantized row (normed values recomputed, same bits).
+            // and the quantized row.
             amax = fu_group_max(amax);
             fc_barrier();
             if (lane == 0) fu_shared[1 + group] = amax;
@@ -280,19 +344,13 @@ FC_DEVICE void fused_rows_block(const FcParams& p, const char* region, fc_u64 st
             if (tid == 0) {
                 float m = fu_shared[1];
                 for (fc_u32 k = 1; k < ngroups; ++k) m = fc_fmax(m, fu_shared[1 + k]);
-                const float qmax = PAT == FU_PAT_RMS_I8TOK ? 127.0f : 448.0f;
-                const float sc = fc_fmax(fc_fdiv(m, qmax), fc_fdiv(1.0f, fc_fmul(qmax, 512.0f)));
+                const float sc = fu_token_scale<PAT>(m);
                 fu_shared[0] = sc;
-                fc_store(fc_ptr<float>(ptr[FU_PTR_SCALE]) + g, sc);
+                fc_store(w.scale + g, sc);
             }
             fc_barrier();
             scale = fu_shared[0];
-            for (fc_u64 i = tid; i < packs; i += nt) {
-                const fc_u64 off = i * 16u;
-                float y[8];
-                fu_norm_pack<T>(resid_out + rb + off, weight + off, rstd, y);
-                fu_store_quant<PAT>(quant_out + g * hidden + i * 8u, y, scale);
-            }
+            for (fc_u64 i = tid; i < w.packs; i += nt) fu_quant_step<T, PAT>(w, g, rb, i, rstd, scale);
         }
         // The next row reuses the shared words.
         fc_barrier();
@@ -313,93 +371,45 @@ FC_DEVICE void fused_rows(const FcParams& p, const char* region, fc_u64 stride, 
     const fc_u32 lane = fc_thread_id() % FU_GROUP;
     const fc_u32 group = fc_thread_id() / FU_GROUP;
     const fc_u32 ngroups = fc_block_threads() / FU_GROUP;
-    const fc_u64 hidden = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_HIDDEN];
-    const float eps = fc_u32_as_f32((fc_u32)p.per_peer[FU_ROW_SCALARS][FU_SCALAR_EPS]);
-    const fc_u64 packs = hidden / 8;
-    const fc_u64 row_bytes = hidden * sizeof(typename T::S);
-    const fc_u64* ptr = p.per_peer[FU_ROW_PTRS];
-    const char* resid_in = fc_ptr<const char>(ptr[FU_PTR_RESIDUAL_IN]);
-    char* resid_out = fc_ptr<char>(ptr[FU_PTR_RESIDUAL_OUT]);
-    const char* weight = fc_ptr<const char>(ptr[FU_PTR_WEIGHT]);
-    char* norm_out = fc_ptr<char>(ptr[FU_PTR_NORM_OUT]);
-    char* quant_out = fc_ptr<char>(ptr[FU_PTR_QUANT_OUT]);
-    char* ar_out = fc_ptr<char>(ptr[FU_PTR_ALLREDUCE_OUT]);
+    const FuRows w = fu_rows<T>(p);
 
     // Few rows for this block: all its threads on each row in turn.
     if ((rhi - rlo) * FU_BLOCK_MODE_DIV <= ngroups) {
-        fused_rows_block<T, PAT>(p, region, stride, world, first, rlo, rhi);
+        fused_rows_block<T, PAT>(w, region, stride, world, first, rlo, rhi);
         return;
     }
     for (fc_u64 base = rlo; base < rhi; base += ngroups) {
         const fc_u64 row = base + group;
         const bool active = row < rhi;
         const fc_u64 g = first + row; // the row in the caller's tensors
-        const fc_u64 rb = g * row_bytes;
+        const fc_u64 rb = g * w.row_bytes;
 
         // Pass 1: all-reduce, residual add, lane partial of the sum of squares.
         float ss = 0.0f;
         if (active) {
-            const char* src = region + row * row_bytes;
-            for (fc_u64 i = lane; i < packs; i += FU_GROUP) {
-                const fc_u64 off = i * 16u;
-                float a[8], r[8];
-                fu_reduce_pack<T>(src + off, stride, world, a);
-                const fc_vec16 arp = fu_pack<T>(a);
-                if (ar_out != nullptr) fc_store16(ar_out + rb + off, arp);
-                T::unpack(arp, a);
-                T::unpack(fc_load16(resid_in + rb + off), r);
-#pragma unroll
-                for (int k = 0; k < 8; ++k) r[k] = fc_fadd(a[k], r[k]);
-                const fc_vec16 resp = fu_pack<T>(r);
-                fc_store16(resid_out + rb + off, resp);
-                if (PAT != FU_PAT_RES) {
-                    T::unpack(resp, r);
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) ss = fc_fadd(ss, fc_fmul(r[k], r[k]));
-                }
+            const char* src = region + row * w.row_bytes;
+            for (fc_u64 i = lane; i < w.packs; i += FU_GROUP) {
+                const fc_vec16 resp = fu_residual_pack<T>(w, src, stride, world, rb, i * 16u);
+                if (PAT != FU_PAT_RES) ss = fu_add_squares<T>(ss, resp);
             }
         }
         if (PAT == FU_PAT_RES) continue;
-
-        // rstd = 1 / sqrt(sum / hidden + eps), correctly rounded steps.
-        ss = fu_group_sum(ss);
-        const float mean = fc_fdiv(ss, (float)hidden);
-        const float rstd = fc_fdiv(1.0f, fc_fsqrt(fc_fadd(mean, eps)));
+        const float rstd = fu_rstd(fu_group_sum(ss), w);
 
         // Pass 2: the normed row; static FP8 quantizes here, per-token
         // patterns take the row's absolute maximum.
         float scale = 1.0f;
-        if (PAT == FU_PAT_RMS_FP8) scale = fc_load(fc_ptr<const float>(ptr[FU_PTR_SCALE]));
+        if (PAT == FU_PAT_RMS_FP8) scale = fc_load(w.scale);
         float amax = 0.0f;
-        if (active) {
-            for (fc_u64 i = lane; i < packs; i += FU_GROUP) {
-                const fc_u64 off = i * 16u;
-                float y[8];
-                const fc_vec16 n = fu_norm_pack<T>(resid_out + rb + off, weight + off, rstd, y);
-                if (norm_out != nullptr) fc_store16(norm_out + rb + off, n);
-                if (PAT == FU_PAT_RMS_FP8) {
-                    fu_store_quant<PAT>(quant_out + g * hidden + i * 8u, y, scale);
-                } else if (PAT == FU_PAT_RMS_FP8TOK || PAT == FU_PAT_RMS_I8TOK) {
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) amax = fc_fmax(amax, fu_fabs(y[k]));
-                }
-            }
-        }
+        if (active)
+            for (fc_u64 i = lane; i < w.packs; i += FU_GROUP) fu_norm_step<T, PAT>(w, g, rb, i, rstd, scale, amax);
         if (PAT != FU_PAT_RMS_FP8TOK && PAT != FU_PAT_RMS_I8TOK) continue;
 
-        // Per-token scale = max(amax / QMAX, 1 / (QMAX * 512)); pass 3
-        // recomputes the normed values (same bits) and quantizes them.
-        amax = fu_group_max(amax);
-        const float qmax = PAT == FU_PAT_RMS_I8TOK ? 127.0f : 448.0f;
-        scale = fc_fmax(fc_fdiv(amax, qmax), fc_fdiv(1.0f, fc_fmul(qmax, 512.0f)));
+        // Pass 3: the per-token scale, then the quantized row.
+        scale = fu_token_scale<PAT>(fu_group_max(amax));
         if (active) {
-            if (lane == 0) fc_store(fc_ptr<float>(ptr[FU_PTR_SCALE]) + g, scale);
-            for (fc_u64 i = lane; i < packs; i += FU_GROUP) {
-                const fc_u64 off = i * 16u;
-                float y[8];
-                fu_norm_pack<T>(resid_out + rb + off, weight + off, rstd, y);
-                fu_store_quant<PAT>(quant_out + g * hidden + i * 8u, y, scale);
-            }
+            if (lane == 0) fc_store(w.scale + g, scale);
+            for (fc_u64 i = lane; i < w.packs; i += FU_GROUP) fu_quant_step<T, PAT>(w, g, rb, i, rstd, scale);
         }
     }
 }
