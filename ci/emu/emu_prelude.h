@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <vector>
 
 typedef unsigned char fc_u8;
@@ -159,7 +160,15 @@ FC_DEVICE fc_u64 fc_atomic_cas_sys_u64(fc_u64* p, fc_u64 cmp, fc_u64 val) {
     std::atomic_ref<fc_u64>(*p).compare_exchange_strong(cmp, val);
     return cmp;
 }
+// Every wait of the protocols reads the timer once a poll. While a program
+// sets emu_poll_yield (before it starts the threads), the poll also yields
+// the CPU: with hundreds of emulated threads on a few cores, a waiter that
+// spins out its timeslice keeps the threads it waits for from running, and
+// a world of 8 takes many times as long. Off, waiters preempted only by the
+// scheduler give other interleavings.
+inline bool emu_poll_yield = false;
 FC_DEVICE fc_u64 fc_globaltimer_ns() {
+    if (emu_poll_yield) std::this_thread::yield();
     return (fc_u64)std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch())
         .count();

@@ -19,6 +19,20 @@
 // fallback to the inbox reduce-to when one rank's input is outside its heap,
 // fc::reduce_to launches on the same inputs in between, and a count
 // mismatch from the source's and from the receiver's side.
+// The LL twins (fc::exchange_ll, fc::reduce_to_ll) carry small agreed
+// blocks on the LL lines of fc::oneshot_ll: all-gather (in place too),
+// gather to and scatter from each root (in place on the root), reduce-scatter
+// (in place too) and reduce to each root in turn, f32/f16/bf16/i32 with sum,
+// avg and max, 1- and 2-byte elements with odd counts at addresses not 4-byte
+// aligned, blocks of one line or of a source's whole LL lines, 1 to 4 blocks
+// (some with nothing to move), worlds 2 to 4 and 8. Runs of LL launches (so
+// launches E and E + 2 reuse one parity's LL lines and records) alternate
+// with inbox exchanges and reduce-tos of several chunks, a direct exchange
+// and all-reduces (fc::oneshot_ll, fc::oneshot); each LL launch's whole
+// buffer (output, guard bytes, send data) and epoch advance of 1 are checked
+// before its rank's next launch. A fingerprint mismatch (in either half of the word)
+// and a peer that never launches must raise the error naming a peer and
+// write nothing.
 #include "emu_prelude.h"
 #include "../../kernels-cuda/common.cuh"
 #include "../../kernels-cuda/collectives.cu"
@@ -29,6 +43,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <sys/mman.h>
 #include <thread>
 #include <vector>
 
@@ -66,6 +81,16 @@ static unsigned char* alloc(size_t bytes) {
     return (unsigned char*)p;
 }
 
+// A workspace: exactly the bytes the layout gives it (page multiples here),
+// then an inaccessible page, so a kernel that addresses past its end (say
+// past the LL lines of parity 1) faults instead of scribbling on the heap.
+static unsigned char* alloc_fenced(size_t bytes) {
+    const size_t size = (bytes + 4095) / 4096 * 4096;
+    void* p = mmap(nullptr, size + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED || mprotect((unsigned char*)p + size, 4096, PROT_NONE) != 0) std::abort();
+    return (unsigned char*)p;
+}
+
 struct Launch {
     Kernel k;
     FcParams p;
@@ -97,7 +122,10 @@ struct Group {
 
     Group(int w, fc_u64 slot_bytes) : world(w), slot(slot_bytes) {
         for (int r = 0; r < w; ++r) {
-            ws.push_back(alloc(DATA_OFFSET + 4 * slot + 65536));
+            // Up to the end of the LL area: 4 slots of parity regions, the LL
+            // fingerprint records, then LL lines of both parities
+            // (slot / 2 each).
+            ws.push_back(alloc_fenced(DATA_OFFSET + 4 * slot + FC_LL_FP_BYTES + slot));
             err.push_back((fc_u32*)alloc(64));
             heap.push_back(alloc(HEAP_BYTES));
             outside.push_back(alloc(ARENA));
@@ -540,6 +568,297 @@ static void reduce_heap_case(Group& g, const char* what, bool direct, fc_u32 dty
     }
 }
 
+// ---- The LL kinds: fc::exchange_ll, fc::reduce_to_ll and fc::oneshot_ll
+// (whose LL area, records and lines, the first two share). One epoch a
+// launch, no chunks, and the host's contract (comm::collectives::takes_ll):
+// every non-empty pair carries exactly n = p.count elements, n * es at most
+// ll_stride / 2, the same grid on every rank, no premul_sum. Each case gives
+// every rank one buffer holding all the launch may touch: its send blocks
+// (or input) and its receive blocks (or output), apart, with guard bytes
+// between them (at least one, so an overrun by a byte shows) and around
+// them, each 16-byte aligned or only element aligned (then never 4-byte
+// aligned for 1- and 2-byte elements: the byte paths of load_line and
+// store_line). Before its launch a rank writes the buffer's image: a fresh
+// guard byte everywhere, its send data at its send blocks. Right after it,
+// before its next launch, it compares the whole buffer with what it must
+// hold: the image with each receive block replaced by the sequential
+// reference (an in-place block holds its own send data, which is what it
+// receives). One pass checks the output, that nothing outside the receive
+// blocks was written (send data included), and, for a launch that must
+// fail, that nothing was written at all. The epoch word must move by exactly
+// 1 (by 0 on a failure: the block exits before complete). Empty pairs carry
+// unmapped addresses. ----
+struct LLBlock {
+    size_t off, bytes;
+    std::string name;
+};
+
+struct LLCase {
+    std::string what;
+    bool fails = false; // set by a failure test: nothing may be written
+    std::vector<unsigned char*> mem;
+    std::vector<std::vector<unsigned char>> image, want;
+    std::vector<std::vector<LLBlock>> blocks; // per rank: its receive blocks, for messages
+};
+
+// Bytes each source's LL lines carry (fc::ll_stride / 2): the largest n * es.
+static fc_u64 ll_cap_bytes(const Group& g) { return (((g.slot / 2) / g.world) & ~(fc_u64)63) / 2; }
+
+// Places blocks one after another: 16-byte aligned, or element aligned and
+// not 16-byte aligned (nor 4-byte aligned when es < 4), then a gap.
+struct LLLayout {
+    size_t at = GUARD;
+    size_t put(size_t bytes, int es, bool aligned) {
+        size_t off = (at + 15) & ~(size_t)15;
+        if (!aligned) {
+            std::vector<size_t> mis;
+            for (size_t k = es; k < 16; k += es)
+                if (es >= 4 || k % 4 != 0) mis.push_back(k);
+            off += mis[rnd(mis.size())];
+        }
+        at = off + bytes + 1 + rnd(24);
+        return off;
+    }
+    size_t size() const { return at + GUARD; }
+};
+
+static void ll_launch(Group& g, std::shared_ptr<LLCase> h, Kernel k, int r, const FcParams& p, int nb) {
+    Launch l{k, p, nb, nullptr, nullptr};
+    l.before = [h, r] { std::memcpy(h->mem[r], h->image[r].data(), h->image[r].size()); };
+    l.then = [h, r](fc_u32 moved) {
+        int bad = 0;
+        const unsigned char* got = h->mem[r];
+        const std::vector<unsigned char>& want = h->fails ? h->image[r] : h->want[r];
+        for (size_t i = 0; i < want.size(); ++i)
+            if (got[i] != want[i]) {
+                std::string where = "outside the receive blocks";
+                for (auto& b : h->blocks[r])
+                    if (i >= b.off && i < b.off + b.bytes)
+                        where = b.name + ", byte " + std::to_string(i - b.off) + " of " + std::to_string(b.bytes);
+                std::printf("FAIL %s rank %d: %s (buffer byte %zu) is %02x, want %02x%s\n", h->what.c_str(), r,
+                            where.c_str(), i, got[i], want[i], h->fails ? " (a failed launch writes nothing)" : "");
+                ++bad;
+                break;
+            }
+        const fc_u32 advance = h->fails ? 0 : 1;
+        if (moved != advance) {
+            std::printf("FAIL %s rank %d: the epoch word moved by %u, want %u\n", h->what.c_str(), r, moved, advance);
+            ++bad;
+        }
+        return bad;
+    };
+    g.launches[r].push_back(l);
+}
+
+static std::shared_ptr<LLCase> ll_new(const Group& g, const char* what) {
+    auto h = std::make_shared<LLCase>();
+    h->what = what;
+    h->mem.resize(g.world);
+    h->image.resize(g.world);
+    h->want.resize(g.world);
+    h->blocks.resize(g.world);
+    return h;
+}
+
+// Allocates rank r's buffer of `size` bytes, its image all one guard byte.
+static void ll_buffer(LLCase& h, int r, size_t size) {
+    h.mem[r] = alloc(size);
+    h.image[r].assign(size, (unsigned char)rng());
+}
+
+// The reduction rule over every source's block (src[s]: n elements), as the
+// reduce cases' reference: to_acc, combine in rank order, avg at the end.
+template <class T, int OP>
+static std::vector<unsigned char> ll_reference(const std::vector<const unsigned char*>& src, size_t n) {
+    typedef typename T::S S;
+    const int es = sizeof(S);
+    const int W = (int)src.size();
+    auto elem = [&](int s, size_t i) {
+        S x;
+        std::memcpy(&x, src[s] + i * es, es);
+        return T::to_acc(x);
+    };
+    std::vector<unsigned char> out(n * es);
+    for (size_t i = 0; i < n; ++i) {
+        typename T::Acc a = elem(0, i);
+        for (int s = 1; s < W; ++s) a = fc::Op<OP>::apply(a, elem(s, i));
+        if (OP == FC_OP_AVG) a = fc::finish<OP>(a, fc::make_avg(W));
+        const S y = T::from_acc(a);
+        std::memcpy(out.data() + i * es, &y, es);
+    }
+    return out;
+}
+
+// ---- fc::exchange_ll: every rank sends n elements to every rank (an
+// all-gather: one send buffer for all, or in place: its own receive block),
+// every rank to `root` (gather), or `root` block q of one buffer to rank q
+// (scatter). In place, the root's own block is its send block (gather: its
+// receive block from itself, which it sends; scatter: block root of its send
+// buffer, which it receives). ----
+enum LLSends { LL_ALL_GATHER, LL_GATHER, LL_SCATTER };
+
+static std::shared_ptr<LLCase> ll_exchange_case(Group& g, const char* what, fc_u32 dtype, int es, LLSends kind,
+                                                int root, size_t n, bool in_place, bool aligned, int nb, fc_u64 fp) {
+    const int W = g.world;
+    const size_t bytes = n * es;
+    if (n == 0 || bytes > ll_cap_bytes(g)) std::abort(); // outside the host's contract
+    auto h = ll_new(g, what);
+    std::vector<std::vector<char>> c(W, std::vector<char>(W)); // c[s][d]: s sends d n elements
+    for (int s = 0; s < W; ++s)
+        for (int d = 0; d < W; ++d)
+            c[s][d] = kind == LL_ALL_GATHER || (kind == LL_GATHER && d == root) || (kind == LL_SCATTER && s == root);
+    // soff[s][d]: bytes into s's buffer of its block to d; roff[d][s]: of d's block from s.
+    std::vector<std::vector<size_t>> soff(W, std::vector<size_t>(W, 0)), roff = soff;
+    for (int r = 0; r < W; ++r) {
+        LLLayout L;
+        const bool own_in_place = in_place && c[r][r];
+        for (int s = 0; s < W; ++s)
+            if (c[s][r] && !(own_in_place && kind == LL_SCATTER && s == r)) roff[r][s] = L.put(bytes, es, aligned);
+        size_t send_bytes = 0, base = 0;
+        if (kind == LL_ALL_GATHER || kind == LL_GATHER) {
+            send_bytes = bytes;
+            base = own_in_place ? roff[r][r] : L.put(bytes, es, aligned);
+        } else if (r == root) {
+            send_bytes = (size_t)W * bytes; // one buffer, block q at q * bytes
+            base = L.put(send_bytes, es, aligned);
+        }
+        for (int q = 0; q < W; ++q)
+            if (c[r][q]) soff[r][q] = kind == LL_SCATTER ? base + q * bytes : base;
+        if (own_in_place && kind == LL_SCATTER) roff[r][r] = soff[r][r];
+        ll_buffer(*h, r, L.size());
+        fill(h->image[r].data() + base, send_bytes, es);
+        for (int s = 0; s < W; ++s)
+            if (c[s][r])
+                h->blocks[r].push_back({roff[r][s], bytes, "receive block from " + std::to_string(s)});
+    }
+    for (int d = 0; d < W; ++d) {
+        h->want[d] = h->image[d];
+        for (int s = 0; s < W; ++s)
+            if (c[s][d]) std::memcpy(h->want[d].data() + roff[d][s], h->image[s].data() + soff[s][d], bytes);
+    }
+    for (int r = 0; r < W; ++r) {
+        FcParams p = g.params(r, dtype, FC_OP_SUM, n, fp);
+        for (int q = 0; q < W; ++q) {
+            const fc_u64 nowhere = 0x1000 * (fc_u64)(1 + q); // an empty pair's: unmapped
+            set(p, 0, q, c[r][q] ? n : 0);
+            set(p, 1, q, c[r][q] ? (fc_u64)(h->mem[r] + soff[r][q]) : nowhere);
+            set(p, 2, q, c[q][r] ? n : 0);
+            set(p, 3, q, c[q][r] ? (fc_u64)(h->mem[r] + roff[r][q]) : nowhere + 8);
+        }
+        ll_launch(g, h, fc::exchange_ll, r, p, nb);
+    }
+    return h;
+}
+
+// ---- fc::reduce_to_ll<T, OP>: a reduce-scatter (input: world blocks of n,
+// block q to rank q) or a reduce to `root` (input: one block of n). Every
+// rank has an output, the root's only is written (non-roots: guard bytes
+// that must stay); in place it is the rank's own block of its input (a
+// non-root's output is its input, which it must not write either). ----
+template <class T, int OP>
+static std::shared_ptr<LLCase> ll_reduce_case(Group& g, const char* what, fc_u32 dtype, size_t n, int root,
+                                              bool in_place, bool aligned, int nb, fc_u64 fp) {
+    static_assert(OP != FC_OP_PREMUL, "the LL reduce-to takes no premul_sum");
+    const int W = g.world;
+    const int es = sizeof(typename T::S);
+    const size_t bytes = n * es;
+    if (n == 0 || bytes > ll_cap_bytes(g)) std::abort();
+    auto h = ll_new(g, what);
+    const size_t nin = root < 0 ? (size_t)W : 1; // blocks of input
+    std::vector<size_t> in(W), out(W);
+    for (int r = 0; r < W; ++r) {
+        LLLayout L;
+        in[r] = L.put(nin * bytes, es, aligned);
+        out[r] = in_place ? in[r] + (root < 0 ? r : 0) * bytes : L.put(bytes, es, aligned);
+        ll_buffer(*h, r, L.size());
+        fill(h->image[r].data() + in[r], nin * bytes, es);
+        if (root < 0 || r == root) h->blocks[r].push_back({out[r], bytes, "output"});
+    }
+    for (int d = 0; d < W; ++d) {
+        h->want[d] = h->image[d];
+        if (root >= 0 && d != root) continue;
+        std::vector<const unsigned char*> src(W);
+        for (int s = 0; s < W; ++s) src[s] = h->image[s].data() + in[s] + (root < 0 ? d : 0) * bytes;
+        const std::vector<unsigned char> y = ll_reference<T, OP>(src, n);
+        std::memcpy(h->want[d].data() + out[d], y.data(), bytes);
+    }
+    for (int r = 0; r < W; ++r) {
+        FcParams p = g.params(r, dtype, OP, n, fp);
+        p.output = (fc_u64)(h->mem[r] + out[r]);
+        const bool receives = root < 0 || r == root;
+        for (int q = 0; q < W; ++q) {
+            const fc_u64 nowhere = 0x1000 * (fc_u64)(1 + q);
+            const bool sends = root < 0 || q == root;
+            set(p, 0, q, sends ? n : 0);
+            set(p, 1, q, sends ? (fc_u64)(h->mem[r] + in[r] + (root < 0 ? q : 0) * bytes) : nowhere);
+            set(p, 2, q, receives ? n : 0);
+            set(p, 3, q, receives ? p.output : nowhere + 8);
+        }
+        ll_launch(g, h, fc::reduce_to_ll<T, OP>, r, p, nb);
+    }
+    return h;
+}
+
+// ---- fc::oneshot_ll<T, OP>: an all-reduce of n elements (in place: the
+// output is the input), between the LL exchanges and reduce-tos on the same
+// LL area; or (`pull`) fc::oneshot, on the parity regions, checked alike. ----
+template <class T, int OP>
+static void ll_allreduce_case(Group& g, const char* what, fc_u32 dtype, size_t n, bool in_place, bool aligned, int nb,
+                              fc_u64 fp, bool pull = false) {
+    const int W = g.world;
+    const int es = sizeof(typename T::S);
+    const size_t bytes = n * es;
+    if (n == 0 || bytes > (pull ? g.slot : ll_cap_bytes(g))) std::abort();
+    auto h = ll_new(g, what);
+    std::vector<size_t> in(W), out(W);
+    for (int r = 0; r < W; ++r) {
+        LLLayout L;
+        in[r] = L.put(bytes, es, aligned);
+        out[r] = in_place ? in[r] : L.put(bytes, es, aligned);
+        ll_buffer(*h, r, L.size());
+        fill(h->image[r].data() + in[r], bytes, es);
+        h->blocks[r].push_back({out[r], bytes, "output"});
+    }
+    std::vector<const unsigned char*> src(W);
+    for (int s = 0; s < W; ++s) src[s] = h->image[s].data() + in[s];
+    const std::vector<unsigned char> y = ll_reference<T, OP>(src, n);
+    for (int r = 0; r < W; ++r) {
+        h->want[r] = h->image[r];
+        std::memcpy(h->want[r].data() + out[r], y.data(), bytes);
+        FcParams p = g.params(r, dtype, OP, n, fp);
+        p.input = (fc_u64)(h->mem[r] + in[r]);
+        p.output = (fc_u64)(h->mem[r] + out[r]);
+        ll_launch(g, h, pull ? fc::oneshot<T, OP> : fc::oneshot_ll<T, OP>, r, p, nb);
+    }
+}
+
+// A failure test's outcome: every rank in `expect` (mask) raised `code`
+// naming a peer in its allowed set (mismatch: err[2] = 1 + the peer; timeout:
+// err[1] = exactly the ranks given), at epoch 1; the others raised nothing.
+struct LLErr {
+    fc_u32 code;
+    fc_u32 mask;        // timeout: err[1]
+    unsigned named = 0; // mismatch: the peers err[2] may name (bit s)
+};
+
+static int ll_failure(Group& g, const char* what, const std::vector<LLErr>& expect) {
+    int bad = g.late.load();
+    for (int r = 0; r < g.world; ++r) {
+        const fc_u32* e = g.err[r];
+        const LLErr& x = expect[r];
+        bool ok;
+        if (x.code == FC_ERR_CODE_NONE)
+            ok = e[0] == 0 && e[1] == 0 && e[2] == 0 && e[3] == 0;
+        else if (x.code == FC_ERR_CODE_TIMEOUT)
+            ok = e[0] == x.code && e[1] == x.mask && e[2] == 0 && e[3] == 1;
+        else
+            ok = e[0] == x.code && e[1] == 0 && e[2] >= 1 && (x.named >> (e[2] - 1) & 1) && e[3] == 1;
+        std::printf("%s: rank %d error words %u %#x %u %u (%s)\n", what, r, e[0], e[1], e[2], e[3], ok ? "ok" : "FAIL");
+        bad += !ok;
+    }
+    return bad;
+}
+
 static int verify(Group& g) {
     int bad = g.late.load();
     for (auto& c : g.checks) {
@@ -769,6 +1088,163 @@ int main(int argc, char** argv) {
                     receiver_short ? "receiver expects more" : "source sends more", g.err[0][0], g.err[0][1],
                     g.err[0][2], g.err[0][3], g.err[1][0], g.err[1][1], g.err[1][2], g.err[1][3], ok ? "ok" : "FAIL");
         bad += !ok;
+    }
+    for (int W : {2, 3, 4, 8}) {
+        // The LL kinds back to back: runs of LL launches (epochs E, E + 1,
+        // E + 2...: E and E + 2 use one parity's LL records and lines),
+        // between inbox exchanges and reduce-tos of several chunks (so the
+        // next run starts on either parity), a direct exchange (one epoch),
+        // one-shot LL all-reduces on the same LL area and a pull one-shot
+        // on the parity regions. Grids of 1 to 4 blocks differ per launch
+        // (the same on every rank); blocks of one element leave some blocks
+        // nothing to move. Counts are random within their kind (odd stays
+        // odd), sizes up to a source's whole LL lines.
+        Group g(W, 16384); // LL lines of (8192 / W) & ~63 bytes a source: 512 (w8) to 2048 (w2) data bytes
+        const int nt = W == 8 ? 16 : 32;
+        emu_poll_yield = W == 8; // 8 ranks' threads on a few cores: waiters yield (emu_prelude.h)
+        const size_t cap = ll_cap_bytes(g); // a multiple of 32
+        const size_t odd = 2 * rnd(4);      // odd counts stay odd
+        std::vector<std::vector<size_t>> c(W, std::vector<size_t>(W));
+        ll_exchange_case(g, "ll all_gather u8, odd, unaligned", 5, 1, LL_ALL_GATHER, 0, cap - 1 - odd, false, false, 3,
+                         0x5111000000000001ull);
+        ll_exchange_case(g, "ll all_gather f16 in place, odd, unaligned", FC_DTYPE_F16, 2, LL_ALL_GATHER, 0,
+                         cap / 2 - 1 - odd, true, false, 1, 0x5111000000000002ull);
+        ll_exchange_case(g, "ll gather to 0 f32, aligned, full lines", FC_DTYPE_F32, 4, LL_GATHER, 0, cap / 4, false,
+                         true, 2, 0x5111000000000003ull);
+        ll_exchange_case(g, "ll scatter from last u8, one byte", 5, 1, LL_SCATTER, W - 1, 1, false, false, 4,
+                         0x5111000000000004ull);
+        for (auto& row : c)
+            for (auto& x : row) x = rnd(3) == 0 ? 0 : rnd(10000 / W); // f32: up to 3 chunks
+        exchange_case(g, "inbox all_to_all_v f32 between LL runs", FC_DTYPE_F32, 4, c, false, 2, 0x5111000000000005ull);
+        ll_reduce_case<fc::TF32, FC_OP_SUM>(g, "ll reduce_scatter f32 sum, odd", FC_DTYPE_F32, cap / 4 - 1 - odd, -1,
+                                            false, false, 2, 0x5111000000000006ull);
+        ll_reduce_case<fc::TBF16, FC_OP_SUM>(g, "ll reduce_scatter bf16 sum in place, odd, unaligned", FC_DTYPE_BF16,
+                                             cap / 2 - 3 - odd, -1, true, false, 3, 0x5111000000000007ull);
+        reduce_case<fc::TF32, FC_OP_SUM>(g, "inbox reduce_scatter f32 sum between LL runs", FC_DTYPE_F32,
+                                         (2000 + rnd(8000)) / W, -1, false, 0, 2, 0x5111000000000008ull);
+        ll_allreduce_case<fc::TF32, FC_OP_SUM>(g, "oneshot_ll f32 sum", FC_DTYPE_F32, cap / 4 - 5, false, false, 2,
+                                               0x5111000000000009ull);
+        ll_allreduce_case<fc::TF32, FC_OP_SUM>(g, "oneshot (pull) f32 sum", FC_DTYPE_F32, 1000 + rnd(1000), false,
+                                               false, 3, 0x5111000000000015ull, true);
+        for (int root = 0; root < W; ++root) {
+            const int nb = 1 + root % 4;
+            const fc_u64 fp = 0x5111000000000100ull + root;
+            const std::string to = "ll reduce to " + std::to_string(root);
+            switch (root % 4) {
+                case 0:
+                    ll_reduce_case<fc::TF32, FC_OP_SUM>(g, (to + " f32 sum in place").c_str(), FC_DTYPE_F32,
+                                                        cap / 4 - 3, root, true, false, nb, fp);
+                    break;
+                case 1:
+                    ll_reduce_case<fc::TBF16, FC_OP_SUM>(g, (to + " bf16 sum, odd, unaligned").c_str(), FC_DTYPE_BF16,
+                                                         cap / 2 - 1 - odd, root, false, false, nb, fp);
+                    break;
+                case 2:
+                    ll_reduce_case<fc::TF32, FC_OP_MAX>(g, (to + " f32 max, aligned").c_str(), FC_DTYPE_F32, cap / 8,
+                                                        root, false, true, nb, fp);
+                    break;
+                default:
+                    ll_reduce_case<fc::TI32, FC_OP_SUM>(g, (to + " i32 sum in place, odd").c_str(), FC_DTYPE_I32,
+                                                        7 + odd, root, true, false, nb, fp);
+                    break;
+            }
+        }
+        ll_reduce_case<fc::TF32, FC_OP_AVG>(g, "ll reduce_scatter f32 avg", FC_DTYPE_F32, cap / 4 - odd, -1, false,
+                                            false, 2, 0x511100000000000aull);
+        ll_reduce_case<fc::TF16, FC_OP_MAX>(g, "ll reduce_scatter f16 max, odd, unaligned", FC_DTYPE_F16,
+                                            cap / 2 - 1 - odd, -1, false, false, 4, 0x511100000000000bull);
+        ll_reduce_case<fc::TF16, FC_OP_SUM>(g, "ll reduce_scatter f16 sum in place, aligned", FC_DTYPE_F16, cap / 2,
+                                            -1, true, true, 1, 0x511100000000000cull);
+        ll_reduce_case<fc::TI32, FC_OP_SUM>(g, "ll reduce_scatter i32 sum in place, tiny", FC_DTYPE_I32, 5, -1, true,
+                                            false, 4, 0x511100000000000dull);
+        ll_reduce_case<fc::TBF16, FC_OP_AVG>(g, "ll reduce_scatter bf16 avg, one element", FC_DTYPE_BF16, 1, -1,
+                                             false, false, 3, 0x511100000000000eull);
+        for (auto& row : c)
+            for (auto& x : row) x = 301;
+        heap_case(g, "direct all_gather in place f16 between LL runs", true, FC_DTYPE_F16, 2, c, SEND_OWN_BLOCK, false,
+                  0, 2, 0x511100000000000full);
+        for (int root = 0; root < W; ++root) {
+            const int nb = 1 + (root + 1) % 4;
+            const fc_u64 fp = 0x5111000000000200ull + 2 * root;
+            const int es = root % 3 == 0 ? 1 : root % 3 == 1 ? 2 : 8; // u8, bf16, f64
+            const fc_u32 dt = es == 1 ? 5 : es == 2 ? FC_DTYPE_BF16 : 7;
+            const size_t n = es == 8 ? cap / 8 - rnd(3) : cap / es - 1 - odd - 2 * rnd(8);
+            const std::string at = std::to_string(root) + " " + std::to_string(es) + "-byte";
+            ll_exchange_case(g, ("ll gather to " + at + (root % 2 ? ", in place" : "")).c_str(), dt, es, LL_GATHER,
+                             root, n, root % 2, false, nb, fp);
+            ll_exchange_case(g, ("ll scatter from " + at + (root % 2 ? "" : ", in place")).c_str(), dt, es,
+                             LL_SCATTER, root, n, root % 2 == 0, root == 1, nb, fp + 1);
+        }
+        ll_exchange_case(g, "ll all_gather f64, aligned, full lines", 7, 8, LL_ALL_GATHER, 0, cap / 8, false, true, 4,
+                         0x5111000000000010ull);
+        ll_allreduce_case<fc::TBF16, FC_OP_SUM>(g, "oneshot_ll bf16 sum in place", FC_DTYPE_BF16, cap / 2 - 1, true,
+                                                false, 1, 0x5111000000000011ull);
+        for (auto& row : c)
+            for (auto& x : row) x = 1001;
+        exchange_case(g, "inbox all_gather f16 between LL runs", FC_DTYPE_F16, 2, c, false, 3, 0x5111000000000012ull);
+        ll_exchange_case(g, "ll all_gather in place i32, aligned", FC_DTYPE_I32, 4, LL_ALL_GATHER, 0, cap / 4 - 1, true,
+                         true, 2, 0x5111000000000013ull);
+        ll_exchange_case(g, "ll all_gather u8, three bytes, last", 5, 1, LL_ALL_GATHER, 0, 3, false, false, 2,
+                         0x5111000000000014ull);
+        g.run(nt);
+        const int b = verify(g);
+        std::printf("LL kinds, world %d: %zu launches a rank, %d failed\n", W, g.launches[0].size(), b);
+        bad += b;
+    }
+    emu_poll_yield = false;
+    {
+        // A fingerprint mismatch on the LL way: rank 2's differs from the
+        // others' in the high half only (the second unit of the record).
+        // Every rank raises the mismatch (ranks 0 and 1 name rank 2; rank 2
+        // names 0 or 1, whichever thread is first) and writes nothing.
+        Group g(3, 16384);
+        auto h = ll_exchange_case(g, "ll all_gather mismatch", 5, 1, LL_ALL_GATHER, 0, 301, false, false, 2,
+                                  0x5222000000000001ull);
+        h->fails = true;
+        g.launches[2][0].p.fingerprint ^= 1ull << 45;
+        g.run(32);
+        bad += ll_failure(g, "ll exchange mismatch", {{FC_ERR_CODE_MISMATCH, 0, 4}, {FC_ERR_CODE_MISMATCH, 0, 4},
+                                                      {FC_ERR_CODE_MISMATCH, 0, 3}});
+    }
+    {
+        // The same for a reduce to rank 1, rank 0's fingerprint different in
+        // the low half: the non-root sees it too (every rank awaits every
+        // record), and the root writes no output.
+        Group g(2, 16384);
+        auto h = ll_reduce_case<fc::TF32, FC_OP_SUM>(g, "ll reduce mismatch", FC_DTYPE_F32, 77, 1, false, false, 2,
+                                                     0x5222000000000002ull);
+        h->fails = true;
+        g.launches[0][0].p.fingerprint ^= 1ull << 3;
+        g.run(32);
+        bad += ll_failure(g, "ll reduce-to mismatch", {{FC_ERR_CODE_MISMATCH, 0, 2}, {FC_ERR_CODE_MISMATCH, 0, 1}});
+    }
+    {
+        // A peer that never launches: rank 1 of a gather to rank 0. The root
+        // and the other source time out on rank 1's record (short deadline),
+        // naming it alone, and write nothing.
+        Group g(3, 16384);
+        auto h = ll_exchange_case(g, "ll gather timeout", FC_DTYPE_F16, 2, LL_GATHER, 0, 99, false, false, 2,
+                                  0x5222000000000003ull);
+        h->fails = true;
+        g.launches[1].clear();
+        for (auto& l : g.launches)
+            for (auto& x : l) x.p.timeout_ns = 250ull * 1000 * 1000;
+        g.run(32);
+        bad += ll_failure(g, "ll exchange timeout",
+                          {{FC_ERR_CODE_TIMEOUT, 2}, {FC_ERR_CODE_NONE, 0}, {FC_ERR_CODE_TIMEOUT, 2}});
+    }
+    {
+        // The same for a reduce-scatter whose rank 0 never launches.
+        Group g(3, 16384);
+        auto h = ll_reduce_case<fc::TBF16, FC_OP_SUM>(g, "ll reduce_scatter timeout", FC_DTYPE_BF16, 55, -1, true,
+                                                      false, 3, 0x5222000000000004ull);
+        h->fails = true;
+        g.launches[0].clear();
+        for (auto& l : g.launches)
+            for (auto& x : l) x.p.timeout_ns = 250ull * 1000 * 1000;
+        g.run(32);
+        bad += ll_failure(g, "ll reduce-to timeout",
+                          {{FC_ERR_CODE_NONE, 0}, {FC_ERR_CODE_TIMEOUT, 1}, {FC_ERR_CODE_TIMEOUT, 1}});
     }
     std::printf("%s\n", bad ? "FAILED" : "all ok");
     return bad ? 1 : 0;
