@@ -1141,6 +1141,28 @@ FC_DEVICE void exchange_ll(const FcParams& p) {
     complete(own, epoch);
 }
 
+// load_line / store_line for a buffer of any alignment: element accesses
+// when it is aligned to its element, byte accesses otherwise (the same 8
+// bytes either way). Reduce-scatter and reduce take tensors at any byte
+// offset; a 4-byte access to an f32 at an odd address faults.
+template <int ES>
+FC_DEVICE void ll_load_any(const char* buf, fc_u64 e0, fc_u64 hi, fc_u32& w0, fc_u32& w1) {
+    const fc_u64 a = (fc_u64)buf;
+    if (a % ES == 0)
+        load_line<ES>(buf, e0, hi, (a & 3) == 0, w0, w1);
+    else
+        load_line<1>(buf, e0 * ES, hi * ES, false, w0, w1);
+}
+
+template <int ES>
+FC_DEVICE void ll_store_any(char* buf, fc_u64 e0, fc_u64 hi, fc_u32 w0, fc_u32 w1) {
+    const fc_u64 a = (fc_u64)buf;
+    if (a % ES == 0)
+        store_line<ES>(buf, e0, hi, (a & 3) == 0, w0, w1);
+    else
+        store_line<1>(buf, e0 * ES, hi * ES, false, w0, w1);
+}
+
 // Reduce-to, LL: reduce-scatter, reduce (every op but premul_sum, whose
 // per-source factors have no place in a line). A receiver gets p.count
 // elements from every source; line i of its output is our own block's line
@@ -1173,9 +1195,8 @@ FC_DEVICE void reduce_to_ll(const FcParams& p) {
             if (q >= world) q -= world;
             const fc_u64 n = send_count(p, q);
             if (n <= e0) continue;
-            const fc_u64 addr = send_addr(p, q);
             fc_u32 w0, w1;
-            load_line<ES>(fc_ptr<const char>(addr), e0, min_u64(r.hi, n), (addr & 3) == 0, w0, w1);
+            ll_load_any<ES>(fc_ptr<const char>(send_addr(p, q)), e0, min_u64(r.hi, n), w0, w1);
             fc_st_volatile_v2u64(fc_ptr<char>(p.peer_ws[q] + lines + (fc_u64)rank * stride + i * 16u),
                                  ll_unit(w0, flag), ll_unit(w1, flag));
         }
@@ -1185,19 +1206,17 @@ FC_DEVICE void reduce_to_ll(const FcParams& p) {
 
     if (recv_count(p, rank) > 0) {
         const AvgDiv avg = make_avg(world);
-        const fc_u64 in = send_addr(p, rank);
         char* at = own + lines;
-        const char* input = fc_ptr<const char>(in);
+        const char* input = fc_ptr<const char>(send_addr(p, rank));
         char* output = fc_ptr<char>(p.output);
-        const bool in_aligned = (in & 3) == 0, out_aligned = (p.output & 3) == 0;
         for (fc_u64 i = t; i < nline; i += nt) {
             fc_u32 w0, w1, r0, r1;
-            load_line<ES>(input, r.lo + i * H, r.hi, in_aligned, w0, w1);
+            ll_load_any<ES>(input, r.lo + i * H, r.hi, w0, w1);
             if (!ll_reduce_line<T, OP>(p, flag, epoch, at + i * 16u, stride, w0, w1, avg, r0, r1)) {
                 failed = true;
                 break;
             }
-            store_line<ES>(output, r.lo + i * H, r.hi, out_aligned, r0, r1);
+            ll_store_any<ES>(output, r.lo + i * H, r.hi, r0, r1);
             ll_clear_lines(at + i * 16u, stride, world, rank);
         }
     }
