@@ -52,9 +52,11 @@ impl<D: Device> Suite<'_, D> {
         self.comm.device().facts().backend == BackendKind::Host
     }
 
-    /// Whether `what` runs here: always on the host; on GPUs through
-    /// NCCL/RCCL, if it is loaded (else the skip is recorded).
-    fn runs(&mut self, what: &str) -> bool {
+    /// Whether `what`, which GPUs still hand to NCCL/RCCL (send/recv, the
+    /// all-reduce's premul_sum), runs here: always on the host; on GPUs if
+    /// the library is loaded (else the skip is recorded). Everything else
+    /// runs ferrocomm's kernels on GPUs without the library, so it always runs.
+    fn vendor_runs(&mut self, what: &str) -> bool {
         if self.host() || self.comm.has_vendor_library() {
             return true;
         }
@@ -132,22 +134,12 @@ impl<D: Device> Suite<'_, D> {
             return Ok(());
         }
         self.broadcast_dtypes()?;
-        if self.runs("reduce") {
-            self.reduces()?;
-        }
-        if self.runs("all_gather") {
-            self.all_gathers()?;
-        }
-        if self.runs("reduce_scatter") {
-            self.reduce_scatters()?;
-        }
-        if self.runs("all_to_all") {
-            self.all_to_alls()?;
-        }
-        if self.runs("gather/scatter") {
-            self.gathers_and_scatters()?;
-        }
-        if self.runs("send/recv") {
+        self.reduces()?;
+        self.all_gathers()?;
+        self.reduce_scatters()?;
+        self.all_to_alls()?;
+        self.gathers_and_scatters()?;
+        if self.vendor_runs("send/recv") {
             self.sends_and_receives()?;
         }
         Ok(())
@@ -201,7 +193,7 @@ impl<D: Device> Suite<'_, D> {
 
     /// premul_sum with a host factor and a device factor, every rank its own.
     pub(super) fn premul_sums(&mut self) -> Result<()> {
-        if !self.host() && !self.runs("premul_sum") {
+        if !self.host() && !self.vendor_runs("premul_sum") {
             return Ok(());
         }
         for dtype in [DType::F32, DType::F16, DType::BF16] {
@@ -747,7 +739,7 @@ impl<D: Device> Suite<'_, D> {
     /// all-gather, reduce-scatter and all-to-all captured once and replayed
     /// with new input each time.
     pub(super) fn graph_replay_collectives(&mut self, stream: &D::Stream) -> Result<()> {
-        if !self.runs("graph replays of all_gather/reduce_scatter/all_to_all") || !self.reference.gathers {
+        if !self.reference.gathers {
             // (Refused collectives are checked as such by `refusals`.)
             return Ok(());
         }
