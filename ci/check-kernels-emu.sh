@@ -2,10 +2,17 @@
 # Run device code on the CPU over an emulated prelude (ci/emu/emu_prelude.h:
 # a std::thread per GPU thread), against sequential references, with no GPU
 # and no toolkit: g++ or clang++ with C++20 only.
-#  - exchange_emu.cpp: the exchange and reduce-to kernels and their direct
-#    twins (kernels-cuda/collectives.cu);
+#  - exchange_emu.cpp: the exchange and reduce-to kernels, their direct
+#    twins and their LL twins (fc_exchange_ll, fc_reduce_to_ll_*, between
+#    one-shot LL all-reduces; kernels-cuda/collectives.cu), with buffers at
+#    byte offsets not a multiple of their element where the host passes such
+#    tensors (exchange and reduce-to);
 #  - device_api_emu.cpp: the device API (kernels-cuda/device_api.cuh) and the
 #    example all-gather (kernels-cuda/examples/user_allgather.cu).
+# Every access of N bytes (element, 16-byte vector, volatile or atomic word,
+# LL unit) at an address not a multiple of N, where a GPU faults, aborts with
+# a FAIL line naming the access and its call site (and in exchange_emu the
+# launch).
 # With TSAN=1 also under ThreadSanitizer, which sees the protocols' ordering
 # (block and warp barriers, release/acquire signals) as C++ happens-before,
 # so a missing wait or a signal released too early shows up as a data race.

@@ -12,11 +12,24 @@
 //!   rank's next launch); the direct reduce-to from per-rank heaps
 //!   (reduce-scatter and reduce, in place, aligned and not, premul_sum, its
 //!   fallback, interleaved with inbox reduce-tos on the same inputs, inputs
-//!   checked untouched, a count mismatch from either side).
+//!   checked untouched, a count mismatch from either side); the LL twins
+//!   (`fc::exchange_ll`, `fc::reduce_to_ll`: all-gather, gather, scatter,
+//!   reduce-scatter and reduce, in place and not, worlds 2 to 8, runs of LL
+//!   launches between inbox, direct and one-shot launches, each launch's
+//!   whole buffer and epoch advance checked, fingerprint mismatches and a
+//!   peer that never launches); blocks, inputs and outputs at byte offsets
+//!   that are not a multiple of their element, where the host passes such
+//!   tensors (the exchange and the reduce-to kinds).
 //! - `device_api_emu.cpp`: the device API (`kernels-cuda/device_api.cuh`) and
 //!   the example all-gather (`kernels-cuda/examples/user_allgather.cu`):
 //!   repeated all-gathers, puts and gets at every granularity, signals,
 //!   barriers, remote atomics, timeouts.
+//!
+//! The emulated prelude aborts on any access a GPU would fault on (`N`
+//! bytes at an address not a multiple of `N`: element loads and stores,
+//! 16-byte vectors, volatile and atomic words, LL units), printing a FAIL
+//! line that names the access and its call site (and, in `exchange_emu.cpp`,
+//! the launch).
 //!
 //! Needs a C++20 compiler (`CXX`, default `g++`); skipped with a reason
 //! without one, unless `FERROCOMM_REQUIRE_EMU=1`. `ci/check-kernels-emu.sh`

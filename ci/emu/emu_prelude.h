@@ -4,7 +4,11 @@
 // std::thread, every rank's workspace or heap is plain memory. It checks the
 // protocols' logic (chunks, pieces, flags, epochs, aux words, signals, in
 // place, alignment), not the device memory model or float bit-exactness of
-// f16/bf16 (the GPU runs check those). See ci/check-kernels-emu.sh.
+// f16/bf16 (the GPU runs check those). Every memory access of N bytes
+// (element loads and stores, 16-byte vectors, volatile and atomic words, LL
+// units) checks that its address is a multiple of N, as the GPU requires (it
+// faults there: CUDA_ERROR_MISALIGNED_ADDRESS), and aborts naming the access
+// and its call site. See ci/check-kernels-emu.sh.
 #ifndef FC_PRELUDE_INCLUDED
 #define FC_PRELUDE_INCLUDED
 
@@ -14,7 +18,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <mutex>
+#include <source_location>
 #include <thread>
 #include <vector>
 
@@ -97,6 +105,7 @@ struct EmuThread {
     fc_u32 tid, ntid, bid, nbid;
     EmuBlock* block;
     unsigned calls; // barrier_or calls so far
+    const char* label = nullptr; // the harness's name for the launch (messages only)
 };
 inline thread_local EmuThread emu;
 
@@ -123,40 +132,102 @@ FC_DEVICE void fc_warp_sync() { emu.block->warp[emu.tid / FC_EMU_WARP]->arrive_a
 template <class T>
 FC_DEVICE T* fc_ptr(fc_u64 addr) { return reinterpret_cast<T*>(addr); }
 
-FC_DEVICE fc_u32 fc_ld_acquire_sys(const fc_u32* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-FC_DEVICE void fc_st_release_sys(fc_u32* p, fc_u32 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-FC_DEVICE fc_u32 fc_ld_volatile(const fc_u32* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-FC_DEVICE void fc_st_volatile(fc_u32* p, fc_u32 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-FC_DEVICE fc_u64 fc_ld_volatile_u64(const fc_u64* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-FC_DEVICE void fc_st_volatile_u64(fc_u64* p, fc_u64 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-FC_DEVICE void fc_ld_volatile_v2u64(const void* p, fc_u64& a, fc_u64& b) {
+// ---- alignment: a GPU access of N bytes (N = 2, 4, 8, 16) must be N-byte
+// aligned, or the kernel faults (misaligned address). Each access below
+// checks it and, where it is not, prints a FAIL line naming the access, the
+// address, the launch (where the harness names it), the emulated block and
+// thread and the call site (file, line and function: in collectives.cu, say
+// load_line<4>), then aborts as the launch would. One thread prints (the
+// others wait for the abort). The line goes to stdout, where the harnesses
+// print (and tests/kernels_emu.rs shows) their FAIL lines. ----
+typedef std::source_location EmuSite;
+[[noreturn, gnu::noinline, gnu::cold]] static void emu_misaligned(const char* access, unsigned long n, const void* p,
+                                                                 const EmuSite& at) {
+    static std::mutex one;
+    one.lock(); // never unlocked: the first thread here reports, then aborts
+    std::printf("FAIL misaligned %s: %lu bytes at %p (address %% %lu = %lu)%s%s, block %u thread %u, from %s:%u in "
+                "%s: a GPU faults there (misaligned address)\n",
+                access, n, p, n, (unsigned long)(reinterpret_cast<fc_u64>(p) % n), emu.label ? " in " : "",
+                emu.label ? emu.label : "", emu.bid, emu.tid, at.file_name(), (unsigned)at.line(), at.function_name());
+    std::fflush(stdout);
+    std::abort();
+}
+FC_DEVICE void emu_aligned(const void* p, unsigned long n, const char* access, const EmuSite& at) {
+    if (reinterpret_cast<fc_u64>(p) % n) emu_misaligned(access, n, p, at);
+}
+#define FC_EMU_SITE const EmuSite& at = EmuSite::current()
+
+FC_DEVICE fc_u32 fc_ld_acquire_sys(const fc_u32* p, FC_EMU_SITE) {
+    emu_aligned(p, 4, "fc_ld_acquire_sys", at);
+    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+FC_DEVICE void fc_st_release_sys(fc_u32* p, fc_u32 v, FC_EMU_SITE) {
+    emu_aligned(p, 4, "fc_st_release_sys", at);
+    __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+FC_DEVICE fc_u32 fc_ld_volatile(const fc_u32* p, FC_EMU_SITE) {
+    emu_aligned(p, 4, "fc_ld_volatile", at);
+    return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+FC_DEVICE void fc_st_volatile(fc_u32* p, fc_u32 v, FC_EMU_SITE) {
+    emu_aligned(p, 4, "fc_st_volatile", at);
+    __atomic_store_n(p, v, __ATOMIC_RELAXED);
+}
+FC_DEVICE fc_u64 fc_ld_volatile_u64(const fc_u64* p, FC_EMU_SITE) {
+    emu_aligned(p, 8, "fc_ld_volatile_u64", at);
+    return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+FC_DEVICE void fc_st_volatile_u64(fc_u64* p, fc_u64 v, FC_EMU_SITE) {
+    emu_aligned(p, 8, "fc_st_volatile_u64", at);
+    __atomic_store_n(p, v, __ATOMIC_RELAXED);
+}
+// LL units: ld/st.volatile.global.v2.u64 on the GPU, one 16-byte access.
+FC_DEVICE void fc_ld_volatile_v2u64(const void* p, fc_u64& a, fc_u64& b, FC_EMU_SITE) {
+    emu_aligned(p, 16, "fc_ld_volatile_v2u64 (LL unit)", at);
     a = __atomic_load_n(reinterpret_cast<const fc_u64*>(p), __ATOMIC_RELAXED);
     b = __atomic_load_n(reinterpret_cast<const fc_u64*>(p) + 1, __ATOMIC_RELAXED);
 }
-FC_DEVICE void fc_st_volatile_v2u64(void* p, fc_u64 a, fc_u64 b) {
+FC_DEVICE void fc_st_volatile_v2u64(void* p, fc_u64 a, fc_u64 b, FC_EMU_SITE) {
+    emu_aligned(p, 16, "fc_st_volatile_v2u64 (LL unit)", at);
     __atomic_store_n(reinterpret_cast<fc_u64*>(p), a, __ATOMIC_RELAXED);
     __atomic_store_n(reinterpret_cast<fc_u64*>(p) + 1, b, __ATOMIC_RELAXED);
 }
 FC_DEVICE void fc_fence_sys() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 FC_DEVICE void fc_fence_gpu() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-FC_DEVICE fc_u32 fc_atomic_cas_sys(fc_u32* p, fc_u32 cmp, fc_u32 val) {
+FC_DEVICE fc_u32 fc_atomic_cas_sys(fc_u32* p, fc_u32 cmp, fc_u32 val, FC_EMU_SITE) {
+    emu_aligned(p, 4, "fc_atomic_cas_sys", at);
     __atomic_compare_exchange_n(p, &cmp, val, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     return cmp;
 }
-FC_DEVICE fc_u32 fc_atomic_or_sys(fc_u32* p, fc_u32 v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
-FC_DEVICE fc_u32 fc_atomic_exch_sys(fc_u32* p, fc_u32 v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
-FC_DEVICE fc_u32 fc_atomic_add_gpu(fc_u32* p, fc_u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+FC_DEVICE fc_u32 fc_atomic_or_sys(fc_u32* p, fc_u32 v, FC_EMU_SITE) {
+    emu_aligned(p, 4, "fc_atomic_or_sys", at);
+    return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST);
+}
+FC_DEVICE fc_u32 fc_atomic_exch_sys(fc_u32* p, fc_u32 v, FC_EMU_SITE) {
+    emu_aligned(p, 4, "fc_atomic_exch_sys", at);
+    return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
+}
+FC_DEVICE fc_u32 fc_atomic_add_gpu(fc_u32* p, fc_u32 v, FC_EMU_SITE) {
+    emu_aligned(p, 4, "fc_atomic_add_gpu", at);
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
 // 64-bit system-scope words. The atomics are seq_cst rather than relaxed
 // plus the caller's fence: ThreadSanitizer does not model fences, so the
 // ordering a GPU gets from fence + atomic has to sit on the atomic here.
-FC_DEVICE fc_u64 fc_ld_acquire_sys_u64(const fc_u64* p) {
+FC_DEVICE fc_u64 fc_ld_acquire_sys_u64(const fc_u64* p, FC_EMU_SITE) {
+    emu_aligned(p, 8, "fc_ld_acquire_sys_u64", at);
     return std::atomic_ref<fc_u64>(*const_cast<fc_u64*>(p)).load(std::memory_order_acquire);
 }
-FC_DEVICE void fc_st_release_sys_u64(fc_u64* p, fc_u64 v) {
+FC_DEVICE void fc_st_release_sys_u64(fc_u64* p, fc_u64 v, FC_EMU_SITE) {
+    emu_aligned(p, 8, "fc_st_release_sys_u64", at);
     std::atomic_ref<fc_u64>(*p).store(v, std::memory_order_release);
 }
-FC_DEVICE fc_u64 fc_atomic_add_sys_u64(fc_u64* p, fc_u64 v) { return std::atomic_ref<fc_u64>(*p).fetch_add(v); }
-FC_DEVICE fc_u64 fc_atomic_cas_sys_u64(fc_u64* p, fc_u64 cmp, fc_u64 val) {
+FC_DEVICE fc_u64 fc_atomic_add_sys_u64(fc_u64* p, fc_u64 v, FC_EMU_SITE) {
+    emu_aligned(p, 8, "fc_atomic_add_sys_u64", at);
+    return std::atomic_ref<fc_u64>(*p).fetch_add(v);
+}
+FC_DEVICE fc_u64 fc_atomic_cas_sys_u64(fc_u64* p, fc_u64 cmp, fc_u64 val, FC_EMU_SITE) {
+    emu_aligned(p, 8, "fc_atomic_cas_sys_u64", at);
     std::atomic_ref<fc_u64>(*p).compare_exchange_strong(cmp, val);
     return cmp;
 }
@@ -177,24 +248,24 @@ FC_DEVICE fc_u64 fc_globaltimer_ns() {
 struct fc_vec16 {
     fc_u32 w[4];
 };
-FC_DEVICE fc_vec16 fc_load16(const void* p) {
-    if (reinterpret_cast<fc_u64>(p) & 15) __builtin_trap(); // the GPU faults too
+FC_DEVICE fc_vec16 fc_load16(const void* p, FC_EMU_SITE) {
+    emu_aligned(p, 16, "fc_load16", at);
     fc_vec16 r;
     std::memcpy(&r, p, 16);
     return r;
 }
-FC_DEVICE void fc_store16(void* p, const fc_vec16& r) {
-    if (reinterpret_cast<fc_u64>(p) & 15) __builtin_trap();
+FC_DEVICE void fc_store16(void* p, const fc_vec16& r, FC_EMU_SITE) {
+    emu_aligned(p, 16, "fc_store16", at);
     std::memcpy(p, &r, 16);
 }
 template <class T>
-FC_DEVICE T fc_load(const T* p) {
-    if (reinterpret_cast<fc_u64>(p) % sizeof(T)) __builtin_trap(); // misaligned element
+FC_DEVICE T fc_load(const T* p, FC_EMU_SITE) {
+    emu_aligned(p, sizeof(T), "fc_load (element)", at);
     return *p;
 }
 template <class T>
-FC_DEVICE void fc_store(T* p, T v) {
-    if (reinterpret_cast<fc_u64>(p) % sizeof(T)) __builtin_trap();
+FC_DEVICE void fc_store(T* p, T v, FC_EMU_SITE) {
+    emu_aligned(p, sizeof(T), "fc_store (element)", at);
     *p = v;
 }
 

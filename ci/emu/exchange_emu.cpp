@@ -3,9 +3,13 @@
 // several threads, each rank's launches back to back with no host sync
 // between them (so chunks, parities and epochs of consecutive launches
 // overlap across ranks as on GPUs), small slots so every call has several
-// chunks, odd counts and unaligned addresses, in place, all-to-all-v with
-// zeros, premul_sum, and a count mismatch. Results are compared with a
-// sequential reference (the reduction rule of docs/protocol.md).
+// chunks, odd counts and unaligned addresses (reduce-to inputs and outputs
+// at byte offsets not a multiple of the element too), in place, all-to-all-v
+// with zeros, premul_sum, and a count mismatch. Results are compared with a
+// sequential reference (the reduction rule of docs/protocol.md). The prelude
+// aborts with a FAIL line naming the access, the launch and the call site
+// on any access a GPU would fault on (N bytes at an address not a multiple
+// of N).
 // The direct exchange (fc::exchange_direct) writes into receive blocks in
 // each rank's symmetric heap (plain memory here, one arena per rank at its
 // own base, with a table of the bases as the host passes it): all-to-all and
@@ -24,8 +28,13 @@
 // gather to and scatter from each root (in place on the root), reduce-scatter
 // (in place too) and reduce to each root in turn, f32/f16/bf16/i32 with sum,
 // avg and max, 1- and 2-byte elements with odd counts at addresses not 4-byte
-// aligned, blocks of one line or of a source's whole LL lines, 1 to 4 blocks
-// (some with nothing to move), worlds 2 to 4 and 8. Runs of LL launches (so
+// aligned, inputs, outputs and send and receive blocks at byte offsets that
+// are not a multiple of their element (f32 at +1 to +3, f16/bf16 at odd
+// ones, f64 at +5 and +2: the host passes such tensors to the exchange and
+// the reduce-to, and a 4-byte access there faults on a GPU; ll_load_any /
+// ll_store_any in collectives.cu go byte by byte), on either side or both,
+// in place or not, blocks of one line or of a source's whole LL lines, 1 to
+// 4 blocks (some with nothing to move), worlds 2 to 4 and 8. Runs of LL launches (so
 // launches E and E + 2 reuse one parity's LL lines and records) alternate
 // with inbox exchanges and reduce-tos of several chunks, a direct exchange
 // and all-reduces (fc::oneshot_ll, fc::oneshot); each LL launch's whole
@@ -62,14 +71,14 @@ constexpr fc_u64 ARENA = 40960;
 
 typedef void (*Kernel)(const FcParams&);
 
-static void launch(Kernel k, const FcParams& p, int nb, int nt) {
+static void launch(Kernel k, const FcParams& p, int nb, int nt, const char* label = nullptr) {
     std::vector<std::unique_ptr<EmuBlock>> blocks;
     for (int b = 0; b < nb; ++b) blocks.emplace_back(new EmuBlock(nt));
     std::vector<std::thread> ts;
     for (int b = 0; b < nb; ++b)
         for (int t = 0; t < nt; ++t)
             ts.emplace_back([&, b, t] {
-                emu = EmuThread{(fc_u32)t, (fc_u32)nt, (fc_u32)b, (fc_u32)nb, blocks[b].get(), 0};
+                emu = EmuThread{(fc_u32)t, (fc_u32)nt, (fc_u32)b, (fc_u32)nb, blocks[b].get(), 0, label};
                 k(p);
             });
     for (auto& t : ts) t.join();
@@ -101,6 +110,7 @@ struct Launch {
     // with the other ranks.
     std::function<void()> before;
     std::function<int(fc_u32)> then;
+    std::string what; // the case's name, for the prelude's messages
 };
 
 struct Check {
@@ -160,7 +170,8 @@ struct Group {
                 for (auto& l : launches[r]) {
                     if (l.before) l.before();
                     const fc_u32 e = *epoch;
-                    launch(l.k, l.p, l.nb, nt);
+                    const std::string label = "\"" + l.what + "\" rank " + std::to_string(r);
+                    launch(l.k, l.p, l.nb, nt, label.c_str());
                     if (l.then) late += l.then(*epoch - e);
                 }
             });
@@ -219,7 +230,7 @@ static void exchange_case(Group& g, const char* what, fc_u32 dtype, int es, std:
             set(p, 2, q, c[q][r]);
             set(p, 3, q, (fc_u64)(recv[r] + roff[r][q]));
         }
-        g.launches[r].push_back({fc::exchange, p, nb});
+        g.launches[r].push_back({fc::exchange, p, nb, nullptr, nullptr, what});
         g.checks.push_back({std::string(what) + " rank " + std::to_string(r), recv[r], want[r]});
     }
 }
@@ -319,7 +330,7 @@ static void heap_case(Group& g, const char* what, bool direct, fc_u32 dtype, int
         }
         p.table = (fc_u64)g.heap[r];
         if (!(no_direct >> r & 1)) p.flags |= FC_PARAM_DIRECT_OK;
-        Launch l{direct ? fc::exchange_direct : fc::exchange, p, nb, nullptr, nullptr};
+        Launch l{direct ? fc::exchange_direct : fc::exchange, p, nb, nullptr, nullptr, what};
         const unsigned char guard = (unsigned char)rng();
         l.before = [h, r, W, guard, sends] {
             unsigned char* a = h->arena[r];
@@ -365,17 +376,20 @@ template <class T>
 static float to_f(T x) { return (float)x; }
 
 // ---- reduce-to: every rank sends block q (n elements) to rank q
-// (reduce-scatter), or block root to the root (reduce) ----
+// (reduce-scatter), or block root to the root (reduce). The output `out_mis`
+// bytes past a 4096-byte boundary, the input `in_mis` bytes (ANY: 0 in place,
+// else a random multiple of the element up to 3 elements) ----
+constexpr size_t ANY = ~(size_t)0;
 template <class T, int OP>
 static void reduce_case(Group& g, const char* what, fc_u32 dtype, size_t n, int root, bool in_place, size_t out_mis,
-                        int nb, fc_u64 fp) {
+                        int nb, fc_u64 fp, size_t in_mis = ANY) {
     const int W = g.world;
     const int es = sizeof(typename T::S);
     typedef typename T::S S;
     std::vector<unsigned char*> in(W), out(W);
     std::vector<float> factor(W);
     for (int r = 0; r < W; ++r) {
-        in[r] = alloc(W * n * es + 64) + (in_place ? 0 : es * rnd(4));
+        in[r] = alloc(W * n * es + 64) + (in_mis != ANY ? in_mis : in_place ? 0 : es * rnd(4));
         fill(in[r], W * n * es, es);
         out[r] = in_place ? in[r] + (root < 0 ? r : root) * n * es : alloc(n * es + 64) + out_mis;
         factor[r] = 0.5f + 0.25f * r;
@@ -416,7 +430,7 @@ static void reduce_case(Group& g, const char* what, fc_u32 dtype, size_t n, int 
                 set(p, 2, s, n);
                 set(p, 3, s, (fc_u64)out[r]);
             }
-        g.launches[r].push_back({fc::reduce_to<T, OP>, p, nb});
+        g.launches[r].push_back({fc::reduce_to<T, OP>, p, nb, nullptr, nullptr, what});
     }
 }
 
@@ -520,7 +534,7 @@ static void reduce_heap_case(Group& g, const char* what, bool direct, fc_u32 dty
             }
         p.table = (fc_u64)g.heap[r];
         if (!(no_direct >> r & 1)) p.flags |= FC_PARAM_DIRECT_OK;
-        Launch l{direct ? fc::reduce_to_direct<T, OP> : fc::reduce_to<T, OP>, p, nb, nullptr, nullptr};
+        Launch l{direct ? fc::reduce_to_direct<T, OP> : fc::reduce_to<T, OP>, p, nb, nullptr, nullptr, what};
         const unsigned char guard = (unsigned char)rng();
         l.before = [h, r, guard] {
             std::memcpy(h->in[r], h->data[r].data(), h->data[r].size());
@@ -576,9 +590,15 @@ static void reduce_heap_case(Group& g, const char* what, bool direct, fc_u32 dty
 // every rank one buffer holding all the launch may touch: its send blocks
 // (or input) and its receive blocks (or output), apart, with guard bytes
 // between them (at least one, so an overrun by a byte shows) and around
-// them, each 16-byte aligned or only element aligned (then never 4-byte
-// aligned for 1- and 2-byte elements: the byte paths of load_line and
-// store_line). Before its launch a rank writes the buffer's image: a fresh
+// them (placed as a Place says): each 16-byte aligned, or only element
+// aligned (then never 4-byte aligned for 1- and 2-byte elements: the byte
+// paths of load_line and store_line), or at a given byte offset from a
+// 16-byte boundary, for the exchange and the reduce-to one that need not be
+// a multiple of the element (reduce-scatter and reduce take tensors at any
+// byte offset, and the exchange moves bytes; the all-reduce's host stages
+// such tensors first). The prelude aborts on an access the GPU would fault
+// on (an element load or store at an address not a multiple of its size).
+// Before its launch a rank writes the buffer's image: a fresh
 // guard byte everywhere, its send data at its send blocks. Right after it,
 // before its next launch, it compares the whole buffer with what it must
 // hold: the image with each receive block replaced by the sequential
@@ -604,17 +624,32 @@ struct LLCase {
 // Bytes each source's LL lines carry (fc::ll_stride / 2): the largest n * es.
 static fc_u64 ll_cap_bytes(const Group& g) { return (((g.slot / 2) / g.world) & ~(fc_u64)63) / 2; }
 
-// Places blocks one after another: 16-byte aligned, or element aligned and
-// not 16-byte aligned (nor 4-byte aligned when es < 4), then a gap.
+// Where a case places its blocks, as a byte offset from a 16-byte boundary
+// (0: aligned, the vector-friendly case), or ELEM: a random one that is a
+// multiple of the element but not of 16 (nor of 4 when es < 4). `in`: send
+// blocks (or input), `out`: receive blocks (or output). A bool is the older
+// choice: true 16-byte aligned, false ELEM for both.
+struct Place {
+    static constexpr int ELEM = -1;
+    int in, out;
+    Place(bool aligned) : in(aligned ? 0 : ELEM), out(in) {}
+    Place(int in_at, int out_at) : in(in_at), out(out_at) {}
+};
+
+// Places blocks one after another, each at offset `mis` (Place) from a
+// 16-byte boundary, then a gap.
 struct LLLayout {
     size_t at = GUARD;
-    size_t put(size_t bytes, int es, bool aligned) {
+    size_t put(size_t bytes, int es, int mis) {
         size_t off = (at + 15) & ~(size_t)15;
-        if (!aligned) {
-            std::vector<size_t> mis;
+        if (mis == Place::ELEM) {
+            std::vector<size_t> ks;
             for (size_t k = es; k < 16; k += es)
-                if (es >= 4 || k % 4 != 0) mis.push_back(k);
-            off += mis[rnd(mis.size())];
+                if (es >= 4 || k % 4 != 0) ks.push_back(k);
+            off += ks[rnd(ks.size())];
+        } else {
+            if (mis < 0 || mis > 15) std::abort();
+            off += mis;
         }
         at = off + bytes + 1 + rnd(24);
         return off;
@@ -623,7 +658,7 @@ struct LLLayout {
 };
 
 static void ll_launch(Group& g, std::shared_ptr<LLCase> h, Kernel k, int r, const FcParams& p, int nb) {
-    Launch l{k, p, nb, nullptr, nullptr};
+    Launch l{k, p, nb, nullptr, nullptr, h->what};
     l.before = [h, r] { std::memcpy(h->mem[r], h->image[r].data(), h->image[r].size()); };
     l.then = [h, r](fc_u32 moved) {
         int bad = 0;
@@ -698,7 +733,7 @@ static std::vector<unsigned char> ll_reference(const std::vector<const unsigned 
 enum LLSends { LL_ALL_GATHER, LL_GATHER, LL_SCATTER };
 
 static std::shared_ptr<LLCase> ll_exchange_case(Group& g, const char* what, fc_u32 dtype, int es, LLSends kind,
-                                                int root, size_t n, bool in_place, bool aligned, int nb, fc_u64 fp) {
+                                                int root, size_t n, bool in_place, Place at, int nb, fc_u64 fp) {
     const int W = g.world;
     const size_t bytes = n * es;
     if (n == 0 || bytes > ll_cap_bytes(g)) std::abort(); // outside the host's contract
@@ -713,14 +748,14 @@ static std::shared_ptr<LLCase> ll_exchange_case(Group& g, const char* what, fc_u
         LLLayout L;
         const bool own_in_place = in_place && c[r][r];
         for (int s = 0; s < W; ++s)
-            if (c[s][r] && !(own_in_place && kind == LL_SCATTER && s == r)) roff[r][s] = L.put(bytes, es, aligned);
+            if (c[s][r] && !(own_in_place && kind == LL_SCATTER && s == r)) roff[r][s] = L.put(bytes, es, at.out);
         size_t send_bytes = 0, base = 0;
         if (kind == LL_ALL_GATHER || kind == LL_GATHER) {
             send_bytes = bytes;
-            base = own_in_place ? roff[r][r] : L.put(bytes, es, aligned);
+            base = own_in_place ? roff[r][r] : L.put(bytes, es, at.in);
         } else if (r == root) {
             send_bytes = (size_t)W * bytes; // one buffer, block q at q * bytes
-            base = L.put(send_bytes, es, aligned);
+            base = L.put(send_bytes, es, at.in);
         }
         for (int q = 0; q < W; ++q)
             if (c[r][q]) soff[r][q] = kind == LL_SCATTER ? base + q * bytes : base;
@@ -757,7 +792,7 @@ static std::shared_ptr<LLCase> ll_exchange_case(Group& g, const char* what, fc_u
 // non-root's output is its input, which it must not write either). ----
 template <class T, int OP>
 static std::shared_ptr<LLCase> ll_reduce_case(Group& g, const char* what, fc_u32 dtype, size_t n, int root,
-                                              bool in_place, bool aligned, int nb, fc_u64 fp) {
+                                              bool in_place, Place at, int nb, fc_u64 fp) {
     static_assert(OP != FC_OP_PREMUL, "the LL reduce-to takes no premul_sum");
     const int W = g.world;
     const int es = sizeof(typename T::S);
@@ -768,8 +803,8 @@ static std::shared_ptr<LLCase> ll_reduce_case(Group& g, const char* what, fc_u32
     std::vector<size_t> in(W), out(W);
     for (int r = 0; r < W; ++r) {
         LLLayout L;
-        in[r] = L.put(nin * bytes, es, aligned);
-        out[r] = in_place ? in[r] + (root < 0 ? r : 0) * bytes : L.put(bytes, es, aligned);
+        in[r] = L.put(nin * bytes, es, at.in);
+        out[r] = in_place ? in[r] + (root < 0 ? r : 0) * bytes : L.put(bytes, es, at.out);
         ll_buffer(*h, r, L.size());
         fill(h->image[r].data() + in[r], nin * bytes, es);
         if (root < 0 || r == root) h->blocks[r].push_back({out[r], bytes, "output"});
@@ -813,8 +848,8 @@ static void ll_allreduce_case(Group& g, const char* what, fc_u32 dtype, size_t n
     std::vector<size_t> in(W), out(W);
     for (int r = 0; r < W; ++r) {
         LLLayout L;
-        in[r] = L.put(bytes, es, aligned);
-        out[r] = in_place ? in[r] : L.put(bytes, es, aligned);
+        in[r] = L.put(bytes, es, aligned ? 0 : Place::ELEM);
+        out[r] = in_place ? in[r] : L.put(bytes, es, aligned ? 0 : Place::ELEM);
         ll_buffer(*h, r, L.size());
         fill(h->image[r].data() + in[r], bytes, es);
         h->blocks[r].push_back({out[r], bytes, "output"});
@@ -928,6 +963,14 @@ int main(int argc, char** argv) {
         reduce_case<fc::TF32, FC_OP_PREMUL>(g, "reduce_scatter f32 premul", FC_DTYPE_F32, 1500, -1, false, 8, nb, 12);
         reduce_case<fc::TF32, FC_OP_SUM>(g, "reduce f32 to last, output not element aligned", FC_DTYPE_F32, 2222,
                                           W - 1, false, 2, nb, 13);
+        // Inputs not aligned to their element either (the host passes
+        // reduce-scatter and reduce tensors at any byte offset).
+        reduce_case<fc::TF32, FC_OP_SUM>(g, "reduce_scatter f32 sum, input +1, output +3", FC_DTYPE_F32, 1201, -1,
+                                          false, 3, nb, 15, 1);
+        reduce_case<fc::TBF16, FC_OP_SUM>(g, "reduce_scatter bf16 sum in place at +1", FC_DTYPE_BF16, 1501, -1, true,
+                                           0, nb, 16, 1);
+        reduce_case<fc::TF32, FC_OP_MAX>(g, "reduce f32 max to 0 in place at +2", FC_DTYPE_F32, 1999, 0, true, 0, nb,
+                                          17, 2);
         g.run(nt);
         const int b = verify(g);
         std::printf("world %d: %zu checks, %d failed\n", W, g.checks.size(), b);
@@ -1186,6 +1229,64 @@ int main(int argc, char** argv) {
                          true, 2, 0x5111000000000013ull);
         ll_exchange_case(g, "ll all_gather u8, three bytes, last", 5, 1, LL_ALL_GATHER, 0, 3, false, false, 2,
                          0x5111000000000014ull);
+        // Blocks at byte offsets that are not a multiple of the element
+        // (Place(in, out): the offsets from a 16-byte boundary of the input
+        // or send blocks and of the output or receive blocks). Reduce-scatter
+        // and reduce take tensors at any byte offset (a reduce-scatter's
+        // output at offset 3 made fc_reduce_to_ll_f32_sum store 4-byte words
+        // there, which faults on a GPU; now ll_load_any / ll_store_any go
+        // byte by byte there). Every f32 offset 1..3 and odd ones for
+        // f16/bf16, on input or output or both, in place and not, whole
+        // lines and a tail, reduce-scatter and reduce to each root; the
+        // exchange's 2-, 4- and 8-byte elements at odd addresses.
+        const size_t n4 = cap / 4 - 1 - odd, n2 = cap / 2 - 1 - odd; // odd counts: a partial last line
+        ll_reduce_case<fc::TF32, FC_OP_SUM>(g, "ll reduce_scatter f32 sum, input +1, output +3", FC_DTYPE_F32, n4, -1,
+                                            false, Place(1, 3), 2, 0x5111000000000300ull);
+        ll_reduce_case<fc::TF32, FC_OP_SUM>(g, "ll reduce_scatter f32 sum, input aligned, output +3", FC_DTYPE_F32,
+                                            cap / 4, -1, false, Place(0, 3), 3, 0x5111000000000301ull);
+        ll_reduce_case<fc::TI32, FC_OP_SUM>(g, "ll reduce_scatter i32 sum, input +2, output aligned", FC_DTYPE_I32,
+                                            n4, -1, false, Place(2, 0), 1, 0x5111000000000302ull);
+        ll_reduce_case<fc::TF32, FC_OP_AVG>(g, "ll reduce_scatter f32 avg in place at +2", FC_DTYPE_F32, n4, -1, true,
+                                            Place(2, 2), 4, 0x5111000000000303ull);
+        ll_reduce_case<fc::TF32, FC_OP_MAX>(g, "ll reduce_scatter f32 max in place at +1, one element", FC_DTYPE_F32,
+                                            1, -1, true, Place(1, 1), 2, 0x5111000000000304ull);
+        ll_reduce_case<fc::TBF16, FC_OP_SUM>(g, "ll reduce_scatter bf16 sum, input +1, output +5", FC_DTYPE_BF16, n2,
+                                             -1, false, Place(1, 5), 3, 0x5111000000000305ull);
+        ll_reduce_case<fc::TF16, FC_OP_MAX>(g, "ll reduce_scatter f16 max in place at +3", FC_DTYPE_F16, n2, -1, true,
+                                            Place(3, 3), 2, 0x5111000000000306ull);
+        ll_reduce_case<fc::TF16, FC_OP_SUM>(g, "ll reduce_scatter f16 sum, input aligned, output +1, three elements",
+                                            FC_DTYPE_F16, 3, -1, false, Place(0, 1), 1, 0x5111000000000307ull);
+        for (int root = 0; root < W; ++root) {
+            const int nb = 1 + (root + 2) % 4;
+            const fc_u64 fp = 0x5111000000000400ull + root;
+            const std::string to = "ll reduce to " + std::to_string(root);
+            switch (root % 4) {
+                case 0:
+                    ll_reduce_case<fc::TF32, FC_OP_SUM>(g, (to + " f32 sum, input +3, output +1").c_str(),
+                                                        FC_DTYPE_F32, n4, root, false, Place(3, 1), nb, fp);
+                    break;
+                case 1:
+                    ll_reduce_case<fc::TBF16, FC_OP_SUM>(g, (to + " bf16 sum in place at +1").c_str(), FC_DTYPE_BF16,
+                                                         n2, root, true, Place(1, 1), nb, fp);
+                    break;
+                case 2:
+                    ll_reduce_case<fc::TF32, FC_OP_MAX>(g, (to + " f32 max in place at +3").c_str(), FC_DTYPE_F32,
+                                                        cap / 4, root, true, Place(3, 3), nb, fp);
+                    break;
+                default:
+                    ll_reduce_case<fc::TF16, FC_OP_AVG>(g, (to + " f16 avg, input +7, output aligned").c_str(),
+                                                        FC_DTYPE_F16, n2, root, false, Place(7, 0), nb, fp);
+                    break;
+            }
+        }
+        ll_exchange_case(g, "ll all_gather f32, send +1, receive +3", FC_DTYPE_F32, 4, LL_ALL_GATHER, 0, n4, false,
+                         Place(1, 3), 3, 0x5111000000000500ull);
+        ll_exchange_case(g, "ll gather to last f16 in place at +1", FC_DTYPE_F16, 2, LL_GATHER, W - 1, n2, true,
+                         Place(1, 1), 2, 0x5111000000000501ull);
+        ll_exchange_case(g, "ll scatter from 0 f64, send +5, receive +2", 7, 8, LL_SCATTER, 0, cap / 8 - 1, false,
+                         Place(5, 2), 4, 0x5111000000000502ull);
+        ll_exchange_case(g, "ll all_gather in place i32 at +3", FC_DTYPE_I32, 4, LL_ALL_GATHER, 0, n4, true,
+                         Place(3, 3), 1, 0x5111000000000503ull);
         g.run(nt);
         const int b = verify(g);
         std::printf("LL kinds, world %d: %zu launches a rank, %d failed\n", W, g.launches[0].size(), b);
