@@ -745,6 +745,11 @@ pub fn run_thread_suite<D: Device>(
             opts(CommOptions::default().with_timeout(cfg.timeout)),
         )?;
         let report = suite(&comm, store.as_ref(), cfg)?;
+        // `finalize` is local: no rank releases its workspace and NCCL/RCCL
+        // communicator while a peer's last call may still use them. (Without
+        // this, on 2x H200 the test after `collectives_without_ll_world_2`,
+        // whose last call is a send/recv, hung.)
+        comm.barrier(&crate::Call::new())?.wait(Some(cfg.timeout))?;
         comm.finalize()?;
         Ok(report)
     });
