@@ -23,8 +23,8 @@ fn small_blocks_take_the_ll_kinds() {
     use ferrocomm::{Call, CommOptions, Communicator, DType, ReduceOp, Tensor};
 
     // (per-peer elements, LL allowed): 1000 f32 is 4000 bytes (LL), 20_000
-    // is 80 000 bytes (over the 64 KiB threshold), 1000 with LL off.
-    for (n, ll_on, want_ll) in [(1000usize, true, true), (20_000, true, false), (1000, false, false)] {
+    // is 400 000 bytes (over world 2's 256 KiB threshold), 1000 with LL off.
+    for (n, ll_on, want_ll) in [(1000usize, true, true), (100_000, true, false), (1000, false, false)] {
         let names = [
             "fc_exchange_ll",
             "fc_reduce_to_ll_f32_sum",

@@ -7,7 +7,7 @@
 
 use super::call::{Call, Factor, Reduction};
 use super::communicator::{Communicator, Submit};
-use super::route::{self, Coll, Route};
+use super::route::{self, Coll, CollRoute, Route};
 use super::tensor::Tensor;
 use super::vendor::VendorOp;
 use super::work::Work;
@@ -973,7 +973,7 @@ fn route_of<D: Device>(s: &Submit<'_, D>, coll: Coll, block_bytes: Option<usize>
         // one node's kernels serve): only NCCL/RCCL can carry it.
         return Route::Vendor;
     }
-    let chosen = route::decide(
+    let mut chosen = route::decide(
         inner.opts.coll_route,
         coll,
         block_bytes,
@@ -981,6 +981,16 @@ fn route_of<D: Device>(s: &Submit<'_, D>, coll: Coll, block_bytes: Option<usize>
         s.res.vendor.available(),
         inner.opts.deterministic,
     );
+    // Blocks the LL kinds carry beat NCCL's small-message path (2x H200:
+    // all-gather 512 B a peer 3.52 us against 5.18, 256 KiB 5.79 against
+    // 8.00; `ll_max_block_bytes`), so `auto` keeps them on the kernels.
+    if chosen == Route::Vendor
+        && inner.opts.coll_route == CollRoute::Auto
+        && (2..=MAX_RANKS).contains(&inner.world)
+        && block_bytes.is_some_and(|b| b > 0 && b <= ll_limit(s))
+    {
+        chosen = Route::Custom;
+    }
     crate::fc_log!(
         tracing::Level::DEBUG,
         "route: {coll:?} block {block_bytes:?} bytes, world {}, asked {} -> {chosen:?}",
@@ -999,7 +1009,7 @@ fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists, agreed: u
     let direct = direct_exchange(s, dtype, &l, agreed);
     let kind = match direct {
         Some(_) => KernelKind::ExchangeDirect,
-        None if takes_ll(s, KernelKind::ExchangeLl, dtype, &l, agreed) => KernelKind::ExchangeLl,
+        None if takes_ll(s, dtype, &l, agreed) => KernelKind::ExchangeLl,
         None => KernelKind::Exchange,
     };
     let mut c = CollectiveCall::new(kind, dtype, ReduceOp::Sum, agreed, DevicePtr::NULL, DevicePtr::NULL);
@@ -1013,56 +1023,90 @@ fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists, agreed: u
 
 /// Largest agreed per-peer block (bytes) the exchange and the reduce-to
 /// take their LL kinds at (`fc_exchange_ll`, `fc_reduce_to_ll_*`; 0: never),
-/// unless `CommOptions::coll_ll_bytes` says otherwise. Not measured for
-/// these kernels yet (TODO(measure) on 2 GPUs): taken from the LL
-/// all-reduce's ladder (`algo::dispatch`, 4x H200), whose link traffic per
-/// source is the same as theirs per peer block: LL beat every other
-/// all-reduce kernel by ~2 us to 64 KiB (w2 64K: 4.39 us against 6.25 for
-/// the push one-shot; w4 64K: 5.63 against 6.41 for the pull one-shot) and
-/// still at 128-256 KiB, where the margin shrinks. Worlds above 4 halve it,
-/// as that ladder does. The inbox kinds they replace pay a flag round trip
-/// and a copy out of the inbox that LL does not.
+/// unless `CommOptions::coll_ll_bytes` says otherwise.
+///
+/// Measured on 2x H200 (NV18), bf16, graph replay, `ferrocomm-bench --coll
+/// all_gather,reduce_scatter,reduce --algo auto,nccl --graph` with
+/// `FERROCOMM_COLL_ROUTE=custom` and LL forced up to 4 MiB a peer, off, or
+/// at its default (bench/2026-11-23-h200x2/run13-session5), us, LL / inbox
+/// kernels / NCCL called directly, by the per-peer block:
+///
+/// ```text
+///             512B            32K             128K            256K             512K
+/// all-gather  3.52/6.56/5.18  4.32/8.14/6.33  4.99/8.36/6.95  5.79/8.63/8.00   8.88/9.39/10.60
+/// red-scat.   3.39/6.52/5.29  4.25/7.90/6.28  5.20/8.15/6.95  6.09/8.22/7.87   9.10/8.67/10.01
+/// reduce      3.14/5.98/4.83  4.05/7.00/5.47  4.88/7.28/6.44  6.11/7.69/7.92   8.52/8.64/10.87
+/// ```
+///
+/// LL wins to 256 KiB a peer in every row; at 512 KiB the inbox kinds catch
+/// up (reduce-scatter 8.67 against 9.10). Worlds above 2 were not measured:
+/// each LL source's lines carry its block to every peer, as the LL
+/// all-reduce's do, whose ladder (`algo::dispatch`, 4x H200) stops LL at a
+/// quarter of world 2's range at world 4; 64 KiB to world 4 and 32 KiB above
+/// keep well inside it.
 pub(crate) fn ll_max_block_bytes(world: usize) -> usize {
-    if world <= 4 {
-        64 << 10
-    } else {
-        32 << 10
+    match world {
+        0..=2 => 256 << 10,
+        3 | 4 => 64 << 10,
+        _ => 32 << 10,
     }
 }
 
-/// Whether an exchange or reduce-to (`kind`, its LL twin) goes on LL lines,
-/// decided alike on every rank from what all of them share: the agreed
-/// per-peer block (`agreed` elements; the fingerprint checks it) against
-/// the threshold and one source's lines, and every non-empty block of this
-/// rank's lists being that block (so no counts need agreeing in the kernel).
-fn takes_ll<D: Device>(s: &Submit<'_, D>, kind: KernelKind, dtype: DType, l: &Lists, agreed: usize) -> bool {
-    let Some(ws) = &s.res.ws else { return false };
+/// The largest per-peer block (bytes) the LL kinds carry on this
+/// communicator: the option or the default, within one source's LL lines
+/// (a quarter of a slot over the world); 0 without a workspace.
+fn ll_limit<D: Device>(s: &Submit<'_, D>) -> usize {
+    let Some(ws) = &s.res.ws else { return 0 };
     let world = s.inner.world;
     let max = s.inner.opts.coll_ll_bytes.unwrap_or_else(|| ll_max_block_bytes(world));
-    let fits = agreed > 0
-        && agreed.saturating_mul(dtype.size()) <= max
-        && agreed <= crate::algo::chunk_elems(kind, None, ws.slot_bytes(), world, dtype.size(), 0);
-    fits && l
-        .sends
-        .iter()
-        .chain(l.recvs.iter())
-        .flatten()
-        .all(|&(n, _)| n == 0 || n == agreed)
+    max.min(crate::algo::layout::ll_stride(ws.slot_bytes(), world) / 2)
 }
 
-/// Smallest agreed per-peer block (bytes) a GPU exchange takes the direct
-/// way at when the communicator has a symmetric heap. Not measured yet
-/// (TODO(measure) on 2 GPUs): set from the floor. Direct saves the receiver's
-/// copy out of its inbox (each received byte read and written once more in
-/// local memory, ~2 TB/s of copy on an H200) and the flags between inbox-
-/// sized chunks, and costs one more flag round trip (~2-3 us): about even
-/// at 4 MiB a peer. The host backend takes it whenever there is a heap (so
-/// CI runs it at every size); all-to-all-v has no agreed
-/// block either, and on GPUs stays on the inbox exchange. The direct
-/// reduce-to takes the same threshold, not measured either: it saves each
-/// source's copy into the inboxes and the chunk flags, and reduces from
-/// peers' memory instead of local inboxes (as the pull one-shot does).
-pub(crate) const DIRECT_MIN_BLOCK_BYTES: usize = 4 << 20;
+/// Whether an exchange or reduce-to goes on LL lines, decided alike on
+/// every rank from what all of them share: the agreed per-peer block
+/// (`agreed` elements; the fingerprint checks it) against [`ll_limit`], and
+/// every non-empty block of this rank's lists being that block (so no
+/// counts need agreeing in the kernel).
+fn takes_ll<D: Device>(s: &Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize) -> bool {
+    agreed > 0
+        && agreed.saturating_mul(dtype.size()) <= ll_limit(s)
+        && l.sends
+            .iter()
+            .chain(l.recvs.iter())
+            .flatten()
+            .all(|&(n, _)| n == 0 || n == agreed)
+}
+
+/// Smallest agreed per-peer block (bytes) a GPU exchange (all-gather,
+/// gather, scatter) takes the direct way at when the communicator has a
+/// symmetric heap; [`DIRECT_MIN_REDUCE_TO_BYTES`] for the reduce-to. The
+/// host backend takes both whenever there is a heap (so CI runs them at
+/// every size); all-to-all-v has no agreed block, and on GPUs stays on the
+/// inbox exchange.
+///
+/// Measured on 2x H200, bf16, graph replay, `FERROCOMM_DIRECT_MIN_BYTES=0
+/// ferrocomm-bench --coll all_gather,reduce_scatter,reduce --operands both`
+/// (bench/2026-11-23-h200x2/run13-session5), us, plain operands (inbox
+/// kinds, LL below 256 KiB) / heap operands (direct), by per-peer block:
+///
+/// ```text
+///                 512K         1M           2M           4M           8M           16M          32M          128M
+/// all-gather      9.41/9.34    10.93/10.91  14.24/14.07  21.13/20.10  35.33/32.53  65.17/57.66  120.06/109.96 444.82/416.51
+/// reduce-scatter  8.65/10.44   9.96/11.91   13.63/15.28  20.56/21.71  34.88/34.33  65.90/60.32  116.65/110.60 413.25/410.23
+/// reduce          (block = size)            8.65/11.67 at 1M, 51.10/54.00 at 16M, 95.62/99.57 at 32M, 193.50/190.85 at 64M
+/// ```
+///
+/// The direct exchange saves the receiver's copy out of its inbox and is
+/// level from 512 KiB, ahead from 2 MiB (up to 13% at 16 MiB); it costs one
+/// more flag round trip, so it loses where LL carries the block.
+pub(crate) const DIRECT_MIN_BLOCK_BYTES: usize = 1 << 20;
+
+/// The direct reduce-to's threshold (see [`DIRECT_MIN_BLOCK_BYTES`]): it
+/// pays a second flag round trip and reads peers' memory instead of local
+/// inboxes, and wins for reduce-scatter from 8 MiB a peer (1.6% there, 9%
+/// at 16 MiB). Reduce (only the root reads) takes the same threshold and
+/// loses 4-10% between 8 and 32 MiB, winning ~1.5% from 64 MiB.
+pub(crate) const DIRECT_MIN_REDUCE_TO_BYTES: usize = 8 << 20;
 
 /// Whether a call takes a direct kind (`fc_exchange_direct`,
 /// `fc_reduce_to_direct_*`), decided alike on every rank: from the agreed
@@ -1070,12 +1114,17 @@ pub(crate) const DIRECT_MIN_BLOCK_BYTES: usize = 4 << 20;
 /// (`CommOptions::direct_min_bytes`, which every rank sets alike, else the
 /// backend's default) and the heap, which every rank reserves together.
 /// Then: the heap, whose bases' table the kernel gets.
-fn direct_heap<'a, D: Device>(s: &'a Submit<'_, D>, dtype: DType, agreed: usize) -> Option<&'a Heap<D>> {
+fn direct_heap<'a, D: Device>(
+    s: &'a Submit<'_, D>,
+    dtype: DType,
+    agreed: usize,
+    gpu_min: usize,
+) -> Option<&'a Heap<D>> {
     let bytes = agreed.saturating_mul(dtype.size());
     let sized = match (s.inner.opts.direct_min_bytes, s.inner.device.facts().backend) {
         (Some(min), _) => bytes >= min,
         (None, BackendKind::Host) => true,
-        (None, _) => bytes >= DIRECT_MIN_BLOCK_BYTES,
+        (None, _) => bytes >= gpu_min,
     };
     if !sized {
         return None;
@@ -1089,7 +1138,7 @@ fn direct_heap<'a, D: Device>(s: &'a Submit<'_, D>, dtype: DType, agreed: usize)
 /// clear of what it sends; the kernel falls back on every rank if one rank's
 /// cannot).
 fn direct_exchange<D: Device>(s: &Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize) -> Option<(DevicePtr, bool)> {
-    let heap = direct_heap(s, dtype, agreed)?;
+    let heap = direct_heap(s, dtype, agreed, DIRECT_MIN_BLOCK_BYTES)?;
     let es = dtype.size() as u64;
     let span = |(n, p): (usize, DevicePtr)| (p.0, p.0 + n as u64 * es);
     let me = s.inner.rank;
@@ -1124,7 +1173,7 @@ fn direct_reduce_to<D: Device>(
     n: usize,
     output: Option<(usize, DevicePtr)>,
 ) -> Option<(DevicePtr, bool)> {
-    let heap = direct_heap(s, dtype, n)?;
+    let heap = direct_heap(s, dtype, n, DIRECT_MIN_REDUCE_TO_BYTES)?;
     let es = dtype.size() as u64;
     let span = |(n, p): (usize, DevicePtr)| (p.0, p.0 + n as u64 * es);
     let meet = |a: (usize, DevicePtr), b: (usize, DevicePtr)| {
@@ -1228,9 +1277,7 @@ fn reduce_to<D: Device>(
     let direct = direct_reduce_to(s, dtype, &l, n, out);
     let kind = match direct {
         Some(_) => KernelKind::ReduceToDirect,
-        None if op != ReduceOp::PreMulSum && takes_ll(s, KernelKind::ReduceToLl, dtype, &l, n) => {
-            KernelKind::ReduceToLl
-        }
+        None if op != ReduceOp::PreMulSum && takes_ll(s, dtype, &l, n) => KernelKind::ReduceToLl,
         None => KernelKind::ReduceTo,
     };
     let mut c = CollectiveCall::new(kind, dtype, op, n, DevicePtr::NULL, output);

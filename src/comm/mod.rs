@@ -25,7 +25,7 @@ pub use crate::algo::fused::FusionPattern;
 pub use autotune::{TuneReport, TuneSource};
 pub use call::{Call, Factor, Reduction};
 pub use collectives::P2p;
-pub(crate) use collectives::DIRECT_MIN_BLOCK_BYTES;
+pub(crate) use collectives::{DIRECT_MIN_BLOCK_BYTES, DIRECT_MIN_REDUCE_TO_BYTES};
 pub use communicator::Communicator;
 pub use fused::{Fusion, MoeFinalize};
 pub(crate) use heap::heap_module;

@@ -52,9 +52,10 @@ pub struct CommOptions {
     /// Largest agreed per-peer block (bytes) the exchange and reduce-to
     /// kernels carry on LL lines, the small-message kinds
     /// (`FERROCOMM_COLL_LL_BYTES`; 0 turns them off; every rank must set
-    /// the same). `None`: 64 KiB to world 4, 32 KiB above
-    /// (`comm::collectives::ll_max_block_bytes`). A block also has to fit one
-    /// source's LL lines (a quarter of a slot over the world).
+    /// the same). `None`: 256 KiB at world 2 (measured on 2x H200), 64 KiB
+    /// at worlds 3 and 4, 32 KiB above (`comm::collectives::ll_max_block_bytes`).
+    /// A block also has to fit one source's LL lines (a quarter of a slot
+    /// over the world). `auto` routes such blocks to the kernels, not NCCL.
     pub coll_ll_bytes: Option<usize>,
     /// Smallest agreed per-peer block (bytes) from which all-gather, gather,
     /// scatter (outputs in the heap), reduce-scatter and reduce (inputs in
@@ -64,9 +65,10 @@ pub struct CommOptions {
     /// byte count; every rank must set the same, as the choice must come
     /// out alike on every rank). `Some(n)`: direct from `n` bytes a peer, on
     /// GPUs and on the host; calls without an agreed block (all-to-alls)
-    /// count as 0 bytes, so only `Some(0)` sends them direct. `None`: the defaults, 4 MiB a peer on GPUs (not
-    /// measured yet, `comm::collectives::DIRECT_MIN_BLOCK_BYTES`) and always
-    /// on the host.
+    /// count as 0 bytes, so only `Some(0)` sends them direct. `None`: the
+    /// defaults measured on 2x H200, 1 MiB a peer for the exchange and 8 MiB
+    /// for the reduce-to on GPUs (`comm::collectives::DIRECT_MIN_BLOCK_BYTES`,
+    /// `DIRECT_MIN_REDUCE_TO_BYTES`), always on the host.
     pub direct_min_bytes: Option<usize>,
 }
 

@@ -85,8 +85,10 @@ pub(crate) enum Route {
     Vendor,
 }
 
-/// Smallest per-peer block (bytes) `auto` sends to ferrocomm's kernels when
-/// NCCL/RCCL is there and may take the call; smaller ones go to the library.
+/// Smallest per-peer block (bytes) `auto` sends to ferrocomm's inbox kernels
+/// when NCCL/RCCL is there and may take the call; smaller ones go to the
+/// library, except blocks the LL kinds carry, which beat it
+/// (`comm::collectives::ll_max_block_bytes`, applied by the caller).
 ///
 /// Measured on 2x H200 (NV18), bf16, CUDA-graph replay, world 2,
 /// `ferrocomm-bench --coll all --algo auto,nccl --graph` (bench/2026-11-23-h200x2/run8),

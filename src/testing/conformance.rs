@@ -230,6 +230,12 @@ pub fn run_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &Sui
 pub fn run_collectives<D: Device>(comm: &Communicator<D>, cfg: &SuiteConfig) -> Result<SuiteReport> {
     let mut s = Suite::new(comm, cfg);
     s.collectives()?;
+    // As the whole suite ends: `finalize` is local, so no rank may release
+    // its workspace and NCCL/RCCL communicator while a peer's last call (a
+    // send/recv here) may still use them. Without it, on 2x H200 the test
+    // after `collectives_without_ll_world_2` hung.
+    comm.barrier(&Call::new())?.wait(Some(cfg.timeout))?;
+    s.report.collectives += 1;
     Ok(s.report)
 }
 
@@ -745,11 +751,6 @@ pub fn run_thread_suite<D: Device>(
             opts(CommOptions::default().with_timeout(cfg.timeout)),
         )?;
         let report = suite(&comm, store.as_ref(), cfg)?;
-        // `finalize` is local: no rank releases its workspace and NCCL/RCCL
-        // communicator while a peer's last call may still use them. (Without
-        // this, on 2x H200 the test after `collectives_without_ll_world_2`,
-        // whose last call is a send/recv, hung.)
-        comm.barrier(&crate::Call::new())?.wait(Some(cfg.timeout))?;
         comm.finalize()?;
         Ok(report)
     });
