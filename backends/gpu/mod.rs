@@ -853,10 +853,13 @@ mod tests {
 
         let results = run_thread_ranks(2, |rank, world, store| -> Result<()> {
             let dev = GpuDevice::<Fake>::new(rank)?;
-            // Small slots: the fake's allocations are 4 MiB apart.
+            // Small slots: the fake's allocations are 4 MiB apart. LL off:
+            // these blocks would take the LL kinds, and the lists checked
+            // here are the inbox kinds' (the LL kinds get the same params).
             let opts = CommOptions::default()
                 .with_timeout(Duration::from_secs(30))
-                .with_slot_bytes(64 << 10);
+                .with_slot_bytes(64 << 10)
+                .with_coll_ll_bytes(0);
             let comm = Communicator::new(dev, store, rank, world, opts)?;
             assert!(!comm.has_vendor_library());
             let dev = comm.device();

@@ -46,7 +46,7 @@ fn compile_timeout() -> Duration {
 
 /// The order kernels are compiled in: the all-reduce and reduce-to kernels
 /// of the common float sums first (what the first collectives use), then
-/// broadcasts, the exchange and the other sums (the direct reduce-to's float
+/// broadcasts, the exchanges (inbox and LL) and the other sums (the direct reduce-to's float
 /// sums among them: only heap inputs from `DIRECT_MIN_BLOCK_BYTES` a peer
 /// take it), then the rest.
 pub fn priority(kernel: &str) -> Priority {
@@ -54,7 +54,7 @@ pub fn priority(kernel: &str) -> Priority {
         .iter()
         .any(|s| kernel.ends_with(s))
         && !kernel.starts_with("fc_reduce_to_direct_");
-    if kernel.contains("_broadcast_") || kernel == "fc_exchange" {
+    if kernel.contains("_broadcast_") || kernel == "fc_exchange" || kernel == "fc_exchange_ll" {
         1
     } else if float_sum {
         0
@@ -430,6 +430,8 @@ mod tests {
         assert_eq!(priority("fc_twoshot_push_f32_sum"), 0);
         assert_eq!(priority("fc_broadcast_bf16_sum"), 1);
         assert_eq!(priority("fc_exchange"), 1);
+        assert_eq!(priority("fc_exchange_ll"), 1);
+        assert_eq!(priority("fc_reduce_to_ll_bf16_sum"), 0);
         assert_eq!(priority("fc_reduce_to_bf16_sum"), 0);
         assert_eq!(priority("fc_reduce_to_direct_bf16_sum"), 2);
         assert_eq!(priority("fc_oneshot_i32_sum"), 2);
@@ -440,8 +442,8 @@ mod tests {
         let first: Vec<_> = names.iter().take_while(|n| priority(n) == 0).collect();
         assert_eq!(
             first.len(),
-            18,
-            "five all-reduce kinds and reduce-to for three float dtypes: {first:?}"
+            21,
+            "five all-reduce kinds, the reduce-to and its LL twin for three float dtypes: {first:?}"
         );
     }
 }
