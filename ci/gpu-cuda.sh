@@ -4,7 +4,7 @@
 #
 #   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
 #   STEPS: tests coldstart torchrun layered example sanitizer bench collbench
-#          fused heap qrbench python baseline (default: all), and shared (not
+#          fused heap epbench qrbench python baseline (default: all), and shared (not
 #          in the default: protocol checks for a machine of one GPU)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a
@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(cd "${1:-.carry/bin}" && pwd)"
 shift || true
-STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused heap qrbench python baseline}"
+STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused heap epbench qrbench python baseline}"
 # Logs go to one folder; with $OUT set (the lent machines bring back a
 # limited number of files) they are packed into $OUT/gpu-logs.tgz at the end,
 # beside summary.txt, also when the job is stopped.
@@ -144,6 +144,11 @@ if [[ " $STEPS " == *" layered "* ]] && command -v torchrun >/dev/null && [ "$NG
         "$BIN/ferrocomm-worker" conformance --backend cuda --timeout-secs 120
     step layered_bench env FERROCOMM_LOCAL_SIZE=1 "$BIN/ferrocomm-bench" --backend cuda --world 2 --coll all --algo auto \
         --dtype bf16 --min-bytes 4K --max-bytes 16M --iters 5 --warmup 2
+    # 2 nodes x 1 GPU against flat NCCL over the same ranks, graph replay
+    # (issue 15: all-reduce within 10% of flat NCCL from 1 MiB).
+    step layered_bench_w2_graph env FERROCOMM_LOCAL_SIZE=1 "$BIN/ferrocomm-bench" --backend cuda --world 2 \
+        --coll all_reduce,all_gather,reduce_scatter --algo auto,nccl --graph --dtype bf16 \
+        --min-bytes 1M --max-bytes "${LAYERED_MAX:-256M}" --iters 10 --warmup 3 --json "$LOG/layered_bench_w2_graph.json"
     # 2 nodes x 2 GPUs and 2 x 4, where the GPUs are there.
     for w in 4 8; do
         if [ "$NGPU" -ge "$w" ]; then
@@ -232,7 +237,7 @@ if [[ " $STEPS " == *" collbench "* ]]; then
             lloff=()
             [ "$ll" = off ] && lloff=(FERROCOMM_COLL_LL_BYTES=0)
             step "collbench_ll${ll}_w$w" env FERROCOMM_COLL_ROUTE=custom "${lloff[@]}" "$BIN/ferrocomm-bench" \
-                --backend cuda --world "$w" --coll all_gather,reduce_scatter,reduce --algo auto,nccl --graph \
+                --backend cuda --world "$w" --coll all_gather,reduce_scatter,reduce,all_to_all --algo auto,nccl --graph \
                 --dtype bf16 --min-bytes 1K --max-bytes 1M \
                 --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}" --json "$LOG/collbench_ll${ll}_w$w.json"
         done
@@ -307,6 +312,21 @@ if [[ " $STEPS " == *" heap "* ]]; then
     for w in $(bench_worlds heapbench); do
         step "heapbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --heap --graph \
             --min-bytes 64K --max-bytes 256M --iters 20 --warmup 5
+    done
+fi
+
+if [[ " $STEPS " == *" epbench "* ]]; then
+    # EP dispatch + combine (hidden 7168, top-8 of 256 experts, bf16 and
+    # fp8, 1-4096 tokens a rank; outputs checked) next to NCCL's
+    # all_to_all_v carrying the same bytes (issue 13's table).
+    # EP_BLOCKS="8 32 132": one row set per grid (FERROCOMM_EP_BLOCKS).
+    for w in $(bench_worlds epbench); do
+        for b in ${EP_BLOCKS:-default}; do
+            blocks=()
+            [ "$b" = default ] || blocks=(FERROCOMM_EP_BLOCKS="$b")
+            step "epbench_w${w}_blocks_$b" env "${blocks[@]}" "$BIN/ferrocomm-bench" --backend cuda --world "$w" \
+                --ep --graph --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}"
+        done
     done
 fi
 

@@ -90,7 +90,7 @@ impl DType {
     /// asked for. The other dtypes are not reduced.
     pub const fn supports(self, op: ReduceOp) -> bool {
         match self {
-            DType::F32 | DType::F16 | DType::BF16 => !matches!(op, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor),
+            DType::F32 | DType::F16 | DType::BF16 => !op.is_bitwise(),
             DType::I32 => matches!(
                 op,
                 ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max | ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor
@@ -159,6 +159,11 @@ impl ReduceOp {
         ReduceOp::BXor,
         ReduceOp::PreMulSum,
     ];
+
+    /// Bitwise and, or, xor (integers only). NCCL/RCCL have none of them.
+    pub const fn is_bitwise(self) -> bool {
+        matches!(self, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor)
+    }
 
     pub const fn name(self) -> &'static str {
         match self {

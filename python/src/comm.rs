@@ -854,7 +854,9 @@ impl PyComm {
     }
 
     /// `output_split_sizes` / `input_split_sizes` count rows (slices along
-    /// the first dimension), as torch's do; empty or None: equal splits.
+    /// the first dimension), as torch's do; empty or None: equal splits,
+    /// which every rank then shares, so small blocks take the LL kernel
+    /// (every rank of one call must pass splits, or none).
     #[pyo3(signature = (output, input, output_split_sizes=None, input_split_sizes=None, *, async_op=false, timeout=None, hints=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn all_to_all_v_single(

@@ -228,7 +228,8 @@ pub enum KernelKind {
     /// The exchange for small messages on LL lines (the data carries the
     /// epoch, as in [`KernelKind::OneShotLl`]; no inbox, flags or chunks)
     /// when every non-empty block is the call's agreed size and fits one
-    /// source's lines: all-gather, gather, scatter. `fc_exchange_ll`.
+    /// source's lines: all-gather, gather, scatter, all-to-all without
+    /// splits. `fc_exchange_ll`.
     ExchangeLl,
     /// Every rank sends a block to some peers, and each receiver reduces
     /// what it receives (its own block included) in rank order:

@@ -350,7 +350,7 @@ impl<D: Device> Communicator<D> {
             if count == 0 || (s.inner.world == 1 && op != ReduceOp::PreMulSum) {
                 return Ok(());
             }
-            if !on_host && route_of(s, Coll::Reduce, Some(count * dtype.size())) == Route::Vendor {
+            if !on_host && reduction_route(s, Coll::Reduce, Some(count * dtype.size()), op) == Route::Vendor {
                 let op = VendorOp::Reduce {
                     send: t.ptr(),
                     recv: t.ptr(),
@@ -410,6 +410,11 @@ impl<D: Device> Communicator<D> {
                 outputs.len()
             )));
         }
+        // Outputs back to back are one output for NCCL/RCCL, if the input is
+        // clear of it or is this rank's part (the library's in-place form).
+        let me = self.rank();
+        let whole =
+            whole.or_else(|| Tensor::joined(outputs).filter(|w| !input.overlaps(w) || outputs.get(me) == Some(&input)));
         let n = input.count();
         self.checked("all_gather input", &input)?;
         for (r, o) in outputs.iter().enumerate() {
@@ -510,6 +515,11 @@ impl<D: Device> Communicator<D> {
                 inputs.len()
             )));
         }
+        // Inputs back to back are one input for NCCL/RCCL, if the output is
+        // clear of it or is this rank's part (the library's in-place form).
+        let me = self.rank();
+        let whole =
+            whole.or_else(|| Tensor::joined(inputs).filter(|w| !output.overlaps(w) || inputs.get(me) == Some(&output)));
         let n = output.count();
         self.checked("reduce_scatter output", &output)?;
         for (r, i) in inputs.iter().enumerate() {
@@ -544,7 +554,7 @@ impl<D: Device> Communicator<D> {
             if world == 1 && op != ReduceOp::PreMulSum {
                 return copy_if_apart(s, output.ptr(), ins[0], n * dtype.size());
             }
-            if route_of(s, Coll::ReduceScatter, Some(n * dtype.size())) == Route::Custom {
+            if reduction_route(s, Coll::ReduceScatter, Some(n * dtype.size()), op) == Route::Custom {
                 // The kernel takes the list as it is (no contiguous input needed).
                 return reduce_to(s, dtype, op, scalar, flags, n, output.ptr(), &l);
             }
@@ -633,7 +643,17 @@ impl<D: Device> Communicator<D> {
                 .collect()
         };
         let (ib, ob) = (blocks(&input, &ins)?, blocks(&output, &outs)?);
-        self.all_to_all_impl(&ob, &ib, call)
+        // Without splits every rank's blocks are `count / world` (a rank's
+        // own block pins its output to its input, and every rank's input to
+        // what each peer expects), so the group shares a block size, which
+        // the small-message LL exchange needs; the fingerprint checks it.
+        // Splits given, even ones, promise nothing about the other ranks'.
+        let agreed = if input_splits.is_empty() && output_splits.is_empty() {
+            input.count() / world
+        } else {
+            0
+        };
+        self.all_to_all_impl(&ob, &ib, agreed, call)
     }
 
     /// `inputs[q]` to rank `q`, `outputs[s]` from rank `s` (lists of one
@@ -647,10 +667,17 @@ impl<D: Device> Communicator<D> {
                 inputs.len()
             )));
         }
-        self.all_to_all_impl(outputs, inputs, call)
+        self.all_to_all_impl(outputs, inputs, 0, call)
     }
 
-    fn all_to_all_impl(&self, outputs: &[Tensor], inputs: &[Tensor], call: &Call<'_, D>) -> Result<Work<D>> {
+    /// `agreed`: the per-peer block every rank shares, in elements (0: none).
+    fn all_to_all_impl(
+        &self,
+        outputs: &[Tensor],
+        inputs: &[Tensor],
+        agreed: usize,
+        call: &Call<'_, D>,
+    ) -> Result<Work<D>> {
         let dtype = inputs.first().map_or(DType::U8, Tensor::dtype);
         for t in inputs.iter().chain(outputs) {
             if t.dtype() != dtype {
@@ -674,14 +701,15 @@ impl<D: Device> Communicator<D> {
         let on_host = self.on_host();
         self.submit(call, "all_to_all", |s| {
             if on_host {
-                return exchange(s, dtype, &l, 0);
+                return exchange(s, dtype, &l, agreed);
             }
-            // No block size every rank is sure to share: one rank's splits may
-            // be even while another's are not, or given where another left
-            // them empty; so no size goes into the route, the fingerprint or
-            // the grid (a full chunk's), which must agree across ranks.
-            match route_of(s, Coll::AllToAll, None) {
-                Route::Custom => exchange(s, dtype, &l, 0),
+            // An agreed block goes to the route (large ones to NCCL/RCCL:
+            // `route::A2A_VENDOR_MIN_BLOCK_BYTES`) and to the exchange,
+            // which takes its LL kind for small ones and sizes the grid by
+            // it; without one `auto` keeps the kernels.
+            let block = (agreed > 0).then(|| agreed * dtype.size());
+            match route_of(s, Coll::AllToAll, block) {
+                Route::Custom => exchange(s, dtype, &l, agreed),
                 Route::Vendor => vendor_exchange(s, dtype, l, me),
             }
         })
@@ -1000,6 +1028,16 @@ fn route_of<D: Device>(s: &Submit<'_, D>, coll: Coll, block_bytes: Option<usize>
     chosen
 }
 
+/// [`route_of`] for a reduction: ops NCCL/RCCL lack (the bitwise ones;
+/// premul_sum they create per call) take the kernels where there are
+/// kernels, whatever the route asked for.
+fn reduction_route<D: Device>(s: &Submit<'_, D>, coll: Coll, block_bytes: Option<usize>, op: ReduceOp) -> Route {
+    if s.inner.kernels && op.is_bitwise() {
+        return Route::Custom;
+    }
+    route_of(s, coll, block_bytes)
+}
+
 /// The exchange protocol (all-gather, gather, scatter, all-to-all):
 /// `fc_exchange`. `agreed`: the block (elements) every rank moves to every
 /// peer when the group agrees on one, else 0; it joins the fingerprint and
@@ -1078,11 +1116,11 @@ fn takes_ll<D: Device>(s: &Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize
 }
 
 /// Smallest agreed per-peer block (bytes) a GPU exchange (all-gather,
-/// gather, scatter) takes the direct way at when the communicator has a
-/// symmetric heap; [`DIRECT_MIN_REDUCE_TO_BYTES`] for the reduce-to. The
-/// host backend takes both whenever there is a heap (so CI runs them at
-/// every size); all-to-all-v has no agreed block, and on GPUs stays on the
-/// inbox exchange.
+/// gather, scatter, all-to-all without splits) takes the direct way at when
+/// the communicator has a symmetric heap; [`DIRECT_MIN_REDUCE_TO_BYTES`] for
+/// the reduce-to. The host backend takes both whenever there is a heap (so
+/// CI runs them at every size); all-to-all-v with splits has no agreed
+/// block, and on GPUs stays on the inbox exchange.
 ///
 /// Measured on 2x H200, bf16, graph replay, `FERROCOMM_DIRECT_MIN_BYTES=0
 /// ferrocomm-bench --coll all_gather,reduce_scatter,reduce --operands both`

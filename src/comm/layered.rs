@@ -140,6 +140,20 @@ impl<D: Device> Levels<D> {
         c
     }
 
+    /// Refuse, before anything is queued, a reduction the between-nodes
+    /// level cannot do: on GPUs that level is NCCL/RCCL alone, which has no
+    /// bitwise ops (torch's NCCL backend refuses them too); the host's
+    /// stand-in has them all.
+    fn check_between_nodes(&self, what: &str, red: Reduction) -> Result<()> {
+        match red {
+            Reduction::Op(op) if !self.inter.inner.kernels && op.is_bitwise() => Err(Error::Unsupported(format!(
+                "{what} by {op} across nodes: NCCL/RCCL, which carries the between-nodes level, has no bitwise \
+                     reductions"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// The whole communicator's work: the last step's, answering for the
     /// failures of both levels.
     fn finish(&self, last: Work<D>) -> Work<D> {
@@ -155,6 +169,7 @@ impl<D: Device> Levels<D> {
         red: Reduction,
         call: &Call<'_, D>,
     ) -> Result<Work<D>> {
+        self.check_between_nodes("all_reduce", red)?;
         let sc = Self::sub_call(call, own);
         if self.singles {
             // One rank a node: the between-nodes level is the whole call.
@@ -231,6 +246,7 @@ impl<D: Device> Levels<D> {
         red: Reduction,
         call: &Call<'_, D>,
     ) -> Result<Work<D>> {
+        self.check_between_nodes("reduce_scatter", red)?;
         let grid = self.uniform_grid()?;
         let sc = Self::sub_call(call, own);
         if self.intra.size() == 1 {

@@ -70,6 +70,11 @@ pub struct CommOptions {
     /// for the reduce-to on GPUs (`comm::collectives::DIRECT_MIN_BLOCK_BYTES`,
     /// `DIRECT_MIN_REDUCE_TO_BYTES`), always on the host.
     pub direct_min_bytes: Option<usize>,
+    /// Blocks of the EP dispatch and combine kernels on GPUs
+    /// (`FERROCOMM_EP_BLOCKS`, 1 to 1024; every rank must set the same: a
+    /// rank waits for every block of each peer). `None`:
+    /// [`crate::ep::EP_GPU_BLOCKS`].
+    pub ep_blocks: Option<u32>,
 }
 
 impl Default for CommOptions {
@@ -87,6 +92,7 @@ impl Default for CommOptions {
             heap_bytes: None,
             coll_ll_bytes: None,
             direct_min_bytes: None,
+            ep_blocks: None,
         }
     }
 }
@@ -163,6 +169,12 @@ impl CommOptions {
         }
         if let Some(v) = env_var("FERROCOMM_COLL_LL_BYTES") {
             o.coll_ll_bytes = Some(byte_count("FERROCOMM_COLL_LL_BYTES", &v)?);
+        }
+        if let Some(v) = env_var("FERROCOMM_EP_BLOCKS") {
+            let b = v.trim().parse::<u32>().ok().filter(|b| (1..=1024).contains(b));
+            o.ep_blocks = Some(b.ok_or_else(|| {
+                Error::invalid(format!("FERROCOMM_EP_BLOCKS={v:?} is not a block count from 1 to 1024"))
+            })?);
         }
         if let Some(v) = env_var("FERROCOMM_QUICK_REDUCE") {
             o.quantization = v.parse()?;

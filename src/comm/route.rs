@@ -105,19 +105,35 @@ pub(crate) enum Route {
 /// The kernels' push, flag and copy-out cost about 1 us more than NCCL's
 /// small-message path, and win from a 512 KiB block on. Gather and scatter
 /// run the same exchange and take the all-gather's threshold; worlds above 2
-/// were not measured and take world 2's. All-to-alls carry no agreed size
-/// (see [`decide`]) and always take the kernels: they measured 1.2 us slower
-/// at 4-8 KiB, level at 16-64 KiB, up to 4 us faster at 128 KiB-16 MiB and
-/// 6-8% slower at 32-64 MiB.
+/// were not measured and take world 2's. All-to-alls have their own rule
+/// ([`A2A_VENDOR_MIN_BLOCK_BYTES`]; with splits, no size: the kernels).
 pub(crate) const CUSTOM_MIN_BLOCK_BYTES: usize = 512 << 10;
+
+/// Smallest per-peer block (bytes) of an all-to-all without splits (the one
+/// kind with an agreed block) that `auto` gives NCCL/RCCL: below it the
+/// kernels are level or ahead, above it NCCL's copy is faster.
+///
+/// Measured on 2x H200 (NV18), bf16, graph replay, world 2, `ferrocomm-bench
+/// --coll all --algo auto,nccl --graph` (bench/2026-11-23-h200x2/run14-session6,
+/// `collbench_w2.log`), kernels (LL to 256 KiB a peer, then the inbox
+/// exchange) / NCCL called directly, us, by the per-peer block:
+///
+/// ```text
+/// 2K 1.77/3.20 (x2: 3.55/6.40 for the call)   32K 4.37/7.81   256K 5.80/9.63
+/// 512K 9.43/12.55   4M 21.96/24.96   8M 37.14/37.51   16M 67.39/64.17   32M 123.27/110.72
+/// ```
+/// (whole calls, input of 2 blocks.)
+pub(crate) const A2A_VENDOR_MIN_BLOCK_BYTES: usize = 16 << 20;
 
 /// The route of one call of `coll` on a GPU communicator of `world` ranks.
 ///
 /// - `block_bytes`: the per-peer block in bytes when every rank agrees on it
 ///   (all-gather's input, reduce-scatter's output, gather/scatter's block,
-///   all of which every rank's validation pins); `None` for all-to-alls
-///   (one rank's splits may be even while another's are not): `auto` then
-///   takes the kernels, the one route that needs no agreed size.
+///   all of which every rank's validation pins, an all-to-all's without
+///   splits); `None` for all-to-alls given splits (one rank's may be even
+///   while another's are not): `auto` then takes the kernels, the one route
+///   that needs no agreed size. All-to-alls take the kernels below
+///   [`A2A_VENDOR_MIN_BLOCK_BYTES`], the library from there.
 /// - `vendor`: the build has NCCL/RCCL and the library loaded.
 /// - `deterministic`: [`CommOptions::deterministic`](super::CommOptions::deterministic):
 ///   reductions then always take the kernels (NCCL's bits differ from the
@@ -165,8 +181,10 @@ fn decide_at(
         CollRoute::Custom => Route::Custom,
         CollRoute::Vendor => Route::Vendor,
         CollRoute::Auto if deterministic && coll.reduces() => Route::Custom,
-        CollRoute::Auto => match block_bytes {
-            Some(b) if b < min => Route::Vendor,
+        CollRoute::Auto => match (coll, block_bytes) {
+            (Coll::AllToAll, Some(b)) if b >= A2A_VENDOR_MIN_BLOCK_BYTES => Route::Vendor,
+            (Coll::AllToAll, _) => Route::Custom,
+            (_, Some(b)) if b < min => Route::Vendor,
             _ => Route::Custom,
         },
     }
@@ -209,8 +227,10 @@ mod tests {
                         // Auto: the kernels from the measured block size, and
                         // without an agreed size, and for reductions that
                         // must be deterministic.
-                        let want = match bytes {
-                            Some(b) if b < CUSTOM_MIN_BLOCK_BYTES && !(det && coll.reduces()) => Route::Vendor,
+                        let want = match (coll, bytes) {
+                            (AllToAll, Some(b)) if b >= A2A_VENDOR_MIN_BLOCK_BYTES => Route::Vendor,
+                            (AllToAll, _) => Route::Custom,
+                            (_, Some(b)) if b < CUSTOM_MIN_BLOCK_BYTES && !(det && coll.reduces()) => Route::Vendor,
                             _ => Route::Custom,
                         };
                         assert_eq!(decide(CollRoute::Auto, coll, bytes, world, true, det), want);
@@ -221,6 +241,13 @@ mod tests {
             // unknown sizes and deterministic reductions stay on the kernels.
             let at = |bytes, det| decide_at(4096, CollRoute::Auto, coll, bytes, 4, true, det);
             assert_eq!(at(Some(4096), false), Route::Custom);
+            if coll == AllToAll {
+                // Small all-to-alls stay on the kernels, large ones go to the library.
+                assert_eq!(at(Some(4095), false), Route::Custom);
+                assert_eq!(at(Some(A2A_VENDOR_MIN_BLOCK_BYTES - 1), false), Route::Custom);
+                assert_eq!(at(Some(A2A_VENDOR_MIN_BLOCK_BYTES), false), Route::Vendor);
+                continue;
+            }
             assert_eq!(at(Some(4095), false), Route::Vendor);
             assert_eq!(at(None, false), Route::Custom);
             let det = if coll.reduces() { Route::Custom } else { Route::Vendor };

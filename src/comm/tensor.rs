@@ -103,6 +103,26 @@ impl Tensor {
             .ok_or_else(|| Error::invalid(format!("{} x {} overflows", self.count, self.dtype)))
     }
 
+    /// The one tensor `parts` are, when they lie back to back in order with
+    /// one dtype (a list call on slices of one buffer, as the levels of a
+    /// communicator across nodes make): NCCL/RCCL then take it as it is
+    /// instead of staging the list into one contiguous buffer.
+    pub(crate) fn joined(parts: &[Tensor]) -> Option<Tensor> {
+        let first = parts.first()?;
+        let mut end = first.ptr.0;
+        for p in parts {
+            if p.dtype != first.dtype || p.ptr.0 != end {
+                return None;
+            }
+            end = end.checked_add(p.bytes().ok()? as u64)?;
+        }
+        Some(Tensor {
+            ptr: first.ptr,
+            count: parts.iter().map(|p| p.count).sum(),
+            dtype: first.dtype,
+        })
+    }
+
     /// Whether the two tensors' bytes overlap.
     pub(crate) fn overlaps(&self, other: &Tensor) -> bool {
         let (a0, b0) = (self.ptr.0, other.ptr.0);
@@ -115,6 +135,21 @@ impl Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn joined_takes_back_to_back_parts_only() {
+        // SAFETY: never dereferenced; only addresses are compared.
+        let t = |p: u64, n: usize, d: DType| unsafe { Tensor::from_raw(p, n, d) };
+        let whole = Tensor::joined(&[t(1000, 4, DType::F32), t(1016, 2, DType::F32)]).unwrap();
+        assert_eq!(
+            (whole.ptr(), whole.count(), whole.dtype()),
+            (DevicePtr(1000), 6, DType::F32)
+        );
+        assert_eq!(Tensor::joined(&[t(1000, 4, DType::F32), t(1020, 2, DType::F32)]), None);
+        assert_eq!(Tensor::joined(&[t(1016, 2, DType::F32), t(1000, 4, DType::F32)]), None);
+        assert_eq!(Tensor::joined(&[t(1000, 4, DType::F32), t(1016, 8, DType::BF16)]), None);
+        assert_eq!(Tensor::joined(&[]), None);
+    }
 
     struct Fake(u64, usize);
     impl DeviceBuffer for Fake {

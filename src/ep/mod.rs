@@ -454,7 +454,7 @@ impl<D: Device> EpBuffer<D> {
     fn grid(&self) -> LaunchConfig {
         let grid = match self.comm.inner.device.facts().backend {
             BackendKind::Host => 1,
-            _ => EP_GPU_BLOCKS,
+            _ => self.comm.inner.opts.ep_blocks.unwrap_or(EP_GPU_BLOCKS),
         };
         LaunchConfig {
             grid,

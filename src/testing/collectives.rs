@@ -67,12 +67,15 @@ impl<D: Device> Suite<'_, D> {
         false
     }
 
-    /// The ops a reduction case covers: ferrocomm's on the host, NCCL's on GPUs.
+    /// The ops a reduction case covers: every op ferrocomm's kernels reduce by
+    /// (ops NCCL/RCCL lack take the kernels, whatever the route), but the
+    /// bitwise ones where the communicator refuses them (across nodes on
+    /// GPUs; the all-reduce matrix checks that refusal).
     fn ops_for(&self, dtype: DType) -> Vec<ReduceOp> {
         KERNEL_OPS
             .into_iter()
             .filter(|&op| dtype.supports(op))
-            .filter(|op| self.host() || !matches!(op, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor))
+            .filter(|&op| !self.reference.bitwise_refused || !op.is_bitwise())
             .collect()
     }
 

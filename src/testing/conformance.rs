@@ -113,6 +113,10 @@ pub struct Reference {
     /// Whether only the levels run: broadcast, reduce, all-to-all, gather,
     /// scatter, sends and receives and fused epilogues are refused.
     pub levels_only: bool,
+    /// Whether all-reduce and reduce-scatter by bitwise ops are refused:
+    /// across nodes on GPUs, where NCCL/RCCL (which has none) carries the
+    /// between-nodes level.
+    pub bitwise_refused: bool,
 }
 
 impl Reference {
@@ -123,6 +127,7 @@ impl Reference {
             reduce_scatter: Order::Flat(world),
             gathers: true,
             levels_only: false,
+            bitwise_refused: false,
         }
     }
 
@@ -152,6 +157,7 @@ impl Reference {
             reduce_scatter: levels(uniform),
             gathers: uniform || whole_group,
             levels_only: !whole_group,
+            bitwise_refused: !host,
         }
     }
 
@@ -432,6 +438,12 @@ impl<D: Device> Suite<'_, D> {
         in_place: bool,
         offset: usize,
     ) -> Result<()> {
+        if self.reference.bitwise_refused && op.is_bitwise() {
+            let t = self.view(0, offset, dtype, count, false)?;
+            let refused = self.comm.all_reduce(t, op, &Call::new());
+            let case = format!("all_reduce {dtype} {op} count={count} rank={}", self.comm.rank());
+            return self.refused(&case, refused);
+        }
         match dtype {
             DType::F32 => self.all_reduce_typed::<f32>(op, values, count, in_place, offset),
             DType::F16 => self.all_reduce_typed::<f16>(op, values, count, in_place, offset),

@@ -703,7 +703,7 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
                                         format!("auto:{}", comm.choose(choice, n_in, dtype, a.op))
                                     }
                                     (_, AlgoChoice::Auto) if backend == BackendKind::Host => "auto:host".into(),
-                                    (_, AlgoChoice::Auto) => "auto:nccl".into(),
+                                    (_, AlgoChoice::Auto) => "auto".into(),
                                     (_, AlgoChoice::Fixed(Algorithm::Ccl)) => name.clone(),
                                     (_, AlgoChoice::Fixed(x)) => x.to_string(),
                                 };
