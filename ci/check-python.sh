@@ -31,6 +31,10 @@ rm -rf "$CACHE/wheels"
 "$VENV/bin/python" -m pip install --disable-pip-version-check --no-input --quiet --force-reinstall --no-deps \
     "$CACHE"/wheels/ferrocomm-*.whl
 
+echo "--- the GPU benches and scripts compile (they run on the GPU machine only)"
+"$VENV/bin/python" -c 'import ast, sys; [ast.parse(open(f).read(), f) for f in sys.argv[1:]]' \
+    python/bench/*.py python/examples/*.py
+
 echo "--- pytest python/tests (CPU: host backend at worlds 1, 2 and 3)"
 # From the tests folder, so `import ferrocomm` finds the installed wheel,
 # not the source folder without its native module.

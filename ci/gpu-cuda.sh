@@ -4,7 +4,8 @@
 #
 #   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
 #   STEPS: tests coldstart torchrun layered example sanitizer bench collbench
-#          fused heap epbench qrbench python baseline (default: all), and shared (not
+#          fused heap epbench qrbench python flashinfer baseline (default: all),
+#          and shared (not
 #          in the default: protocol checks for a machine of one GPU)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a
@@ -14,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(cd "${1:-.carry/bin}" && pwd)"
 shift || true
-STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused heap epbench qrbench python baseline}"
+STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused heap epbench qrbench python flashinfer baseline}"
 # Logs go to one folder; with $OUT set (the lent machines bring back a
 # limited number of files) they are packed into $OUT/gpu-logs.tgz at the end,
 # beside summary.txt, also when the job is stopped.
@@ -361,8 +362,33 @@ if [[ " $STEPS " == *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/nu
             --min-bytes 4K --max-bytes 4K --fused --no-symm-mem
         step python_bench_eager torchrun --nproc_per_node=2 python/bench/bench_torch.py --collectives all_reduce \
             --min-bytes 4K --max-bytes 64K --eager --no-symm-mem --k 200
+        # EP dispatch + combine per kernel (torch's profiler, CUPTI records).
+        step python_profile_ep torchrun --nproc_per_node=2 python/bench/profile_ep.py
     else
         not_run "python GPU tests and benches (ranks on GPUs of their own)" 2
+    fi
+fi
+
+if [[ " $STEPS " == *" flashinfer "* ]] && ls .whl/flashinfer_python-*.whl >/dev/null 2>&1 && [ "$NGPU" -ge 2 ]; then
+    # FlashInfer's fused all-reduce + RMSNorm (issue 12's comparison), from
+    # wheels carried in .whl/ (git-ignored; fetched where pip works with
+    # `pip download --no-deps --only-binary=:all: --python-version 3.12
+    # --platform manylinux_2_28_x86_64 -d .whl flashinfer-python==0.6.8
+    # apache-tvm-ffi==0.1.10`); its kernels build with nvcc first (about 2 minutes on 2x
+    # H200), then the bench beside torch's unfused rows, then ferrocomm's
+    # fused rows in the same job (needs the ferrocomm wheel).
+    fisite=/tmp/ferrocomm-fi-site
+    rm -rf "$fisite"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$fisite" .whl/*.whl >"$LOG/flashinfer_install.log" 2>&1
+    fipath="$fisite${PYTHONPATH:+:$PYTHONPATH}"
+    step flashinfer_jit env PYTHONPATH="$fipath" python3 python/bench/bench_flashinfer_fusion.py --jit-only
+    step flashinfer_bench env PYTHONPATH="$fipath" torchrun --nproc_per_node=2 python/bench/bench_flashinfer_fusion.py
+    if [[ " $STEPS " != *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/null 2>&1; then
+        site=/tmp/ferrocomm-site
+        python3 -m pip install -q --no-index --no-deps --target "$site" .carry/python/ferrocomm-*.whl \
+            >"$LOG/python_install.log" 2>&1
+        step python_bench_fused env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" torchrun --nproc_per_node=2 \
+            python/bench/bench_torch.py --collectives none --min-bytes 4K --max-bytes 4K --fused --no-symm-mem
     fi
 fi
 

@@ -83,6 +83,20 @@ FC_DEVICE Warps grid_warps() {
 
 FC_DEVICE fc_u64* flag_words(const FcEpArgs& a) { return fc_ptr<fc_u64>(a.flags); }
 
+// Rows move in pieces of one copy round of a warp (FC_DEVAPI_UNROLL 16-byte
+// units a lane, 2 KiB on 32 lanes), a (row, piece) pair per warp, so that a
+// small batch still spreads over the whole grid: a warp per row paid a
+// 14 KiB row's seven rounds of load latency alone.
+FC_DEVICE fc_u64 piece_bytes() { return (fc_u64)FC_DEVAPI_UNROLL * 16u * fc_warp_size(); }
+FC_DEVICE fc_u64 pieces_of(fc_u64 row_bytes) { return (row_bytes + piece_bytes() - 1u) / piece_bytes(); }
+
+// Piece p of a row of row_bytes at src, put at dst on rank r.
+FC_DEVICE void put_piece(const FcDevCtx& ctx, fc_u32 r, char* dst, const char* src, fc_u64 row_bytes, fc_u64 p) {
+    const fc_u64 at = p * piece_bytes();
+    const fc_u64 left = row_bytes - at;
+    fc_put_warp(ctx, r, dst + at, src + at, left < piece_bytes() ? left : piece_bytes());
+}
+
 // Acquire loads before fc_wait_until takes over: peers usually answer within
 // microseconds, and a wait answered here never reads the host-mapped error
 // word (a round trip over PCIe) or the clock. The deadline still bounds the
@@ -157,9 +171,10 @@ FC_HEAP_KERNEL(fc_ep_layout, FcEpArgs) {
     if (t < FC_MAX_RANKS) fc_store(fc_ptr<fc_i32>(a.send_counts) + t, t < world ? (fc_i32)base[t] : 0);
 }
 
-// Dispatch: a warp per token puts its row (and fp8 scales, the top-k ids and
-// weights as the destination sees them, the token's index) into every
-// destination rank's region of this source, at the token's slot. Block 0 also
+// Dispatch: a warp per piece of a token's row puts it into every destination
+// rank's region of this source, at the token's slot; the warp of piece 0 also
+// puts the fp8 scales, the top-k ids and weights as the destination sees
+// them, and the token's index. Block 0 also
 // writes the row counts. Each block then adds 1 to every rank's flag for this
 // source (after a block barrier: the release covers the block's puts), and
 // block 0 waits until every source's flag reaches epoch * grid, so the stream's
@@ -175,13 +190,18 @@ FC_HEAP_KERNEL(fc_ep_dispatch, FcEpArgs) {
     const fc_i32* idx = fc_ptr<fc_i32>(a.topk_idx);
     const fc_u32* weights = fc_ptr<fc_u32>(a.topk_weights); // f32 bits, passed through
     const fc_u64 scale_bytes = (fc_u64)a.scale_cols * 4u;
-    for (fc_u32 tok = w.id; tok < a.num_tokens; tok += w.count) {
+    const fc_u64 pieces = fc_ep::pieces_of(a.row_bytes);
+    const fc_u64 units = (fc_u64)a.num_tokens * pieces;
+    for (fc_u64 u = w.id; u < units; u += w.count) {
+        const fc_u32 tok = (fc_u32)(u / pieces);
+        const fc_u64 piece = u % pieces;
         for (fc_u32 r = 0; r < world; ++r) {
             const fc_i32 slot = fc_load(slots + (fc_u64)tok * FC_MAX_RANKS + r);
             if (slot < 0) continue;
             const fc_u64 row = (fc_u64)me * a.max_tokens + (fc_u32)slot;
-            fc_put_warp(ctx, r, fc_ptr<char>(a.recv_x) + row * a.row_bytes,
-                        fc_ptr<const char>(a.x) + (fc_u64)tok * a.row_bytes, a.row_bytes);
+            fc_ep::put_piece(ctx, r, fc_ptr<char>(a.recv_x) + row * a.row_bytes,
+                             fc_ptr<const char>(a.x) + (fc_u64)tok * a.row_bytes, a.row_bytes, piece);
+            if (piece != 0) continue;
             if (a.payload == FC_EP_PAYLOAD_FP8)
                 fc_put_warp(ctx, r, fc_ptr<char>(a.recv_scales) + row * scale_bytes,
                             fc_ptr<const char>(a.scales) + (fc_u64)tok * scale_bytes, scale_bytes);
@@ -206,9 +226,9 @@ FC_HEAP_KERNEL(fc_ep_dispatch, FcEpArgs) {
         fc_ep::wait_ge(ctx, flags + FC_EP_FLAG_DISPATCH + t, epoch * fc_grid_blocks(), t);
 }
 
-// Combine, first kernel: a warp per received row sends the expert output
-// back to the row's source, into the source's inbox for this rank at the
-// token's own index; each block adds 1 to every rank's combine flag for this
+// Combine, first kernel: a warp per piece of a received row sends the expert
+// output back to the row's source, into the source's inbox for this rank at
+// the token's own index; each block adds 1 to every rank's combine flag for this
 // rank (after a block barrier: the release covers the block's puts), and block
 // 0 waits until every rank's flag reaches epoch * grid. Only block 0 waits, so
 // no kernel here needs its blocks resident together.
@@ -221,14 +241,16 @@ FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
     const fc_u64 row_bytes = (fc_u64)a.hidden * 2u;
     const fc_i32* counts = fc_ptr<fc_i32>(a.recv_counts);
     const fc_i32* src = fc_ptr<fc_i32>(a.recv_src);
+    const fc_u64 pieces = fc_ep::pieces_of(row_bytes);
     for (fc_u32 s = 0; s < world; ++s) {
         const fc_i32 n = fc_load(counts + s);
-        for (fc_u32 i = w.id; (fc_i32)i < n; i += w.count) {
-            const fc_u64 row = (fc_u64)s * a.max_tokens + i;
+        const fc_u64 units = n > 0 ? (fc_u64)n * pieces : 0u;
+        for (fc_u64 u = w.id; u < units; u += w.count) {
+            const fc_u64 row = (fc_u64)s * a.max_tokens + u / pieces;
             const fc_i32 tok = fc_load(src + row);
             if (tok < 0 || (fc_u32)tok >= a.max_tokens) continue; // never: the source wrote it
-            fc_put_warp(ctx, s, fc_ptr<char>(a.inbox) + ((fc_u64)me * a.max_tokens + (fc_u32)tok) * row_bytes,
-                        fc_ptr<const char>(a.x) + row * row_bytes, row_bytes);
+            fc_ep::put_piece(ctx, s, fc_ptr<char>(a.inbox) + ((fc_u64)me * a.max_tokens + (fc_u32)tok) * row_bytes,
+                             fc_ptr<const char>(a.x) + row * row_bytes, row_bytes, u % pieces);
         }
     }
     fc_barrier();
@@ -241,7 +263,10 @@ FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
 // Combine, second kernel (after the first on the stream, so every rank's rows
 // are in the inbox): each token's rows summed over the ranks it was sent to,
 // in rank order, in f32 (the first term as it is), rounded to bf16 once; 0 for
-// a token that went nowhere.
+// a token that went nowhere. The unit of work is one warp-wide piece of one
+// token's row (32 lanes x 16 bytes), spread over every warp of the grid: with
+// a warp per token, one token's 14 KiB row took a single warp 28 dependent
+// load rounds (17 us on H200 for a one-token batch).
 FC_HEAP_KERNEL(fc_ep_combine_reduce, FcEpArgs) {
     const fc_u32 world = a.ctx.world;
     const fc_ep::Warps w = fc_ep::grid_warps();
@@ -249,45 +274,57 @@ FC_HEAP_KERNEL(fc_ep_combine_reduce, FcEpArgs) {
     const fc_i32* slots = fc_ptr<fc_i32>(a.slots);
     const char* inbox = fc_ptr<const char>(a.inbox);
     const fc_u64 rank_stride = (fc_u64)a.max_tokens * row_bytes;
-    // 16-byte vectors (eight bf16) when every row and the output allow them.
+    // 16-byte vectors (eight bf16) when every row and the output allow them,
+    // else one bf16 a lane.
     const bool vec = ((a.out | a.inbox | row_bytes) & 15u) == 0;
-    for (fc_u32 tok = w.id; tok < a.num_tokens; tok += w.count) {
+    const fc_u64 lane_bytes = vec ? 16u : 2u;
+    const fc_u64 piece = (fc_u64)fc_warp_size() * lane_bytes;
+    const fc_u64 pieces = (row_bytes + piece - 1u) / piece;
+    const fc_u64 units = (fc_u64)a.num_tokens * pieces;
+    for (fc_u64 u = w.id; u < units; u += w.count) {
+        const fc_u32 tok = (fc_u32)(u / pieces);
+        const fc_u64 c = (u % pieces) * piece + (fc_u64)w.lane * lane_bytes;
+        if (c >= row_bytes) continue;
         fc_u32 mask = 0;
         for (fc_u32 r = 0; r < world; ++r)
             if (fc_load(slots + (fc_u64)tok * FC_MAX_RANKS + r) >= 0) mask |= 1u << r;
-        const char* rows = inbox + (fc_u64)tok * row_bytes;
-        char* out = fc_ptr<char>(a.out) + (fc_u64)tok * row_bytes;
+        const char* rows = inbox + (fc_u64)tok * row_bytes + c;
+        char* out = fc_ptr<char>(a.out) + (fc_u64)tok * row_bytes + c;
         if (vec) {
-            for (fc_u64 c = (fc_u64)w.lane * 16u; c < row_bytes; c += (fc_u64)fc_warp_size() * 16u) {
-                float acc[8];
-                bool first = true;
-                for (fc_u32 r = 0; r < world; ++r) {
-                    if (!((mask >> r) & 1u)) continue;
-                    const fc_vec16 v = fc_load16(rows + r * rank_stride + c);
-                    for (int k = 0; k < 4; ++k) {
-                        float lo, hi;
-                        fc_unpack_bf16x2(v.w[k], lo, hi);
-                        acc[2 * k] = first ? lo : fc_fadd(acc[2 * k], lo);
-                        acc[2 * k + 1] = first ? hi : fc_fadd(acc[2 * k + 1], hi);
-                    }
-                    first = false;
+            // Every rank's piece loaded at once, with the slots above (the
+            // inbox holds a row per rank, stale where the token went
+            // elsewhere; the mask skips those), so a unit pays one load
+            // latency, not one for the slots and another for the rows.
+            fc_vec16 v[FC_MAX_RANKS];
+#pragma unroll
+            for (int r = 0; r < (int)FC_MAX_RANKS; ++r)
+                if ((fc_u32)r < world) v[r] = fc_load16(rows + (fc_u64)r * rank_stride);
+            float acc[8];
+            bool first = true;
+#pragma unroll
+            for (int r = 0; r < (int)FC_MAX_RANKS; ++r) {
+                if ((fc_u32)r >= world || !((mask >> r) & 1u)) continue;
+                for (int k = 0; k < 4; ++k) {
+                    float lo, hi;
+                    fc_unpack_bf16x2(v[r].w[k], lo, hi);
+                    acc[2 * k] = first ? lo : fc_fadd(acc[2 * k], lo);
+                    acc[2 * k + 1] = first ? hi : fc_fadd(acc[2 * k + 1], hi);
                 }
-                fc_vec16 o;
-                for (int k = 0; k < 4; ++k) o.w[k] = first ? 0u : fc_pack_bf16x2(acc[2 * k], acc[2 * k + 1]);
-                fc_store16(out + c, o);
+                first = false;
             }
+            fc_vec16 o;
+            for (int k = 0; k < 4; ++k) o.w[k] = first ? 0u : fc_pack_bf16x2(acc[2 * k], acc[2 * k + 1]);
+            fc_store16(out, o);
         } else {
-            for (fc_u32 c = w.lane; c < a.hidden; c += fc_warp_size()) {
-                float acc = 0.0f;
-                bool first = true;
-                for (fc_u32 r = 0; r < world; ++r) {
-                    if (!((mask >> r) & 1u)) continue;
-                    const float v = fc_bf16_to_f32(fc_load(reinterpret_cast<const fc_u16*>(rows + r * rank_stride) + c));
-                    acc = first ? v : fc_fadd(acc, v);
-                    first = false;
-                }
-                fc_store(reinterpret_cast<fc_u16*>(out) + c, first ? (fc_u16)0 : fc_f32_to_bf16(acc));
+            float acc = 0.0f;
+            bool first = true;
+            for (fc_u32 r = 0; r < world; ++r) {
+                if (!((mask >> r) & 1u)) continue;
+                const float v = fc_bf16_to_f32(fc_load(reinterpret_cast<const fc_u16*>(rows + r * rank_stride)));
+                acc = first ? v : fc_fadd(acc, v);
+                first = false;
             }
+            fc_store(reinterpret_cast<fc_u16*>(out), first ? (fc_u16)0 : fc_f32_to_bf16(acc));
         }
     }
 }

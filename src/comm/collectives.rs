@@ -1332,8 +1332,16 @@ fn reduce_to<D: Device>(
 /// An exchange through NCCL/RCCL: our own block as a device copy, the rest
 /// as one group of sends and receives.
 fn vendor_exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, mut l: Lists, me: usize) -> Result<()> {
-    if let (Some((n, from)), Some((_, to))) = (l.sends[me].take(), l.recvs[me].take()) {
-        copy_if_apart(s, to, from, n * dtype.size())?;
+    // This rank's own block stays in the library's group, which copies it
+    // beside the peers' blocks: a copy of its own ahead of the group
+    // serialised with it (2x H200, all-to-all of 16 MiB a peer: 72 us
+    // against 64 us in the group). In place there is nothing to move.
+    match (l.sends[me], l.recvs[me]) {
+        (Some((_, from)), Some((_, to))) if from != to => {}
+        _ => {
+            l.sends[me] = None;
+            l.recvs[me] = None;
+        }
     }
     let world = s.inner.world;
     if (0..world).all(|q| l.sends[q].is_none() && l.recvs[q].is_none()) {

@@ -71,7 +71,7 @@ pub struct CommOptions {
     /// `DIRECT_MIN_REDUCE_TO_BYTES`), always on the host.
     pub direct_min_bytes: Option<usize>,
     /// Blocks of the EP dispatch and combine kernels on GPUs
-    /// (`FERROCOMM_EP_BLOCKS`, 1 to 1024; every rank must set the same: a
+    /// (`FERROCOMM_EP_BLOCKS`, 1 to 128; every rank must set the same: a
     /// rank waits for every block of each peer). `None`:
     /// [`crate::ep::EP_GPU_BLOCKS`].
     pub ep_blocks: Option<u32>,
@@ -171,9 +171,12 @@ impl CommOptions {
             o.coll_ll_bytes = Some(byte_count("FERROCOMM_COLL_LL_BYTES", &v)?);
         }
         if let Some(v) = env_var("FERROCOMM_EP_BLOCKS") {
-            let b = v.trim().parse::<u32>().ok().filter(|b| (1..=1024).contains(b));
+            let max = crate::algo::layout::MAX_BLOCKS as u32;
+            let b = v.trim().parse::<u32>().ok().filter(|b| (1..=max).contains(b));
             o.ep_blocks = Some(b.ok_or_else(|| {
-                Error::invalid(format!("FERROCOMM_EP_BLOCKS={v:?} is not a block count from 1 to 1024"))
+                Error::invalid(format!(
+                    "FERROCOMM_EP_BLOCKS={v:?} is not a block count from 1 to {max}"
+                ))
             })?);
         }
         if let Some(v) = env_var("FERROCOMM_QUICK_REDUCE") {

@@ -71,12 +71,18 @@ pub const EP_KERNELS: [&str; 4] = [
     "fc_ep_combine_reduce",
 ];
 
-/// Blocks of the dispatch and combine kernels on GPUs. Every rank must use
-/// the same grid (a rank waits for `epoch * grid` signals from each peer),
-/// so it is fixed. Only block 0 of a kernel waits, so the blocks need not be
-/// resident together. 32 blocks of 512 threads keep the NVLink puts of large
-/// batches busy.
-pub const EP_GPU_BLOCKS: u32 = 32;
+/// Blocks of the dispatch and combine kernels on GPUs
+/// (`CommOptions::ep_blocks` overrides it). Every rank must use the same
+/// grid (a rank waits for `epoch * grid` signals from each peer), so it is
+/// fixed. Only block 0 of a kernel waits, so the blocks need not be
+/// resident together.
+///
+/// Measured on 2x H200, `FERROCOMM_EP_BLOCKS=b ferrocomm-bench --ep --graph`
+/// (bench/2026-11-23-h200x2/run14-session6, c and d), dispatch + combine us
+/// at 4096 tokens a rank, bf16 / fp8: 8 blocks 1655 / 1563, 32: 709 / 627,
+/// 64: 556 / 477, 128 (the most a launch takes): 491 / 410; to 1024 tokens
+/// 64 and 128 are level, and the grid changes nothing below 512 tokens.
+pub const EP_GPU_BLOCKS: u32 = 128;
 
 /// What the dispatched rows carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -100,7 +100,9 @@ impl SuiteReport {
 /// or NCCL/RCCL), and where there is neither (the host backend above 8
 /// ranks) everything but all-reduce, all-gather, reduce-scatter (equal
 /// nodes) and barrier is refused with [`Error::Unsupported`], which the
-/// suite checks.
+/// suite checks. On GPUs across nodes the fused epilogues (no workspace over
+/// every rank) and bitwise all-reduce and reduce-scatter (NCCL/RCCL between
+/// the nodes has no bitwise ops) are refused too.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reference {
     /// All-reduce and premul_sum.
@@ -117,6 +119,14 @@ pub struct Reference {
     /// across nodes on GPUs, where NCCL/RCCL (which has none) carries the
     /// between-nodes level.
     pub bitwise_refused: bool,
+    /// Whether the fused epilogues are refused: they need a workspace over
+    /// every rank, which only one node has (and the host's stand-in across
+    /// pseudo-nodes, up to 8 ranks).
+    pub fused_refused: bool,
+    /// Whether the communicator spans (pseudo-)nodes: its all-reduce runs
+    /// the levels (or, one rank a node, the between-nodes level alone) with
+    /// exact sums, whatever algorithm is asked, quick-reduce included.
+    pub spans_nodes: bool,
 }
 
 impl Reference {
@@ -128,6 +138,8 @@ impl Reference {
             gathers: true,
             levels_only: false,
             bitwise_refused: false,
+            fused_refused: false,
+            spans_nodes: false,
         }
     }
 
@@ -151,13 +163,16 @@ impl Reference {
         let host = comm.device().facts().backend == crate::device::BackendKind::Host;
         // A workspace over every rank (the host's stand-in for NCCL between
         // pseudo-nodes), or NCCL/RCCL, carries the rest.
-        let whole_group = (host && world <= MAX_RANKS) || comm.has_vendor_library();
+        let workspace_everywhere = host && world <= MAX_RANKS;
+        let whole_group = workspace_everywhere || comm.has_vendor_library();
         Reference {
             all_reduce: levels(true),
             reduce_scatter: levels(uniform),
             gathers: uniform || whole_group,
             levels_only: !whole_group,
             bitwise_refused: !host,
+            fused_refused: !workspace_everywhere,
+            spans_nodes: true,
         }
     }
 
@@ -216,7 +231,7 @@ pub fn run_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &Sui
     lap("graph replays");
     s.quick_reduce()?;
     lap("quick-reduce");
-    if s.reference.levels_only {
+    if s.reference.fused_refused {
         s.fused_refused()?;
     } else {
         s.fused()?;
@@ -705,8 +720,8 @@ impl<D: Device> Suite<'_, D> {
         }
     }
 
-    /// A fused all-reduce on a communicator with only its levels: refused
-    /// (the fused kernels need a workspace over every rank).
+    /// A fused all-reduce on a communicator across nodes: refused (the fused
+    /// kernels need a workspace over every rank).
     fn fused_refused(&mut self) -> Result<()> {
         let (tokens, hidden) = (3, 64);
         let dtype = DType::BF16;
