@@ -125,6 +125,36 @@ fn pull(l: &Launch, want: &[usize]) -> Option<Vec<Vec<u8>>> {
     got.then_some(bufs)
 }
 
+/// Every peer's non-empty send block of `lists` (elements of `es` bytes) on
+/// its lines, then the handshake: whether every peer's record agreed.
+///
+/// # Safety: every send block holds its count of elements.
+unsafe fn push_sends(l: &Launch, lists: &Lists, es: usize) -> bool {
+    let (world, me) = (l.world(), l.me());
+    for q in (1..world).map(|k| (me + k) % world) {
+        let (n, from) = lists.send(q);
+        if n > 0 {
+            // SAFETY: the caller's promise.
+            push(l, q, &unsafe { lines_of(from, n * es) });
+        }
+    }
+    handshake(l)
+}
+
+/// The sources of a reduction in rank order: `own` for this rank, the
+/// pulled buffer for every peer.
+fn sources(me: usize, own: DevicePtr, bufs: &[Vec<u8>]) -> Vec<DevicePtr> {
+    (0..bufs.len())
+        .map(|s| {
+            if s == me {
+                own
+            } else {
+                DevicePtr(bufs[s].as_ptr() as u64)
+            }
+        })
+        .collect()
+}
+
 /// One-shot, LL all-reduce: our input to every peer; every peer's, reduced
 /// with ours in rank order.
 ///
@@ -142,15 +172,7 @@ pub(super) unsafe fn oneshot_ll<T: Lanes>(l: &Launch, op: Reduction) -> bool {
     }
     let want: Vec<usize> = (0..world).map(|s| if s == me { 0 } else { bytes }).collect();
     let Some(bufs) = pull(l, &want) else { return false };
-    let srcs: Vec<DevicePtr> = (0..world)
-        .map(|s| {
-            if s == me {
-                l.p.input
-            } else {
-                DevicePtr(bufs[s].as_ptr() as u64)
-            }
-        })
-        .collect();
+    let srcs = sources(me, l.p.input, &bufs);
     // SAFETY: every source holds at least `count` elements (the buffers hold
     // whole lines), the output `count`; in place is fine (reduce_range tiles).
     unsafe { reduce_range::<T>(l, op, &srcs, n, &[l.p.output]) };
@@ -165,14 +187,8 @@ pub(super) unsafe fn oneshot_ll<T: Lanes>(l: &Launch, op: Reduction) -> bool {
 /// # Safety: see `HostKernel::call`.
 pub(super) unsafe fn exchange_ll(l: &Launch) -> bool {
     let (world, me, es, lists) = (l.world(), l.me(), elem_size(l.p), Lists(l.p));
-    for q in (1..world).map(|k| (me + k) % world) {
-        let (n, from) = lists.send(q);
-        if n > 0 {
-            // SAFETY: a send block holds its count of elements.
-            push(l, q, &unsafe { lines_of(from, n * es) });
-        }
-    }
-    if !handshake(l) {
+    // SAFETY: a send block holds its count of elements.
+    if !unsafe { push_sends(l, &lists, es) } {
         return false;
     }
     let want: Vec<usize> = (0..world)
@@ -199,14 +215,8 @@ pub(super) unsafe fn exchange_ll(l: &Launch) -> bool {
 pub(super) unsafe fn reduce_to_ll<T: Lanes>(l: &Launch, op: Reduction) -> bool {
     let (world, me, lists) = (l.world(), l.me(), Lists(l.p));
     let size = std::mem::size_of::<T>();
-    for q in (1..world).map(|k| (me + k) % world) {
-        let (n, from) = lists.send(q);
-        if n > 0 {
-            // SAFETY: a send block holds its count of elements.
-            push(l, q, &unsafe { lines_of(from, n * size) });
-        }
-    }
-    if !handshake(l) {
+    // SAFETY: a send block holds its count of elements.
+    if !unsafe { push_sends(l, &lists, size) } {
         return false;
     }
     let n = lists.recv(me).0;
@@ -215,15 +225,7 @@ pub(super) unsafe fn reduce_to_ll<T: Lanes>(l: &Launch, op: Reduction) -> bool {
     }
     let want: Vec<usize> = (0..world).map(|s| if s == me { 0 } else { n * size }).collect();
     let Some(bufs) = pull(l, &want) else { return false };
-    let srcs: Vec<DevicePtr> = (0..world)
-        .map(|s| {
-            if s == me {
-                lists.send(me).1
-            } else {
-                DevicePtr(bufs[s].as_ptr() as u64)
-            }
-        })
-        .collect();
+    let srcs = sources(me, lists.send(me).1, &bufs);
     // SAFETY: our own block and every buffer hold `n` elements, the output
     // too; in place (output = own block) is fine (reduce_range tiles).
     unsafe { reduce_range::<T>(l, op, &srcs, n, &[l.p.output]) };
