@@ -1329,8 +1329,8 @@ fn reduce_to<D: Device>(
     enqueue(s, &c)
 }
 
-/// An exchange through NCCL/RCCL: our own block as a device copy, the rest
-/// as one group of sends and receives.
+/// An exchange through NCCL/RCCL: every block, our own among them, as one
+/// group of sends and receives.
 fn vendor_exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, mut l: Lists, me: usize) -> Result<()> {
     // This rank's own block stays in the library's group, which copies it
     // beside the peers' blocks: a copy of its own ahead of the group
