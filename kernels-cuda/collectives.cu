@@ -250,36 +250,9 @@ FC_DEVICE void twoshot_push(const FcParams& p) {
 // ===========================================================================
 // One-shot, LL (barrier-free, Lamport-style; protocol.md "One-shot, LL").
 //
-// Data travels in 16-byte lines of two 8-byte units {data word, flag}: 8 data
-// bytes a line, flag = E | 1. Each unit is one 64-bit access (single-copy
-// atomic), so a unit whose flag matches this launch's carries this launch's
-// data; readers clear what they read to 0, which no launch writes. No fence,
-// flag or block barrier sits between the data and its reader. Thread t of a
-// block handles lines t, t + nt, ... of the block's range, so a warp's stores
-// cover contiguous memory.
-
-#define FC_LL_FP_BYTES (2ull * FC_MAX_BLOCKS * FC_MAX_RANKS * 16ull)
-
-FC_DEVICE fc_u64 ll_offset(const FcParams& p) { return p.data_offset + 4u * p.slot_bytes; }
-FC_DEVICE fc_u64 ll_fp_offset(const FcParams& p, fc_u32 parity, fc_u32 b, fc_u32 src) {
-    return ll_offset(p) + ((fc_u64)(parity * FC_MAX_BLOCKS + b) * FC_MAX_RANKS + src) * 16u;
-}
-FC_DEVICE fc_u64 ll_stride(const FcParams& p) { return ((p.slot_bytes / 2u) / p.world) & ~(fc_u64)63; }
-// Lines from source 0 of this parity; source s's start s * ll_stride later.
-FC_DEVICE fc_u64 ll_lines_offset(const FcParams& p, fc_u32 parity) {
-    return ll_offset(p) + FC_LL_FP_BYTES + (fc_u64)parity * (p.slot_bytes / 2u);
-}
-
-FC_DEVICE fc_u64 ll_unit(fc_u32 word, fc_u32 flag) { return ((fc_u64)flag << 32) | (fc_u64)word; }
-
-// One line; true when both units carry `flag`.
-FC_DEVICE bool ll_load(const char* line, fc_u32 flag, fc_u32& w0, fc_u32& w1) {
-    fc_u64 a, b;
-    fc_ld_volatile_v2u64(line, a, b);
-    w0 = (fc_u32)a;
-    w1 = (fc_u32)b;
-    return ((fc_u32)(a >> 32) == flag) & ((fc_u32)(b >> 32) == flag);
-}
+// The lines, records and handshake are in common.cuh (the fused LL one-shot
+// shares them). Thread t of a block handles lines t, t + nt, ... of the
+// block's range, so a warp's stores cover contiguous memory.
 
 // 8 data bytes at element e0 of a user buffer (zero padded past hi; two
 // 4-byte loads when the buffer is 4-byte aligned and the line is whole).
@@ -384,46 +357,6 @@ FC_DEVICE bool ll_reduce_line(const FcParams& p, fc_u32 flag, fc_u32 epoch, char
 FC_DEVICE void ll_clear_lines(char* at, fc_u64 stride, fc_u32 world, fc_u32 rank) {
     for (fc_u32 s = 0; s < world; ++s)
         if (s != rank) fc_st_volatile_v2u64(at + (fc_u64)s * stride, 0ull, 0ull);
-}
-
-// The LL kinds' handshake, per block: thread q < world (q != rank) stores
-// our fingerprint record {fp_lo, flag}, {fp_hi, flag} at peer q's record
-// [parity][b][rank]. Every LL kind sends and awaits it with every peer, also
-// one it moves no data with: it is the evidence that each peer started this
-// launch, on which the reuse of the LL area at E + 2 rests.
-FC_DEVICE void ll_send_record(const FcParams& p, fc_u32 parity, fc_u32 b, fc_u32 flag) {
-    const fc_u32 t = fc_thread_id();
-    if (t < p.world && t != p.rank)
-        fc_st_volatile_v2u64(fc_ptr<char>(p.peer_ws[t] + ll_fp_offset(p, parity, b, p.rank)),
-                             ll_unit((fc_u32)p.fingerprint, flag), ll_unit((fc_u32)(p.fingerprint >> 32), flag));
-}
-
-// Thread s < world (s != rank) waits for record [parity][b][s], clears it and
-// compares it with our fingerprint. False (this thread) after raising a
-// timeout or a mismatch for s; callers combine with fc_barrier_or.
-FC_DEVICE bool ll_check_record(const FcParams& p, char* own, fc_u32 parity, fc_u32 b, fc_u32 flag, fc_u32 epoch) {
-    const fc_u32 t = fc_thread_id();
-    if (t >= p.world || t == p.rank) return true;
-    char* rec = own + ll_fp_offset(p, parity, b, t);
-    fc_u64 lo, hi;
-    fc_ld_volatile_v2u64(rec, lo, hi);
-    if ((fc_u32)(lo >> 32) != flag || (fc_u32)(hi >> 32) != flag) {
-        const fc_u64 start = fc_globaltimer_ns();
-        for (;;) {
-            fc_ld_volatile_v2u64(rec, lo, hi);
-            if ((fc_u32)(lo >> 32) == flag && (fc_u32)(hi >> 32) == flag) break;
-            if (fc_globaltimer_ns() - start >= p.timeout_ns) {
-                raise_timeout(p, t, epoch);
-                return false;
-            }
-        }
-    }
-    fc_st_volatile_v2u64(rec, 0ull, 0ull);
-    if (((lo & 0xffffffffull) | (hi << 32)) != p.fingerprint) {
-        raise_mismatch(p, t, epoch);
-        return false;
-    }
-    return true;
 }
 
 // One-shot, LL. Block b owns block_range(count, b, nb): lines of 8 data bytes

@@ -562,6 +562,132 @@ FC_DEVICE void fused_oneshot(const FcParams& p) {
     complete(own, e0 + (fc_u32)(nchunk - 1));
 }
 
+// Wait until both lines of one pack (at `at`, the second 16 bytes later)
+// carry `flag`, into v. False after raising a timeout for source `src`.
+FC_DEVICE bool fu_ll_pack(const FcParams& p, const char* at, fc_u32 flag, fc_u32 epoch, fc_u32 src, fc_vec16& v) {
+    bool a = ll_load(at, flag, v.w[0], v.w[1]);
+    bool b = ll_load(at + 16u, flag, v.w[2], v.w[3]);
+    if (a && b) return true;
+    const fc_u64 start = fc_globaltimer_ns();
+    for (;;) {
+        if (!a) a = ll_load(at, flag, v.w[0], v.w[1]);
+        if (!b) b = ll_load(at + 16u, flag, v.w[2], v.w[3]);
+        if (a && b) return true;
+        if (fc_globaltimer_ns() - start >= p.timeout_ns) {
+            raise_timeout(p, src, epoch);
+            return false;
+        }
+    }
+}
+
+// One-shot fused, LL: the push one-shot's data flow on the LL all-reduce's
+// lines, so no flag round trip and no grid barrier sit between a rank's
+// rows and the epilogue that reads them (the push one-shot's arrive_wait
+// was most of its time at a few tokens). The whole call is one epoch: the
+// host takes this kind only when every row fits one source's lines
+// (tokens * row_bytes * 2 <= ll_stride). Block b owns rows [b*per,
+// (b+1)*per); its packs are walked flat (pack k: row k / packs), pack k by
+// thread k % nt in both loops below, so a thread re-reads only what it
+// wrote itself before the barrier.
+// 1. Our record to every peer (ll_send_record). Every pack of our rows (or,
+//    with MOE, the pack computed by the MoE prologue) goes as its two lines
+//    to our lines at every peer, and as data to our staging area (the push
+//    one-shot's region of this parity, row j at j * row_bytes: nothing else
+//    writes it during this epoch, peers' push kinds use the other parity
+//    at E + 1).
+// 2. Every peer's record (ll_check_record); on a failure, exit.
+// 3. Every pack: every peer's two lines, reduced with ours in rank order
+//    (fu_reduce_pack's order), rounded (fu_pack) into the staging area; the
+//    lines read are cleared for E + 2.
+// 4. Block barrier, then fused_rows on the staged rows as one source (its
+//    "sum" is the identity): the one-shot's results bit for bit.
+template <class T, int PAT, bool MOE = false>
+FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
+    char* own = fc_ptr<char>(p.peer_ws[p.rank]);
+    const fc_u32 epoch = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
+    const fc_u32 parity = epoch & 1;
+    const fc_u32 flag = epoch | 1u;
+    const fc_u32 b = fc_block_id();
+    const fc_u32 world = p.world;
+    const fc_u32 rank = p.rank;
+    const fc_u32 nt = fc_block_threads();
+    const fc_u64 hidden = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_HIDDEN];
+    const fc_u64 tokens = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_TOKENS];
+    const fc_u64 row_bytes = hidden * sizeof(typename T::S);
+    const fc_u64 per = div_ceil(tokens, fc_grid_blocks());
+    const fc_u64 rlo = min_u64((fc_u64)b * per, tokens);
+    const fc_u64 rhi = min_u64(rlo + per, tokens);
+    const fc_u64 stride = ll_stride(p);
+    const fc_u64 lines = ll_lines_offset(p, parity);
+    char* staging = own + region_offset(p, parity);
+    // 32-bit pack counts, as fu_moe_stage: the rows fit one source's lines.
+    const fc_u32 packs = (fc_u32)(hidden / 8);
+    const fc_u32 end = (fc_u32)((rhi - rlo) * packs);
+    const fc_u64 first = rlo * row_bytes; // byte of our first row's data
+
+    ll_send_record(p, parity, b, flag);
+    for (fc_u32 k = fc_thread_id(); k < end; k += nt) {
+        const fc_u32 jr = k / packs;
+        const fc_u64 j = rlo + jr;
+        const fc_u64 o = (fc_u64)(k - jr * packs) * 16u;
+        const fc_u64 at = first + (fc_u64)k * 16u; // = j * row_bytes + o
+        fc_vec16 v;
+        if (MOE) {
+            v = fu_moe_pack<T, FU_MOE_GROUP_ONESHOT>(p, j, o, row_bytes);
+        } else {
+            v = fc_load16(fc_ptr<const char>(p.input) + at);
+        }
+        fc_store16(staging + at, v);
+        const fc_u64 u0 = ll_unit(v.w[0], flag), u1 = ll_unit(v.w[1], flag);
+        const fc_u64 u2 = ll_unit(v.w[2], flag), u3 = ll_unit(v.w[3], flag);
+        for (fc_u32 n = 1; n < world; ++n) {
+            fc_u32 q = rank + n;
+            if (q >= world) q -= world;
+            char* line = fc_ptr<char>(p.peer_ws[q] + lines + (fc_u64)rank * stride + 2u * at);
+            fc_st_volatile_v2u64(line, u0, u1);
+            fc_st_volatile_v2u64(line + 16u, u2, u3);
+        }
+    }
+
+    bool failed = !ll_check_record(p, own, parity, b, flag, epoch);
+    if (fc_barrier_or(failed)) return;
+
+    for (fc_u32 k = fc_thread_id(); k < end; k += nt) {
+        const fc_u64 at = first + (fc_u64)k * 16u;
+        fc_vec16 v[FC_MAX_RANKS];
+#pragma unroll
+        for (int s = 0; s < (int)FC_MAX_RANKS; ++s) {
+            if ((fc_u32)s >= world) break;
+            if ((fc_u32)s == rank) {
+                v[s] = fc_load16(staging + at);
+            } else if (!failed && !fu_ll_pack(p, own + lines + (fc_u64)s * stride + 2u * at, flag, epoch, (fc_u32)s, v[s])) {
+                failed = true;
+            }
+        }
+        if (failed) break;
+        float a[8];
+        T::unpack(v[0], a);
+#pragma unroll
+        for (int s = 1; s < (int)FC_MAX_RANKS; ++s) {
+            if ((fc_u32)s >= world) break;
+            float x[8];
+            T::unpack(v[s], x);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) a[e] = fc_fadd(a[e], x[e]);
+        }
+        fc_store16(staging + at, fu_pack<T>(a));
+        for (fc_u32 s = 0; s < world; ++s) {
+            if (s == rank) continue;
+            char* line = own + lines + (fc_u64)s * stride + 2u * at;
+            fc_st_volatile_v2u64(line, 0ull, 0ull);
+            fc_st_volatile_v2u64(line + 16u, 0ull, 0ull);
+        }
+    }
+    if (fc_barrier_or(failed)) return;
+    fused_rows<T, PAT>(p, staging, 0, 1u, 0, rlo, rhi);
+    complete(own, epoch);
+}
+
 // Rows piece b (of `per` rows) of segment d (of `seg` rows) of a chunk of n rows.
 FC_DEVICE Range fu_piece(fc_u64 n, fc_u64 seg, fc_u64 per, fc_u32 d, fc_u32 b) {
     Range r;

@@ -1,6 +1,7 @@
-//! The host twin of `kernels-cuda/fused.cu`: the one-shot fused all-reduce
-//! epilogue with the epoch protocol of the push one-shot (chunks of whole
-//! rows, one epoch each, a grid of one block), and per row exactly the GPU's
+//! The host twin of `kernels-cuda/fused.cu`: the fused all-reduce epilogue
+//! with the protocols of the push one-shot (chunks of whole rows, one epoch
+//! each, a grid of one block), the LL one-shot (the LL units of `ll.rs`) and
+//! the push two-shot, and per row exactly the GPU's
 //! fp32 order (docs/protocol.md, "Fused epilogues"): 32 lane partials of the
 //! sum of squares over 8-element packs, a fixed butterfly, correctly rounded
 //! division and square root. With the MoE-finalize prologue, each row is
@@ -10,6 +11,7 @@
 use half::{bf16, f16};
 
 use super::kernels::{copy_bytes, Launch};
+use super::ll;
 use crate::algo::fused::{
     fp8_min_scale, int8_min_scale, FusedInput, FusedKind, FusionPattern, FP8_MAX, INT8_MAX, MOE_IDX, MOE_ROWS,
     MOE_SCALES, MOE_SCALE_F32, MOE_SHARED, MOE_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT, PTR_QUANT_OUT, PTR_RESIDUAL_IN,
@@ -46,6 +48,8 @@ pub(super) unsafe fn run(
         match (kind, bf) {
             (FusedKind::OneShot, true) => oneshot::<bf16>(l, pattern, moe),
             (FusedKind::OneShot, false) => oneshot::<f16>(l, pattern, moe),
+            (FusedKind::OneShotLl, true) => oneshot_ll::<bf16>(l, pattern, moe),
+            (FusedKind::OneShotLl, false) => oneshot_ll::<f16>(l, pattern, moe),
             (FusedKind::TwoShot, true) => twoshot::<bf16>(l, pattern, moe),
             (FusedKind::TwoShot, false) => twoshot::<f16>(l, pattern, moe),
         }
@@ -161,6 +165,42 @@ unsafe fn oneshot<T: Half16>(l: &Launch, pattern: FusionPattern, moe: bool) -> O
         }
     }
     Some(l.epoch.wrapping_add(nchunk as u32 - 1))
+}
+
+/// One-shot, LL (as `fused_oneshot_ll`): our rows (staged once: a copy, or
+/// the MoE rows) as LL units to every peer, the handshake, every peer's
+/// rows pulled from our lines, then each row's epilogue over the sources in
+/// rank order. One epoch for the whole call (the communicator checked that
+/// the rows fit one source's lines). Returns the epoch.
+///
+/// # Safety: see [`run`].
+unsafe fn oneshot_ll<T: Half16>(l: &Launch, pattern: FusionPattern, moe: bool) -> Option<u32> {
+    let p = l.p;
+    let hidden = p.per_peer[ROW_SCALARS][SCALAR_HIDDEN] as usize;
+    let tokens = p.per_peer[ROW_SCALARS][SCALAR_TOKENS] as usize;
+    let (me, world) = (l.me(), l.world());
+    let row_bytes = hidden * 2;
+    if tokens == 0 {
+        return None;
+    }
+    let mut mine = vec![0u8; tokens * row_bytes];
+    // SAFETY: `mine` holds every row; the rows are the call's.
+    unsafe { stage::<T>(p, moe, 0, tokens, &[DevicePtr(mine.as_mut_ptr() as u64)]) };
+    for k in 1..world {
+        ll::push(l, (me + k) % world, &mine);
+    }
+    if !ll::handshake(l) {
+        return None;
+    }
+    let want: Vec<usize> = (0..world).map(|s| if s == me { 0 } else { mine.len() }).collect();
+    let bufs = ll::pull(l, &want)?;
+    let srcs = ll::sources(me, DevicePtr(mine.as_ptr() as u64), &bufs);
+    for row in 0..tokens {
+        let rows: Vec<DevicePtr> = srcs.iter().map(|s| s.offset(row * row_bytes)).collect();
+        // SAFETY: every source holds every row; the tensors hold row `row`.
+        unsafe { epilogue_row::<T>(p, pattern, &rows, row, hidden) };
+    }
+    Some(l.epoch)
 }
 
 /// Two-shot, push, by whole rows (as `fused_twoshot`): chunks of `world`

@@ -44,7 +44,7 @@ unsafe fn lines_of(addr: DevicePtr, bytes: usize) -> Vec<u8> {
 }
 
 /// Store `data` (whole lines) as units into our lines at peer `q`.
-fn push(l: &Launch, q: usize, data: &[u8]) {
+pub(super) fn push(l: &Launch, q: usize, data: &[u8]) {
     let (lines, flag) = (l.ll_lines(q, l.me()), l.ll_flag());
     for (u, word) in data.chunks_exact(4).enumerate() {
         let w = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
@@ -55,7 +55,7 @@ fn push(l: &Launch, q: usize, data: &[u8]) {
 /// Send our record to every peer (after our data, so a reader that sees it
 /// sees the data too), then wait for every peer's, clear and compare it.
 /// False with the error words set on a deadline or a mismatch.
-fn handshake(l: &Launch) -> bool {
+pub(super) fn handshake(l: &Launch) -> bool {
     let (world, me, flag, fp) = (l.world(), l.me(), l.ll_flag(), l.p.fingerprint);
     for k in 1..world {
         let rec = l.ll_fp_addr((me + k) % world, me);
@@ -98,7 +98,7 @@ fn handshake(l: &Launch) -> bool {
 
 /// Take `want[s]` bytes (whole lines) from every source's lines, clearing
 /// each unit read; `None` after a deadline (error words set).
-fn pull(l: &Launch, want: &[usize]) -> Option<Vec<Vec<u8>>> {
+pub(super) fn pull(l: &Launch, want: &[usize]) -> Option<Vec<Vec<u8>>> {
     let (me, flag) = (l.me(), l.ll_flag());
     let words: Vec<usize> = want.iter().map(|&b| b.div_ceil(8) * 2).collect();
     let mut bufs: Vec<Vec<u8>> = want.iter().map(|&b| Vec::with_capacity(b.div_ceil(8) * 8)).collect();
@@ -143,7 +143,7 @@ unsafe fn push_sends(l: &Launch, lists: &Lists, es: usize) -> bool {
 
 /// The sources of a reduction in rank order: `own` for this rank, the
 /// pulled buffer for every peer.
-fn sources(me: usize, own: DevicePtr, bufs: &[Vec<u8>]) -> Vec<DevicePtr> {
+pub(super) fn sources(me: usize, own: DevicePtr, bufs: &[Vec<u8>]) -> Vec<DevicePtr> {
     (0..bufs.len())
         .map(|s| {
             if s == me {

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use super::grid::GridTable;
 use super::kernels::KernelKind;
-use super::layout::{push_oneshot_stride, push_twoshot_stride, DATA_OFFSET, FLAGS_OFFSET, FP_OFFSET};
+use super::layout::{ll_stride, push_oneshot_stride, push_twoshot_stride, DATA_OFFSET, FLAGS_OFFSET, FP_OFFSET};
 use super::workspace::Workspace;
 use crate::device::{Device, DevicePtr, HostFlags, KernelParams, MAX_RANKS};
 use crate::dtype::DType;
@@ -124,6 +124,12 @@ pub enum FusedKind {
     /// one-shot all-reduce), then every rank reduces whole rows locally in
     /// rank order and applies the epilogue: one 32-lane group per row.
     OneShot,
+    /// The one-shot's data flow on the LL all-reduce's lines (flag in the
+    /// data): no flag round trip or grid barrier between the rows and the
+    /// epilogue, which runs on the rows reduced into a local staging area.
+    /// One epoch for the whole call: only for calls whose rows fit one
+    /// source's LL lines ([`fused_ll_rows`]).
+    OneShotLl,
     /// The push two-shot all-reduce by whole rows (reduce-scatter to the
     /// rows' owners, all-gather of the reduced rows into every rank's
     /// workspace), then every rank applies the epilogue to every row, with
@@ -133,11 +139,12 @@ pub enum FusedKind {
 }
 
 impl FusedKind {
-    pub const ALL: [FusedKind; 2] = [FusedKind::OneShot, FusedKind::TwoShot];
+    pub const ALL: [FusedKind; 3] = [FusedKind::OneShot, FusedKind::OneShotLl, FusedKind::TwoShot];
 
     pub const fn name(self) -> &'static str {
         match self {
             FusedKind::OneShot => "oneshot",
+            FusedKind::OneShotLl => "oneshot_ll",
             FusedKind::TwoShot => "twoshot",
         }
     }
@@ -156,12 +163,27 @@ impl FusedKind {
 // traffic is the same in both).
 pub const FUSED_TWOSHOT_MIN_BYTES: [usize; 2] = [4 << 20, 1 << 20];
 
+/// Payloads (bytes in all) up to which dispatch takes the LL one-shot, at
+/// world 2 and at larger worlds.
+//
+// World 2, measured on 2x H200 (bf16, graph replay, us, LL / push one-shot;
+// bench/2026-11-24-h200x2/run15-session7/a/fused_w2_h4096.log, rms): 1 x
+// 4096 (8 KiB) 6.70 / 8.05, 8 x 4096 (64 KiB) 7.79 / 8.81, 32 x 4096
+// (256 KiB) 9.78 / 9.34; hidden 8192: 8 rows (128 KiB) 11.34 / 11.73, 32
+// rows 15.13 / 12.51. Worlds above 2 were not measured: half, as the LL
+// all-reduce's crossover halves (dispatch.rs).
+pub const FUSED_LL_MAX_BYTES: [usize; 2] = [128 << 10, 64 << 10];
+
 /// The fused kernel dispatch picks for `tokens` rows of `bytes` in all at
-/// `world` ranks: the two-shot from [`FUSED_TWOSHOT_MIN_BYTES`] up, when
-/// every rank owns at least one row.
+/// `world` ranks: the LL one-shot up to [`FUSED_LL_MAX_BYTES`], the two-shot
+/// from [`FUSED_TWOSHOT_MIN_BYTES`] up when every rank owns at least one
+/// row, the push one-shot between. The caller falls back to the push
+/// one-shot when the rows do not fit the chosen kind's workspace.
 pub fn choose_fused(bytes: usize, tokens: usize, world: usize) -> FusedKind {
-    let min = FUSED_TWOSHOT_MIN_BYTES[(world > 2) as usize];
-    if world > 1 && tokens >= world && bytes >= min {
+    let big = (world > 2) as usize;
+    if world > 1 && bytes <= FUSED_LL_MAX_BYTES[big] {
+        FusedKind::OneShotLl
+    } else if world > 1 && tokens >= world && bytes >= FUSED_TWOSHOT_MIN_BYTES[big] {
         FusedKind::TwoShot
     } else {
         FusedKind::OneShot
@@ -244,6 +266,7 @@ pub fn fused_entry(name: &str) -> Option<String> {
     };
     let f = match kind {
         FusedKind::OneShot => "fused_oneshot",
+        FusedKind::OneShotLl => "fused_oneshot_ll",
         FusedKind::TwoShot => "fused_twoshot",
     };
     // The MoE prologue is the template's third argument (false by default).
@@ -346,6 +369,13 @@ pub fn fused_rows_per_chunk(slot_bytes: usize, world: usize, hidden: usize, elem
     push_oneshot_stride(slot_bytes, world.max(1)) / (hidden * elem).max(1)
 }
 
+/// Rows the LL one-shot carries: every row travels as LL lines (16 bytes a
+/// line for 8 data bytes), and the whole call must fit one source's lines
+/// (`ll_stride`). 0 when a row does not fit.
+pub fn fused_ll_rows(slot_bytes: usize, world: usize, hidden: usize, elem: usize) -> usize {
+    ll_stride(slot_bytes, world.max(1)) / (2 * hidden * elem).max(1)
+}
+
 /// Whole rows of one segment of a two-shot chunk (a chunk is `world`
 /// segments): a push two-shot inbox (`(slot_bytes / world) & ~63` bytes)
 /// over the row's bytes. 0 when a row does not fit.
@@ -446,6 +476,8 @@ impl FusedCall {
                 1,
                 KernelKind::OneShotPush,
             ),
+            // One chunk: every row (the host checked they fit the lines).
+            FusedKind::OneShotLl => (self.tokens, 1, KernelKind::OneShotLl),
             FusedKind::TwoShot => (
                 fused_segment_rows(slot, world, self.hidden, elem).min(self.tokens.div_ceil(world)),
                 world,
@@ -503,8 +535,11 @@ mod tests {
     }
 
     #[test]
-    fn dispatch_takes_the_two_shot_for_large_payloads_only() {
+    fn dispatch_takes_ll_for_small_and_the_two_shot_for_large_payloads() {
         assert_eq!(choose_fused(1 << 20, 128, 2), FusedKind::OneShot);
+        assert_eq!(choose_fused(8 << 10, 1, 2), FusedKind::OneShotLl);
+        assert_eq!(choose_fused(256 << 10, 32, 2), FusedKind::OneShot);
+        assert_eq!(choose_fused(8 << 10, 1, 1), FusedKind::OneShot);
         assert_eq!(choose_fused(16 << 20, 2048, 2), FusedKind::TwoShot);
         assert_eq!(choose_fused(16 << 20, 2048, 1), FusedKind::OneShot);
         assert_eq!(choose_fused(16 << 20, 3, 4), FusedKind::OneShot);
@@ -516,5 +551,9 @@ mod tests {
         // 8 MiB slots, world 8: 2 MiB sub-buffers hold 64 rows of 16384 bf16.
         assert_eq!(fused_rows_per_chunk(8 << 20, 8, 16384, 2), 64);
         assert_eq!(fused_rows_per_chunk(1 << 16, 8, 16384, 2), 0);
+        // 32 MiB slots, world 2: 8 MiB of lines a source carry 4 MiB of
+        // data, 512 rows of 4096 bf16.
+        assert_eq!(fused_ll_rows(32 << 20, 2, 4096, 2), 512);
+        assert_eq!(fused_ll_rows(1 << 16, 8, 16384, 2), 0);
     }
 }

@@ -15,9 +15,9 @@ use super::communicator::Communicator;
 use super::tensor::Tensor;
 use super::work::Work;
 use crate::algo::fused::{
-    choose_fused, fused_rows_per_chunk, fused_segment_rows, FusedCall, FusedKind, FusionPattern, MoeCall, FUSED_DTYPES,
-    FUSED_MAX_HIDDEN, MOE_MAX_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT, PTR_QUANT_OUT, PTR_RESIDUAL_IN, PTR_RESIDUAL_OUT,
-    PTR_SCALE, PTR_WEIGHT,
+    choose_fused, fused_ll_rows, fused_rows_per_chunk, fused_segment_rows, FusedCall, FusedKind, FusionPattern,
+    MoeCall, FUSED_DTYPES, FUSED_MAX_HIDDEN, MOE_MAX_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT, PTR_QUANT_OUT,
+    PTR_RESIDUAL_IN, PTR_RESIDUAL_OUT, PTR_SCALE, PTR_WEIGHT,
 };
 use crate::algo::kernels::FUSED;
 use crate::algo::layout::push_oneshot_stride;
@@ -493,19 +493,33 @@ impl<D: Device> Communicator<D> {
         }
         set(PTR_ALLREDUCE_OUT, f.allreduce_out);
         let bytes = n * dtype.size();
-        // The call's `algo` hint picks the family:
-        // a one-shot all-reduce algorithm the one-shot, a two-shot one the
-        // two-shot; auto lets dispatch choose by bytes.
+        // The call's `algo` hint picks the family: the LL one-shot for
+        // oneshot-ll, the push one-shot for the other one-shot algorithms,
+        // the two-shot for a two-shot one; auto lets dispatch choose by
+        // bytes, falling back to the push one-shot where the rows do not
+        // fit the chosen kind's workspace.
         // (Only the call's hint: a communicator-wide choice such as nccl
         // is about plain all-reduces.)
         let asked = call.asked_algo()?.unwrap_or(AlgoChoice::Auto);
         let fits_two = fused_segment_rows(slot_bytes, world, hidden, dtype.size()) > 0;
+        let fits_ll = tokens <= fused_ll_rows(slot_bytes, world, hidden, dtype.size());
         let kind = match asked {
             AlgoChoice::Auto => match choose_fused(bytes, tokens, world) {
                 FusedKind::TwoShot if !fits_two => FusedKind::OneShot,
+                FusedKind::OneShotLl if !fits_ll => FusedKind::OneShot,
                 k => k,
             },
-            AlgoChoice::Fixed(Algorithm::OneShot | Algorithm::OneShotPush | Algorithm::OneShotLl) => FusedKind::OneShot,
+            AlgoChoice::Fixed(Algorithm::OneShotLl) => {
+                if !fits_ll {
+                    return bad(format!(
+                        "{tokens} rows of {hidden} x {dtype} do not fit one rank's LL lines at world {world} \
+                         (at most {} rows); use the push one-shot or larger slot_bytes",
+                        fused_ll_rows(slot_bytes, world, hidden, dtype.size())
+                    ));
+                }
+                FusedKind::OneShotLl
+            }
+            AlgoChoice::Fixed(Algorithm::OneShot | Algorithm::OneShotPush) => FusedKind::OneShot,
             AlgoChoice::Fixed(Algorithm::TwoShot | Algorithm::TwoShotPush) => {
                 if tokens > 0 && !fits_two {
                     return bad(format!(

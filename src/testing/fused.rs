@@ -209,6 +209,7 @@ const SHAPES: [(usize, usize); 10] = [
 pub fn kind_algo(kind: FusedKind) -> AlgoChoice {
     AlgoChoice::Fixed(match kind {
         FusedKind::OneShot => Algorithm::OneShotPush,
+        FusedKind::OneShotLl => Algorithm::OneShotLl,
         FusedKind::TwoShot => Algorithm::TwoShotPush,
     })
 }
@@ -548,6 +549,12 @@ impl<D: Device> Suite<'_, D> {
         let dtype = <S as Half16>::DTYPE;
         let (tokens, hidden, pattern) = (c.tokens, c.hidden, c.pattern);
         let n = tokens * hidden;
+        // The LL one-shot carries a call in one epoch: larger ones are
+        // refused (checked in `run_fused_chunked`), not run.
+        let slot = comm.options().slot_bytes_for(comm.device().facts().backend);
+        if c.kind == FusedKind::OneShotLl && tokens > crate::algo::fused::fused_ll_rows(slot, world, hidden, 2) {
+            return Ok(());
+        }
         let moe_name = c.moe.map_or(String::new(), |m| {
             format!(
                 " moe topk={} shared={} scales={}",
@@ -709,6 +716,7 @@ impl<D: Device> Suite<'_, D> {
         let runs = [
             (FusionPattern::ResidualRmsNormFp8PerToken, FusedKind::OneShot),
             (FusionPattern::ResidualRmsNormFp8, FusedKind::TwoShot),
+            (FusionPattern::ResidualRmsNormFp8, FusedKind::OneShotLl),
             (FusionPattern::ResidualRmsNormInt8PerToken, FusedKind::TwoShot),
         ];
         for (pattern, kind) in runs {
@@ -1220,6 +1228,10 @@ pub fn run_fused<D: Device>(
     Ok(s.report)
 }
 
+/// The kinds that cut a call into chunks of whole rows (the LL one-shot
+/// carries a call in one epoch).
+const CHUNKED: [FusedKind; 2] = [FusedKind::OneShot, FusedKind::TwoShot];
+
 /// A fused case over several workspace chunks, and the error for a row
 /// larger than the workspace, for a communicator made with 128 KiB slots
 /// (so that 16384-element rows come 2 a chunk at world 3).
@@ -1234,7 +1246,7 @@ pub fn run_fused_chunked<D: Device>(
     ] {
         for (k, (tokens, hidden)) in [(7, 16384), (43, 4096)].into_iter().enumerate() {
             let case = Case {
-                kind: FusedKind::ALL[k % 2],
+                kind: CHUNKED[k % 2],
                 pattern,
                 tokens,
                 hidden,
@@ -1247,7 +1259,7 @@ pub fn run_fused_chunked<D: Device>(
             };
             s.fused_case::<bf16>(&case)?;
             s.fused_case::<f16>(&Case {
-                kind: FusedKind::ALL[(k + 1) % 2],
+                kind: CHUNKED[(k + 1) % 2],
                 ..case
             })?;
             // The MoE prologue over the same chunks (top-8, shared expert).
@@ -1257,29 +1269,33 @@ pub fn run_fused_chunked<D: Device>(
                 scales_f32: k == 0,
             });
             s.fused_case::<bf16>(&Case {
-                kind: FusedKind::ALL[(k + 1) % 2],
+                kind: CHUNKED[(k + 1) % 2],
                 moe,
                 ..case
             })?;
         }
     }
-    let big = 1 << 16;
+    // Calls too large for a kind's workspace are refused: one row of
+    // 65536 elements for the chunked kinds (when the slots are that small),
+    // one row more than the lines hold for the LL one-shot.
     let slot = comm.options().slot_bytes_for(comm.device().facts().backend);
+    let world = comm.size();
+    let big = 1 << 16;
     for kind in FusedKind::ALL {
-        let rows = match kind {
-            FusedKind::OneShot => crate::algo::fused::fused_rows_per_chunk(slot, comm.size(), big, 2),
-            FusedKind::TwoShot => crate::algo::fused::fused_segment_rows(slot, comm.size(), big, 2),
+        let (tokens, hidden) = match kind {
+            FusedKind::OneShot if crate::algo::fused::fused_rows_per_chunk(slot, world, big, 2) == 0 => (1, big),
+            FusedKind::TwoShot if crate::algo::fused::fused_segment_rows(slot, world, big, 2) == 0 => (1, big),
+            FusedKind::OneShotLl => (crate::algo::fused::fused_ll_rows(slot, world, 4096, 2) + 1, 4096),
+            _ => continue,
         };
-        if rows > 0 {
-            continue;
-        }
-        let input = s.view(0, 0, DType::BF16, big, false)?;
-        let r = s.view(1, 0, DType::BF16, big, false)?;
-        let f = Fusion::new(FusionPattern::ResidualAdd, big, r, r);
+        let n = tokens * hidden;
+        let input = s.view(0, 0, DType::BF16, n, false)?;
+        let r = s.view(1, 0, DType::BF16, n, false)?;
+        let f = Fusion::new(FusionPattern::ResidualAdd, hidden, r, r);
         s.report.collectives += 1;
-        let what = format!("a row too large for the {} workspace", kind.name());
+        let what = format!("{tokens} x {hidden}, too large for the {} workspace", kind.name());
         match comm.all_reduce_fused(input, &f, &Call::new().algo(kind_algo(kind))) {
-            Err(Error::InvalidArgument(m)) if m.contains("does not fit") => {}
+            Err(Error::InvalidArgument(m)) if m.contains("not fit") => {}
             Err(e) => s.fail(format!("{what}: wrong error {e}")),
             Ok(w) => {
                 w.wait(Some(cfg.timeout))?;
