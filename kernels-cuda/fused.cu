@@ -47,6 +47,9 @@
 // live across its staging (four spill there on sm_80/sm_90).
 #define FU_MOE_GROUP_ONESHOT 4
 #define FU_MOE_GROUP_TWOSHOT 2
+// Two in the LL one-shot too, whose epilogue holds a row's packs (four
+// spilled on sm_80/sm_90).
+#define FU_MOE_GROUP_LL 2
 
 // Lanes that share one row: the sum of squares is 32 lane partials combined
 // by a fixed butterfly, whatever the vendor's warp size (on wave64 a wave
@@ -162,15 +165,19 @@ FC_DEVICE void fu_reduce_pack(const char* at, fc_u64 stride, fc_u32 world, float
 // x * rstd * w for one pack of residual_out, rounded to T (the normed
 // output), and its values as f32 again (what quantization sees).
 template <class T>
-FC_DEVICE fc_vec16 fu_norm_pack(const char* res, const char* weight, float rstd, float (&y)[8]) {
+FC_DEVICE fc_vec16 fu_norm_vals(const fc_vec16& res, const fc_vec16& weight, float rstd, float (&y)[8]) {
     float x[8], w[8];
-    T::unpack(fc_load16(res), x);
-    T::unpack(fc_load16(weight), w);
+    T::unpack(res, x);
+    T::unpack(weight, w);
 #pragma unroll
     for (int k = 0; k < 8; ++k) y[k] = fc_fmul(fc_fmul(x[k], rstd), w[k]);
     const fc_vec16 n = fu_pack<T>(y);
     T::unpack(n, y);
     return n;
+}
+template <class T>
+FC_DEVICE fc_vec16 fu_norm_pack(const char* res, const char* weight, float rstd, float (&y)[8]) {
+    return fu_norm_vals<T>(fc_load16(res), fc_load16(weight), rstd, y);
 }
 
 // The 32-lane butterfly: after it every lane of the group holds the same
@@ -580,29 +587,55 @@ FC_DEVICE bool fu_ll_pack(const FcParams& p, const char* at, fc_u32 flag, fc_u32
     }
 }
 
+// Packs of a row one thread of the LL one-shot holds in registers: the
+// kernel serves rows of at most FU_LL_PACKS * blockDim * 8 elements (the
+// host's FUSED_LL_MAX_HIDDEN: 8192 at 512 threads).
+#define FU_LL_PACKS 2
+
+// The block's row maximum of `amax` (every thread's), as fused_rows_block
+// combines it; every thread runs its barriers.
+FC_DEVICE float fu_block_max(float amax, float* shared) {
+    const fc_u32 tid = fc_thread_id();
+    amax = fu_group_max(amax);
+    fc_barrier();
+    if (tid % FU_GROUP == 0) shared[1 + tid / FU_GROUP] = amax;
+    fc_barrier();
+    if (tid == 0) {
+        float m = shared[1];
+        for (fc_u32 k = 1; k < fc_block_threads() / FU_GROUP; ++k) m = fc_fmax(m, shared[1 + k]);
+        shared[0] = m;
+    }
+    fc_barrier();
+    return shared[0];
+}
+
 // One-shot fused, LL: the push one-shot's data flow on the LL all-reduce's
 // lines, so no flag round trip and no grid barrier sit between a rank's
 // rows and the epilogue that reads them (the push one-shot's arrive_wait
 // was most of its time at a few tokens). The whole call is one epoch: the
 // host takes this kind only when every row fits one source's lines
-// (tokens * row_bytes * 2 <= ll_stride). Block b owns rows [b*per,
-// (b+1)*per); its packs are walked flat (pack k: row k / packs), pack k by
-// thread k % nt in both loops below, so a thread re-reads only what it
-// wrote itself before the barrier.
+// (tokens * row_bytes * 2 <= ll_stride) and a row fits FU_LL_PACKS packs a
+// thread. Block b owns rows [b*per, (b+1)*per), one row at a time, pack i of
+// a row always on thread i % nt (its m-th pack, m = i / nt).
 // 1. Our record to every peer (ll_send_record). Every pack of our rows (or,
-//    with MOE, the pack computed by the MoE prologue) goes as its two lines
-//    to our lines at every peer, and as data to our staging area (the push
-//    one-shot's region of this parity, row j at j * row_bytes: nothing else
-//    writes it during this epoch, peers' push kinds use the other parity
-//    at E + 1).
+//    with MOE, the pack the MoE prologue computes) goes as its two lines to
+//    our lines at every peer, and to our staging area (the push one-shot's
+//    region of this parity, row j at j * row_bytes: nothing else writes it
+//    during this epoch; peers' push kinds use the other parity at E + 1),
+//    where the same thread finds it again in 3.
 // 2. Every peer's record (ll_check_record); on a failure, exit.
-// 3. Every pack: every peer's two lines, reduced with ours in rank order
-//    (fu_reduce_pack's order), rounded (fu_pack) into the staging area; the
-//    lines read are cleared for E + 2.
-// 4. Block barrier, then fused_rows on the staged rows as one source (its
-//    "sum" is the identity): the one-shot's results bit for bit.
+// 3. Per row, per pack held: the residual and weight loads first, then
+//    every peer's two lines (cleared for E + 2 once read), the sum in rank
+//    order (fu_reduce_pack's), allreduce_out, the residual add and
+//    residual_out (fu_residual_pack's steps): the residual stays in
+//    registers and, for the norm, in shared memory, where group 0 takes the
+//    sum of squares in the lane order; then the normed pack and the
+//    quantization from registers. Every value is the push one-shot's, bit
+//    for bit; only where it lives between the steps differs.
 template <class T, int PAT, bool MOE = false>
 FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
+    __shared__ fc_vec16 fu_row[FU_LL_PACKS * FC_MAX_BLOCK_THREADS];
+    __shared__ float fu_shared[FC_MAX_BLOCK_THREADS / FU_GROUP + 1];
     char* own = fc_ptr<char>(p.peer_ws[p.rank]);
     const fc_u32 epoch = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
     const fc_u32 parity = epoch & 1;
@@ -610,81 +643,151 @@ FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
     const fc_u32 b = fc_block_id();
     const fc_u32 world = p.world;
     const fc_u32 rank = p.rank;
+    const fc_u32 tid = fc_thread_id();
     const fc_u32 nt = fc_block_threads();
     const fc_u64 hidden = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_HIDDEN];
-    const fc_u64 tokens = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_TOKENS];
     const fc_u64 row_bytes = hidden * sizeof(typename T::S);
+    const fc_u32 packs = (fc_u32)(hidden / 8);
+    const fc_u64 tokens = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_TOKENS];
     const fc_u64 per = div_ceil(tokens, fc_grid_blocks());
     const fc_u64 rlo = min_u64((fc_u64)b * per, tokens);
     const fc_u64 rhi = min_u64(rlo + per, tokens);
     const fc_u64 stride = ll_stride(p);
     const fc_u64 lines = ll_lines_offset(p, parity);
     char* staging = own + region_offset(p, parity);
-    // 32-bit pack counts, as fu_moe_stage: the rows fit one source's lines.
-    const fc_u32 packs = (fc_u32)(hidden / 8);
-    const fc_u32 end = (fc_u32)((rhi - rlo) * packs);
-    const fc_u64 first = rlo * row_bytes; // byte of our first row's data
 
     ll_send_record(p, parity, b, flag);
-    for (fc_u32 k = fc_thread_id(); k < end; k += nt) {
-        const fc_u32 jr = k / packs;
-        const fc_u64 j = rlo + jr;
-        const fc_u64 o = (fc_u64)(k - jr * packs) * 16u;
-        const fc_u64 at = first + (fc_u64)k * 16u; // = j * row_bytes + o
-        fc_vec16 v;
-        if (MOE) {
-            v = fu_moe_pack<T, FU_MOE_GROUP_ONESHOT>(p, j, o, row_bytes);
-        } else {
-            v = fc_load16(fc_ptr<const char>(p.input) + at);
-        }
-        fc_store16(staging + at, v);
-        const fc_u64 u0 = ll_unit(v.w[0], flag), u1 = ll_unit(v.w[1], flag);
-        const fc_u64 u2 = ll_unit(v.w[2], flag), u3 = ll_unit(v.w[3], flag);
-        for (fc_u32 n = 1; n < world; ++n) {
-            fc_u32 q = rank + n;
-            if (q >= world) q -= world;
-            char* line = fc_ptr<char>(p.peer_ws[q] + lines + (fc_u64)rank * stride + 2u * at);
-            fc_st_volatile_v2u64(line, u0, u1);
-            fc_st_volatile_v2u64(line + 16u, u2, u3);
+    for (fc_u64 j = rlo; j < rhi; ++j) {
+        for (fc_u32 i = tid; i < packs; i += nt) {
+            const fc_u64 at = j * row_bytes + (fc_u64)i * 16u;
+            fc_vec16 v;
+            if (MOE) {
+                v = fu_moe_pack<T, FU_MOE_GROUP_LL>(p, j, (fc_u64)i * 16u, row_bytes);
+            } else {
+                v = fc_load16(fc_ptr<const char>(p.input) + at);
+            }
+            fc_store16(staging + at, v);
+            const fc_u64 u0 = ll_unit(v.w[0], flag), u1 = ll_unit(v.w[1], flag);
+            const fc_u64 u2 = ll_unit(v.w[2], flag), u3 = ll_unit(v.w[3], flag);
+            for (fc_u32 n = 1; n < world; ++n) {
+                fc_u32 q = rank + n;
+                if (q >= world) q -= world;
+                char* line = fc_ptr<char>(p.peer_ws[q] + lines + (fc_u64)rank * stride + 2u * at);
+                fc_st_volatile_v2u64(line, u0, u1);
+                fc_st_volatile_v2u64(line + 16u, u2, u3);
+            }
         }
     }
 
     bool failed = !ll_check_record(p, own, parity, b, flag, epoch);
     if (fc_barrier_or(failed)) return;
 
-    for (fc_u32 k = fc_thread_id(); k < end; k += nt) {
-        const fc_u64 at = first + (fc_u64)k * 16u;
-        fc_vec16 v[FC_MAX_RANKS];
+    // The epilogue's operands only now: live across the MoE prologue above
+    // they cost it spills.
+    const FuRows w = fu_rows<T>(p);
+    for (fc_u64 j = rlo; j < rhi; ++j) {
+        const fc_u64 rb = j * row_bytes;
+        fc_vec16 res[FU_LL_PACKS], wt[FU_LL_PACKS];
+        // (Guards, not breaks, in the loops over m: each must unroll to
+        // constant indices into res and wt.)
 #pragma unroll
-        for (int s = 0; s < (int)FC_MAX_RANKS; ++s) {
-            if ((fc_u32)s >= world) break;
-            if ((fc_u32)s == rank) {
-                v[s] = fc_load16(staging + at);
-            } else if (!failed && !fu_ll_pack(p, own + lines + (fc_u64)s * stride + 2u * at, flag, epoch, (fc_u32)s, v[s])) {
-                failed = true;
+        for (int m = 0; m < FU_LL_PACKS; ++m) {
+            const fc_u32 i = tid + (fc_u32)m * nt;
+            // Loads that do not wait for peers go first.
+            if (i < packs) {
+                res[m] = fc_load16(w.resid_in + rb + (fc_u64)i * 16u);
+                if (PAT != FU_PAT_RES) wt[m] = fc_load16(w.weight + (fc_u64)i * 16u);
             }
         }
-        if (failed) break;
-        float a[8];
-        T::unpack(v[0], a);
 #pragma unroll
-        for (int s = 1; s < (int)FC_MAX_RANKS; ++s) {
-            if ((fc_u32)s >= world) break;
-            float x[8];
-            T::unpack(v[s], x);
+        for (int m = 0; m < FU_LL_PACKS; ++m) {
+            const fc_u32 i = tid + (fc_u32)m * nt;
+            if (i >= packs || failed) continue;
+            const fc_u64 at = rb + (fc_u64)i * 16u;
+            const char* mine = own + lines + 2u * at; // source 0's lines of this pack
+            // Sources one at a time, added in rank order as they come: no
+            // array of every source's pack (with one, the registers the
+            // row's packs need spilled).
+            float a[8], r[8];
+            for (fc_u32 s = 0; s < world; ++s) {
+                fc_vec16 v;
+                if (s == rank) {
+                    v = fc_load16(staging + at);
+                } else if (!fu_ll_pack(p, mine + (fc_u64)s * stride, flag, epoch, s, v)) {
+                    failed = true;
+                    break;
+                }
+                if (s == 0) {
+                    T::unpack(v, a);
+                } else {
+                    float x[8];
+                    T::unpack(v, x);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) a[e] = fc_fadd(a[e], x[e]);
+                    for (int e = 0; e < 8; ++e) a[e] = fc_fadd(a[e], x[e]);
+                }
+            }
+            if (failed) continue;
+            const fc_vec16 arp = fu_pack<T>(a);
+            if (w.ar_out != nullptr) fc_store16(w.ar_out + at, arp);
+            T::unpack(arp, a);
+            T::unpack(res[m], r);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) r[e] = fc_fadd(a[e], r[e]);
+            res[m] = fu_pack<T>(r);
+            fc_store16(w.resid_out + at, res[m]);
+            if (PAT != FU_PAT_RES) fu_row[i] = res[m];
+            for (fc_u32 s = 0; s < world; ++s) {
+                if (s == rank) continue;
+                char* line = own + lines + (fc_u64)s * stride + 2u * at;
+                fc_st_volatile_v2u64(line, 0ull, 0ull);
+                fc_st_volatile_v2u64(line + 16u, 0ull, 0ull);
+            }
         }
-        fc_store16(staging + at, fu_pack<T>(a));
-        for (fc_u32 s = 0; s < world; ++s) {
-            if (s == rank) continue;
-            char* line = own + lines + (fc_u64)s * stride + 2u * at;
-            fc_st_volatile_v2u64(line, 0ull, 0ull);
-            fc_st_volatile_v2u64(line + 16u, 0ull, 0ull);
+        if (PAT == FU_PAT_RES) continue;
+        if (fc_barrier_or(failed)) return;
+        // The sum of squares in its fixed order (fused_rows_block's), from
+        // the row in shared memory.
+        if (tid < FU_GROUP) {
+            float ss = 0.0f;
+            for (fc_u32 i = tid; i < packs; i += FU_GROUP) ss = fu_add_squares<T>(ss, fu_row[i]);
+            ss = fu_group_sum(ss);
+            if (tid == 0) fu_shared[0] = fu_rstd(ss, w);
         }
+        fc_barrier();
+        const float rstd = fu_shared[0];
+        float scale = 1.0f;
+        if (PAT == FU_PAT_RMS_FP8) scale = fc_load(w.scale);
+        float amax = 0.0f;
+#pragma unroll
+        for (int m = 0; m < FU_LL_PACKS; ++m) {
+            const fc_u32 i = tid + (fc_u32)m * nt;
+            if (i >= packs) continue;
+            float y[8];
+            const fc_vec16 n = fu_norm_vals<T>(res[m], wt[m], rstd, y);
+            if (w.norm_out != nullptr) fc_store16(w.norm_out + rb + (fc_u64)i * 16u, n);
+            if (PAT == FU_PAT_RMS_FP8) {
+                fu_store_quant<PAT>(w.quant_out + j * w.hidden + (fc_u64)i * 8u, y, scale);
+            } else if (PAT == FU_PAT_RMS_FP8TOK || PAT == FU_PAT_RMS_I8TOK) {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) amax = fc_fmax(amax, fu_fabs(y[k]));
+            }
+        }
+        if (PAT == FU_PAT_RMS_FP8TOK || PAT == FU_PAT_RMS_I8TOK) {
+            scale = fu_token_scale<PAT>(fu_block_max(amax, fu_shared));
+            if (tid == 0) fc_store(w.scale + j, scale);
+#pragma unroll
+            for (int m = 0; m < FU_LL_PACKS; ++m) {
+                const fc_u32 i = tid + (fc_u32)m * nt;
+                if (i >= packs) continue;
+                float y[8];
+                fu_norm_vals<T>(res[m], wt[m], rstd, y);
+                fu_store_quant<PAT>(w.quant_out + j * w.hidden + (fc_u64)i * 8u, y, scale);
+            }
+        }
+        // The next row reuses the shared row and words.
+        fc_barrier();
     }
     if (fc_barrier_or(failed)) return;
-    fused_rows<T, PAT>(p, staging, 0, 1u, 0, rlo, rhi);
     complete(own, epoch);
 }
 

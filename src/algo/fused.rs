@@ -12,7 +12,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use super::grid::GridTable;
+use super::grid::{GridTable, BLOCK_THREADS};
 use super::kernels::KernelKind;
 use super::layout::{ll_stride, push_oneshot_stride, push_twoshot_stride, DATA_OFFSET, FLAGS_OFFSET, FP_OFFSET};
 use super::workspace::Workspace;
@@ -369,10 +369,23 @@ pub fn fused_rows_per_chunk(slot_bytes: usize, world: usize, hidden: usize, elem
     push_oneshot_stride(slot_bytes, world.max(1)) / (hidden * elem).max(1)
 }
 
+/// Packs (8 elements) of a row one GPU thread of the LL one-shot holds in
+/// registers (`FU_LL_PACKS` in `fused.cu`).
+pub const FUSED_LL_PACKS: usize = 2;
+
+/// Largest hidden size the LL one-shot serves: a block's threads hold a
+/// whole row, [`FUSED_LL_PACKS`] packs each (8192 at 512 threads; larger
+/// rows take the push kinds).
+pub const FUSED_LL_MAX_HIDDEN: usize = FUSED_LL_PACKS * 8 * BLOCK_THREADS as usize;
+
 /// Rows the LL one-shot carries: every row travels as LL lines (16 bytes a
 /// line for 8 data bytes), and the whole call must fit one source's lines
-/// (`ll_stride`). 0 when a row does not fit.
+/// (`ll_stride`). 0 when a row does not fit, or is wider than
+/// [`FUSED_LL_MAX_HIDDEN`].
 pub fn fused_ll_rows(slot_bytes: usize, world: usize, hidden: usize, elem: usize) -> usize {
+    if hidden > FUSED_LL_MAX_HIDDEN {
+        return 0;
+    }
     ll_stride(slot_bytes, world.max(1)) / (2 * hidden * elem).max(1)
 }
 
@@ -554,6 +567,8 @@ mod tests {
         // 32 MiB slots, world 2: 8 MiB of lines a source carry 4 MiB of
         // data, 512 rows of 4096 bf16.
         assert_eq!(fused_ll_rows(32 << 20, 2, 4096, 2), 512);
-        assert_eq!(fused_ll_rows(1 << 16, 8, 16384, 2), 0);
+        assert_eq!(fused_ll_rows(1 << 16, 8, 4096, 2), 0);
+        assert_eq!(fused_ll_rows(32 << 20, 2, 8192, 2), 256);
+        assert_eq!(fused_ll_rows(32 << 20, 2, 8200, 2), 0);
     }
 }

@@ -16,8 +16,8 @@ use super::tensor::Tensor;
 use super::work::Work;
 use crate::algo::fused::{
     choose_fused, fused_ll_rows, fused_rows_per_chunk, fused_segment_rows, FusedCall, FusedKind, FusionPattern,
-    MoeCall, FUSED_DTYPES, FUSED_MAX_HIDDEN, MOE_MAX_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT, PTR_QUANT_OUT,
-    PTR_RESIDUAL_IN, PTR_RESIDUAL_OUT, PTR_SCALE, PTR_WEIGHT,
+    MoeCall, FUSED_DTYPES, FUSED_LL_MAX_HIDDEN, FUSED_MAX_HIDDEN, MOE_MAX_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT,
+    PTR_QUANT_OUT, PTR_RESIDUAL_IN, PTR_RESIDUAL_OUT, PTR_SCALE, PTR_WEIGHT,
 };
 use crate::algo::kernels::FUSED;
 use crate::algo::layout::push_oneshot_stride;
@@ -510,6 +510,12 @@ impl<D: Device> Communicator<D> {
                 k => k,
             },
             AlgoChoice::Fixed(Algorithm::OneShotLl) => {
+                if hidden > FUSED_LL_MAX_HIDDEN {
+                    return bad(format!(
+                        "a row of {hidden} elements does not fit the LL one-shot (at most {FUSED_LL_MAX_HIDDEN}); \
+                         use the push one-shot"
+                    ));
+                }
                 if !fits_ll {
                     return bad(format!(
                         "{tokens} rows of {hidden} x {dtype} do not fit one rank's LL lines at world {world} \

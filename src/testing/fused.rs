@@ -1276,18 +1276,27 @@ pub fn run_fused_chunked<D: Device>(
         }
     }
     // Calls too large for a kind's workspace are refused: one row of
-    // 65536 elements for the chunked kinds (when the slots are that small),
-    // one row more than the lines hold for the LL one-shot.
+    // 65536 elements for the chunked kinds (when the slots are that small);
+    // one row more than the lines hold, or a row wider than its threads
+    // hold, for the LL one-shot.
     let slot = comm.options().slot_bytes_for(comm.device().facts().backend);
     let world = comm.size();
     let big = 1 << 16;
-    for kind in FusedKind::ALL {
-        let (tokens, hidden) = match kind {
-            FusedKind::OneShot if crate::algo::fused::fused_rows_per_chunk(slot, world, big, 2) == 0 => (1, big),
-            FusedKind::TwoShot if crate::algo::fused::fused_segment_rows(slot, world, big, 2) == 0 => (1, big),
-            FusedKind::OneShotLl => (crate::algo::fused::fused_ll_rows(slot, world, 4096, 2) + 1, 4096),
-            _ => continue,
-        };
+    let mut refused = vec![
+        (
+            FusedKind::OneShotLl,
+            crate::algo::fused::fused_ll_rows(slot, world, 4096, 2) + 1,
+            4096,
+        ),
+        (FusedKind::OneShotLl, 1, crate::algo::fused::FUSED_LL_MAX_HIDDEN + 8),
+    ];
+    if crate::algo::fused::fused_rows_per_chunk(slot, world, big, 2) == 0 {
+        refused.push((FusedKind::OneShot, 1, big));
+    }
+    if crate::algo::fused::fused_segment_rows(slot, world, big, 2) == 0 {
+        refused.push((FusedKind::TwoShot, 1, big));
+    }
+    for (kind, tokens, hidden) in refused {
         let n = tokens * hidden;
         let input = s.view(0, 0, DType::BF16, n, false)?;
         let r = s.view(1, 0, DType::BF16, n, false)?;
