@@ -252,7 +252,7 @@ if [[ " $STEPS " == *" fused "* ]]; then
         for h in 4096 8192; do
             step "fused_w${w}_h$h" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --fused all --graph \
                 --algo auto,oneshot-ll,oneshot-push,twoshot-push \
-                --tokens 1,8,32,128,512,2048 --hidden "$h" --iters 20 --warmup 5 --json "$LOG/fused_w${w}_h$h.json"
+                --tokens 1,8,32,64,128,256,512,2048 --hidden "$h" --iters 20 --warmup 5 --json "$LOG/fused_w${w}_h$h.json"
         done
     done
 fi

@@ -167,12 +167,13 @@ pub const FUSED_TWOSHOT_MIN_BYTES: [usize; 2] = [4 << 20, 1 << 20];
 /// world 2 and at larger worlds.
 //
 // World 2, measured on 2x H200 (bf16, graph replay, us, LL / push one-shot;
-// bench/2026-11-24-h200x2/run15-session7/a/fused_w2_h4096.log, rms): 1 x
-// 4096 (8 KiB) 6.70 / 8.05, 8 x 4096 (64 KiB) 7.79 / 8.81, 32 x 4096
-// (256 KiB) 9.78 / 9.34; hidden 8192: 8 rows (128 KiB) 11.34 / 11.73, 32
-// rows 15.13 / 12.51. Worlds above 2 were not measured: half, as the LL
-// all-reduce's crossover halves (dispatch.rs).
-pub const FUSED_LL_MAX_BYTES: [usize; 2] = [128 << 10, 64 << 10];
+// bench/2026-11-24-h200x2/run15-session7/d/fused_w2_h*.log): rms 1 x 4096
+// (8 KiB) 5.46 / 8.27, 32 x 4096 (256 KiB) 8.24 / 9.34, 64 x 4096 (512 KiB)
+// 10.30 / 9.98; hidden 8192: 8 rows (128 KiB) 8.84 / 11.99, 32 rows
+// (512 KiB) 12.86 / 12.50 (res and the quantizing patterns alike). Worlds
+// above 2 were not measured: half, as the LL all-reduce's crossover halves
+// (dispatch.rs).
+pub const FUSED_LL_MAX_BYTES: [usize; 2] = [256 << 10, 128 << 10];
 
 /// The fused kernel dispatch picks for `tokens` rows of `bytes` in all at
 /// `world` ranks: the LL one-shot up to [`FUSED_LL_MAX_BYTES`], the two-shot
@@ -499,7 +500,16 @@ impl FusedCall {
         };
         let rows = rows.max(1);
         let mut grid = grids.grid(kind, segments * rows * self.hidden * elem);
-        grid.grid = grid.grid.min(rows as u32).max(1);
+        grid.grid = match self.kind {
+            // A block a row, on every multiprocessor: each block waits for
+            // its rows' lines alone, so more blocks are more bytes in
+            // flight (rms 128 x 4096 on 2x H200: 15.97 us at the LL
+            // all-reduce's cap of 64 blocks, 13.14 at 128; run15-session7
+            // c and d).
+            FusedKind::OneShotLl => (rows as u32).min(grids.resident_blocks()),
+            _ => grid.grid.min(rows as u32),
+        }
+        .max(1);
         let params = self.params(ws, flags, rank, timeout);
         let name = fused_kernel_name(self.kind, self.input_kind(), self.pattern, self.dtype);
         dev.launch(module, &name, grid, &params, stream)
@@ -551,7 +561,8 @@ mod tests {
     fn dispatch_takes_ll_for_small_and_the_two_shot_for_large_payloads() {
         assert_eq!(choose_fused(1 << 20, 128, 2), FusedKind::OneShot);
         assert_eq!(choose_fused(8 << 10, 1, 2), FusedKind::OneShotLl);
-        assert_eq!(choose_fused(256 << 10, 32, 2), FusedKind::OneShot);
+        assert_eq!(choose_fused(256 << 10, 32, 2), FusedKind::OneShotLl);
+        assert_eq!(choose_fused(512 << 10, 64, 2), FusedKind::OneShot);
         assert_eq!(choose_fused(8 << 10, 1, 1), FusedKind::OneShot);
         assert_eq!(choose_fused(16 << 20, 2048, 2), FusedKind::TwoShot);
         assert_eq!(choose_fused(16 << 20, 2048, 1), FusedKind::OneShot);

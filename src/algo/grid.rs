@@ -138,6 +138,16 @@ impl GridTable {
         })
     }
 
+    /// Blocks that stay resident together: one a multiprocessor, at most
+    /// `MAX_BLOCKS` (1 on the host).
+    pub fn resident_blocks(&self) -> u32 {
+        if self.host {
+            1
+        } else {
+            self.cap
+        }
+    }
+
     /// Quick-reduce's largest chunk, in encoded bytes.
     pub fn qr_chunk_bytes(&self) -> usize {
         self.qr_chunk_bytes
