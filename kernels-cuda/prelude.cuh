@@ -245,6 +245,12 @@ FC_DEVICE float fc_fmul(float a, float b) {
     asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
+// a * b + c with one rounding (fused.cu's quotients by a row's scale).
+FC_DEVICE float fc_ffma(float a, float b, float c) {
+    float r;
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+    return r;
+}
 // fminf / fmaxf semantics: a NaN operand loses to a number.
 FC_DEVICE float fc_fmin(float a, float b) {
     float r;

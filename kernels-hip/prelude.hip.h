@@ -357,6 +357,8 @@ FC_DEVICE float fc_fmul(float a, float b) {
 #pragma clang fp contract(off)
     return a * b;
 }
+// a * b + c with one rounding (v_fma_f32; no libm call).
+FC_DEVICE float fc_ffma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 // fminf / fmaxf semantics: a NaN operand loses to a number.
 FC_DEVICE float fc_fmin(float a, float b) { return __builtin_fminf(a, b); }
 FC_DEVICE float fc_fmax(float a, float b) { return __builtin_fmaxf(a, b); }

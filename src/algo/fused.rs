@@ -551,6 +551,73 @@ mod tests {
         assert!(fused_entry("fc_fused_oneshot_rms_f32").is_none());
     }
 
+    /// `fu_div` of fused.cu (for a scale in [2^-30, 2^30]): the quotient
+    /// from the correctly rounded reciprocal (Markstein) for |v| in
+    /// [2^-50, 2^50], `v * rcp` outside.
+    fn markstein(v: f32, s: f32) -> f32 {
+        let r = 1.0f32 / s;
+        let q = v * r;
+        let a = v.abs();
+        if !(a >= 2f32.powi(-50) && a <= 2f32.powi(50)) {
+            return q;
+        }
+        (-q).mul_add(s, v).mul_add(r, q)
+    }
+
+    /// The quantized codes of a quotient (the host's `quantize` after the
+    /// division): FP8 e4m3fn and INT8.
+    fn codes(q: f32) -> (u8, u8) {
+        let i8 = if q.is_nan() {
+            0
+        } else {
+            q.round_ties_even().clamp(-INT8_MAX, INT8_MAX) as i8 as u8
+        };
+        (crate::codec::Fp8Flavor::E4m3Fn.encode(q), i8)
+    }
+
+    #[test]
+    fn markstein_codes_are_the_division_s() {
+        // In range the quotient is the division's, bit for bit: exponents
+        // only shift the operands there, so every v mantissa in [1, 2)
+        // against divisor mantissas (1, 1 + ulp, all ones, the tests'
+        // scales, a spread) covers its rounding. Any v (random bits, every
+        // magnitude, zeros, NaN, infinities) gives the division's codes.
+        let mut divisors: Vec<f32> = vec![
+            1.0,
+            f32::from_bits(0x3f80_0001),
+            f32::from_bits(0x3fff_ffff),
+            1.5,
+            0.009,
+            fp8_min_scale(),
+            int8_min_scale(),
+            3.0e-3,
+        ];
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        divisors.extend((0..4).map(|_| f32::from_bits(0x3f80_0000 | (next() as u32 & 0x7f_ffff))));
+        for &s in &divisors {
+            for m in 0..1u32 << 23 {
+                let v = f32::from_bits(0x3f80_0000 | m);
+                assert_eq!(markstein(v, s).to_bits(), (v / s).to_bits(), "{v:e} / {s:e}");
+            }
+        }
+        let specials = [0.0f32, -0.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e-45, -3e38];
+        for k in 0..4_000_000u32 {
+            let v = match k as usize {
+                i if i < specials.len() => specials[i],
+                _ => f32::from_bits(next() as u32),
+            };
+            // Scales over the whole fast range, 2^-30..2^30.
+            let s = f32::from_bits((97 + (next() % 60) as u32) << 23 | (next() as u32 & 0x7f_ffff));
+            assert_eq!(codes(markstein(v, s)), codes(v / s), "{v:e} / {s:e}");
+        }
+    }
+
     #[test]
     fn min_scales_are_the_rounded_quotients() {
         assert_eq!(fp8_min_scale(), 1.0f32 / 229_376.0);
