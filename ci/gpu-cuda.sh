@@ -65,10 +65,11 @@ step() { # name, command...
 not_run() { # what, world
     echo "NOT RUN: $1 needs $2 GPUs, this machine has $NGPU" | tee -a "$LOG/summary.txt"
 }
-# The worlds a family of benches runs at: 2, 4 and 8, as far as the GPUs go.
+# The worlds a family of benches runs at: 2, 4 and 8 (BENCH_WORLDS, e.g. "4"
+# for a second job on a 4-GPU machine), as far as the GPUs go.
 bench_worlds() { # what
     local w
-    for w in 2 4 8; do
+    for w in ${BENCH_WORLDS:-2 4 8}; do
         if [ "$NGPU" -ge "$w" ]; then echo "$w"; else not_run "$1 world $w" "$w" >&2; fi
     done
 }
@@ -143,11 +144,18 @@ if [[ " $STEPS " == *" layered "* ]] && command -v torchrun >/dev/null && [ "$NG
     # every result.
     step layered_conformance env FERROCOMM_LOCAL_SIZE=1 torchrun --nproc_per_node=2 --no-python \
         "$BIN/ferrocomm-worker" conformance --backend cuda --timeout-secs 120
+    # 2 nodes x 2 GPUs: kernels inside a node, NCCL between them.
+    if [ "$NGPU" -ge 4 ]; then
+        step layered_conformance_w4_2nodes env FERROCOMM_LOCAL_SIZE=2 torchrun --nproc_per_node=4 --no-python \
+            "$BIN/ferrocomm-worker" conformance --backend cuda --timeout-secs 120
+    else
+        not_run "conformance across 2 pseudo-nodes of 2 GPUs" 4
+    fi
     step layered_bench env FERROCOMM_LOCAL_SIZE=1 "$BIN/ferrocomm-bench" --backend cuda --world 2 --coll all --algo auto \
         --dtype bf16 --min-bytes 4K --max-bytes 16M --iters 5 --warmup 2
     # 2 nodes x 1 GPU against flat NCCL over the same ranks, graph replay
     # (issue 15: all-reduce within 10% of flat NCCL from 1 MiB).
-    step layered_bench_w2_graph env FERROCOMM_LOCAL_SIZE=1 "$BIN/ferrocomm-bench" --backend cuda --world 2 \
+    [[ " ${BENCH_WORLDS:-2} " == *" 2 "* ]] && step layered_bench_w2_graph env FERROCOMM_LOCAL_SIZE=1 "$BIN/ferrocomm-bench" --backend cuda --world 2 \
         --coll all_reduce,all_gather,reduce_scatter --algo auto,nccl --graph --dtype bf16 \
         --min-bytes 1M --max-bytes "${LAYERED_MAX:-256M}" --iters 10 --warmup 3 --json "$LOG/layered_bench_w2_graph.json"
     # 2 nodes x 2 GPUs and 2 x 4, where the GPUs are there.
@@ -394,7 +402,8 @@ fi
 
 if [[ " $STEPS " == *" baseline "* ]] && command -v torchrun >/dev/null; then
     # Every world from 2 to the GPU count (issue 17).
-    for w in $(seq 2 "$NGPU"); do
+    for w in ${BENCH_WORLDS:-$(seq 2 "$NGPU")}; do
+        [ "$NGPU" -ge "$w" ] || continue
         for b in torch_allreduce_bench torch_collectives_bench; do
             [ -f ".carry/$b.py" ] && step "${b}_w$w" torchrun --nproc_per_node="$w" ".carry/$b.py"
         done

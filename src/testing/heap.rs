@@ -266,10 +266,9 @@ fn heap_collectives<D: Device>(
             comm.heap_read(buf, 0, &mut got)?;
             Ok(from_bytes(&got))
         };
-        // All-to-alls carry no agreed block: on GPUs they stay on the inbox
-        // exchange (`DIRECT_MIN_BLOCK_BYTES`).
+        // An all-to-all without splits has an agreed block (`count /
+        // world`), so it takes the direct exchange like the all-gather.
         let epochs = |taken: u32, fell_back: bool, case: &str, c: &mut Checker| {
-            let direct = direct && !(gpu && case.contains("all-to-all"));
             check_epochs(c, &format!("{case}: {n} elements"), taken, direct, fell_back);
         };
 
