@@ -44,8 +44,9 @@ pub mod log;
 pub mod testing;
 
 pub use comm::{
-    Axis, Call, CollRoute, CommOptions, Communicator, Fusion, FusionPattern, Mapping, MixedComm, MixedMode, MixedOp,
-    MoeFinalize, P2p, Reduction, Registration, Tensor, Topology, TuneReport, TuneSource, UserModule, Window, Work,
+    Axis, Call, CollAlgo, CollRoute, Collective, CommOptions, Communicator, DtypeClass, Fusion, FusionPattern, Ladders,
+    Mapping, MixedComm, MixedMode, MixedOp, MoeFinalize, P2p, Reduction, Registration, Tensor, Timing, Topology,
+    TuneReport, TuneSource, UserModule, Window, Work,
 };
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};

@@ -1,12 +1,14 @@
 //! Autotune at init on the host backend: the first communicator measures
-//! (every rank adopting rank 0's ladder) and caches the table; the next one
-//! reads it.
+//! (every rank adopting rank 0's table: a ladder per collective and dtype
+//! class) and caches the table; the next one reads it.
 
 use std::time::Duration;
 
 use ferrocomm::backends::host::HostDevice;
 use ferrocomm::testing::harness::run_thread_ranks;
-use ferrocomm::{Call, CommOptions, Communicator, DType, ReduceOp, Tensor, TuneSource};
+use ferrocomm::{
+    Call, CollAlgo, Collective, CommOptions, Communicator, DType, DtypeClass, ReduceOp, Tensor, TuneSource,
+};
 
 #[test]
 fn autotune_measures_once_then_reads_its_cache() {
@@ -23,7 +25,7 @@ fn autotune_measures_once_then_reads_its_cache() {
         run_thread_ranks(2, |rank, world, store| {
             let comm = Communicator::new(HostDevice::new(rank)?, store, rank, world, opts.clone())?;
             let report = comm.autotune_report().expect("autotune ran");
-            // Still an exact all-reduce after the ladder changed.
+            // Still an exact all-reduce after the table changed.
             let buf = comm.alloc(4 * 1000)?;
             let v: Vec<u8> = (0..1000).flat_map(|i| ((i + rank) as i32).to_le_bytes()).collect();
             comm.write(&buf, 0, &v)?;
@@ -46,14 +48,42 @@ fn autotune_measures_once_then_reads_its_cache() {
     let TuneSource::Measured(took) = first[0].source.clone() else {
         panic!("first run did not measure: {:?}", first[0].source);
     };
-    println!("host autotune, world 2: {took:?}, ladder {:?}", first[0].ladder);
-    assert_eq!(first[0].ladder, first[1].ladder, "ranks adopt rank 0's ladder");
-    assert_eq!(first[0].ladder.last().map(|s| s.max_bytes), Some(usize::MAX));
-    assert!(!first[0].timings.is_empty());
+    let table = &first[0].table;
+    println!("host autotune, world 2: {took:?}, table {table:?}");
+    assert_eq!(*table, first[1].table, "ranks adopt rank 0's table");
+    assert!(table.well_formed());
+    for class in DtypeClass::ALL {
+        assert_eq!(table.all_reduce(class).last().map(|s| s.max_bytes), Some(usize::MAX));
+        for coll in [Collective::AllGather, Collective::ReduceScatter, Collective::AllToAll] {
+            // No NCCL/RCCL on the host: never its choice.
+            assert!(table.coll(coll, class).iter().all(|s| s.algo != CollAlgo::Vendor));
+        }
+    }
+    // Every collective with a choice was timed, in both classes where the
+    // dtype matters, every candidate at every size.
+    let timings = &first[0].timings;
+    for coll in Collective::ALL {
+        for class in DtypeClass::ALL {
+            let n = timings
+                .iter()
+                .filter(|t| t.collective == coll && t.class == class)
+                .count();
+            let want = coll.reduces() || class == DtypeClass::Narrow;
+            assert_eq!(n > 0, want, "{coll} {class}: {n} timings");
+        }
+    }
+    assert!(timings.iter().all(|t| t.median_us.is_finite() && t.median_us >= 0.0));
+    assert!(timings
+        .iter()
+        .any(|t| t.collective == Collective::AllGather && t.candidate == "ll"));
+    assert!(timings
+        .iter()
+        .any(|t| t.collective == Collective::AllToAll && t.candidate == "inbox"));
     let second = run();
     for r in &second {
         assert!(matches!(r.source, TuneSource::Cached(_)), "{:?}", r.source);
-        assert_eq!(r.ladder, first[0].ladder);
+        assert_eq!(r.table, first[0].table);
+        assert!(r.timings.is_empty());
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -8,7 +8,7 @@
 //! may wait for running kernels (another rank's, waiting for this one): the
 //! suite prepares every module first, and `EpBuffer::new` looks up every EP
 //! function (which loads it under CUDA's lazy loading) before its barrier.
-//! Autotune is off: EP does not use the all-reduce ladder it measures.
+//! Autotune is off: EP does not use the dispatch table it measures.
 //! Shared ranks need `FERROCOMM_CCL=0`: NCCL refuses two ranks on one GPU.
 
 #![cfg(feature = "cuda")]

@@ -1,4 +1,10 @@
-//! Which algorithm runs a given call.
+//! Which algorithm runs a given call: per world size, one ladder per
+//! (collective, dtype class) for every collective with more than one way to
+//! run. All-reduce picks among ferrocomm's kernels ([`Algorithm`]);
+//! all-gather, reduce-scatter and all-to-all without splits among the LL
+//! kinds, the inbox kinds and NCCL/RCCL ([`CollAlgo`]), by bytes per peer.
+//! The defaults below are what H200 measured; autotune at init
+//! (`comm/autotune.rs`) replaces the ladders of the communicator's world.
 
 use std::fmt;
 use std::str::FromStr;
@@ -6,6 +12,7 @@ use std::str::FromStr;
 use super::kernels::KernelKind;
 use crate::codec::{Codec, Fp8Flavor};
 use crate::device::BackendKind;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// An all-reduce algorithm ferrocomm can run.
@@ -117,24 +124,287 @@ impl FromStr for AlgoChoice {
     }
 }
 
-/// One step of a dispatch ladder: payloads up to `max_bytes` (inclusive)
-/// run `algo`, unless an earlier step already took them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Step {
-    pub max_bytes: usize,
-    pub algo: Algorithm,
+/// How all-gather, reduce-scatter and all-to-all without splits run on
+/// GPUs (the host backend has the first two). Whatever runs, the result is
+/// the same bits for the data movers; for reduce-scatter the vendor's may
+/// differ (NCCL/RCCL is not bitwise the reference's rank-order sum).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CollAlgo {
+    /// The LL kinds (`fc_exchange_ll`, `fc_reduce_to_ll_*`): the block
+    /// travels on LL lines, 8 data bytes per 16-byte line with the epoch in
+    /// each, so no flag round trip. Small blocks only: one launch, and a
+    /// block must fit one source's lines (`ll_stride / 2`).
+    Ll,
+    /// The inbox kinds (`fc_exchange`, `fc_reduce_to_*`): pushed into the
+    /// peers' inboxes, a flag, copied out (or their direct twins on heap
+    /// operands, which `CommOptions::direct_min_bytes` governs). Runs every
+    /// call.
+    Inbox,
+    /// NCCL/RCCL underneath, where the build has it and it loaded.
+    Vendor,
 }
 
-const fn step(max_bytes: usize, algo: Algorithm) -> Step {
+impl CollAlgo {
+    pub const ALL: [CollAlgo; 3] = [CollAlgo::Ll, CollAlgo::Inbox, CollAlgo::Vendor];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            CollAlgo::Ll => "ll",
+            CollAlgo::Inbox => "inbox",
+            CollAlgo::Vendor => "vendor",
+        }
+    }
+}
+
+impl fmt::Display for CollAlgo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CollAlgo {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "ll" => Ok(CollAlgo::Ll),
+            "inbox" => Ok(CollAlgo::Inbox),
+            "vendor" | "nccl" | "rccl" => Ok(CollAlgo::Vendor),
+            _ => Err(Error::invalid(format!(
+                "unknown collective algorithm {s:?} (expected ll, inbox, vendor or auto)"
+            ))),
+        }
+    }
+}
+
+/// The collectives with more than one algorithm, as the table and autotune
+/// name them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Collective {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    /// All-to-all without splits (the one form with a block every rank
+    /// agrees on; with splits the kernels run it, or NCCL/RCCL when
+    /// `FERROCOMM_COLL_ROUTE=vendor`).
+    AllToAll,
+}
+
+impl Collective {
+    pub const ALL: [Collective; 4] = [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+        Collective::AllToAll,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::AllGather => "all_gather",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::AllToAll => "all_to_all",
+        }
+    }
+
+    /// Whether it reduces, so that its cost depends on the dtype class (the
+    /// arithmetic), not only on bytes. The exchange kernels move bytes.
+    pub const fn reduces(self) -> bool {
+        matches!(self, Collective::AllReduce | Collective::ReduceScatter)
+    }
+}
+
+impl fmt::Display for Collective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Collective {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Collective::ALL
+            .into_iter()
+            .find(|c| c.name() == s)
+            .ok_or_else(|| Error::invalid(format!("unknown collective {s:?}")))
+    }
+}
+
+/// Dtypes by element size, which is what decides a reduction's cost: 1-2
+/// byte elements (f16, bf16, fp8, i8, u8) are widened to f32 to be reduced
+/// and move twice the elements per byte; 4-8 byte elements (f32, i32, f64,
+/// i64) are reduced as they are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DtypeClass {
+    /// 1- and 2-byte elements.
+    Narrow,
+    /// 4- and 8-byte elements.
+    Wide,
+}
+
+impl DtypeClass {
+    pub const ALL: [DtypeClass; 2] = [DtypeClass::Narrow, DtypeClass::Wide];
+
+    pub const fn of(dtype: DType) -> Self {
+        if dtype.size() <= 2 {
+            DtypeClass::Narrow
+        } else {
+            DtypeClass::Wide
+        }
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            DtypeClass::Narrow => "narrow",
+            DtypeClass::Wide => "wide",
+        }
+    }
+
+    /// The class's position in [`DtypeClass::ALL`] (and in the ladders).
+    pub const fn index(self) -> usize {
+        match self {
+            DtypeClass::Narrow => 0,
+            DtypeClass::Wide => 1,
+        }
+    }
+
+    /// The dtype autotune measures the class with (what engines move most).
+    pub const fn representative(self) -> DType {
+        match self {
+            DtypeClass::Narrow => DType::BF16,
+            DtypeClass::Wide => DType::F32,
+        }
+    }
+}
+
+impl fmt::Display for DtypeClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DtypeClass {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        DtypeClass::ALL
+            .into_iter()
+            .find(|c| c.name() == s)
+            .ok_or_else(|| Error::invalid(format!("unknown dtype class {s:?} (expected narrow or wide)")))
+    }
+}
+
+/// One step of a dispatch ladder: payloads up to `max_bytes` (inclusive)
+/// run `algo`, unless an earlier step already took them. All-reduce ladders
+/// count the payload, the others bytes per peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Step<A = Algorithm> {
+    pub max_bytes: usize,
+    pub algo: A,
+}
+
+const fn step<A>(max_bytes: usize, algo: A) -> Step<A> {
     Step { max_bytes, algo }
 }
 
-/// Size thresholds per world size: an increasing ladder of steps, the last
-/// one unbounded.
+/// The step of `ladder` that takes `bytes`: the first that reaches it.
+pub fn step_for<A>(ladder: &[Step<A>], bytes: usize) -> Option<&Step<A>> {
+    ladder.iter().find(|s| bytes <= s.max_bytes)
+}
+
+/// Whether `ladder` is well formed: increasing bounds, the last one unbounded.
+pub fn well_formed<A>(ladder: &[Step<A>]) -> bool {
+    ladder.last().map(|s| s.max_bytes) == Some(usize::MAX) && ladder.windows(2).all(|w| w[0].max_bytes < w[1].max_bytes)
+}
+
+/// The ladders of one world size: per collective, per dtype class (indexed
+/// by [`DtypeClass::index`]). All-gather and all-to-all move bytes, so their
+/// two classes hold the same ladder unless someone sets them apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ladders {
+    /// By payload bytes.
+    pub all_reduce: [Vec<Step>; 2],
+    /// By bytes per peer (the input).
+    pub all_gather: [Vec<Step<CollAlgo>>; 2],
+    /// By bytes per peer (the output).
+    pub reduce_scatter: [Vec<Step<CollAlgo>>; 2],
+    /// Without splits, by bytes per peer (count / world).
+    pub all_to_all: [Vec<Step<CollAlgo>>; 2],
+}
+
+impl Ladders {
+    /// The all-reduce ladder of `class`.
+    pub fn all_reduce(&self, class: DtypeClass) -> &[Step] {
+        &self.all_reduce[class.index()]
+    }
+
+    /// The ladder of `coll` and `class` ([`CollAlgo`] by bytes per peer);
+    /// empty for all-reduce, whose ladder is [`Ladders::all_reduce`].
+    pub fn coll(&self, coll: Collective, class: DtypeClass) -> &[Step<CollAlgo>] {
+        let i = class.index();
+        match coll {
+            Collective::AllReduce => &[],
+            Collective::AllGather => &self.all_gather[i],
+            Collective::ReduceScatter => &self.reduce_scatter[i],
+            Collective::AllToAll => &self.all_to_all[i],
+        }
+    }
+
+    /// [`Ladders::coll`], to replace (`None` for all-reduce).
+    pub fn coll_mut(&mut self, coll: Collective, class: DtypeClass) -> Option<&mut Vec<Step<CollAlgo>>> {
+        let i = class.index();
+        match coll {
+            Collective::AllReduce => None,
+            Collective::AllGather => Some(&mut self.all_gather[i]),
+            Collective::ReduceScatter => Some(&mut self.reduce_scatter[i]),
+            Collective::AllToAll => Some(&mut self.all_to_all[i]),
+        }
+    }
+
+    /// The defaults of `world` ranks on `backend` (see [`DispatchTable::default_for`]).
+    pub fn default_for(backend: BackendKind, world: usize) -> Self {
+        let ar = default_all_reduce(backend, world);
+        // The static rules that measured on 2x H200 (NV18): LL up to
+        // `ll_max_block_bytes`, then NCCL/RCCL below `CUSTOM_MIN_BLOCK_BYTES`
+        // where it may take the call, then the inbox kernels; all-to-alls
+        // keep the kernels up to `A2A_VENDOR_MIN_BLOCK_BYTES`. A step whose
+        // kind cannot run a call (no library, a deterministic reduction,
+        // a block past the LL lines) hands it to the next step.
+        let ll = ll_max_block_bytes(world);
+        let data = vec![
+            step(ll, CollAlgo::Ll),
+            step(CUSTOM_MIN_BLOCK_BYTES - 1, CollAlgo::Vendor),
+            step(usize::MAX, CollAlgo::Inbox),
+        ];
+        let a2a = vec![
+            step(ll, CollAlgo::Ll),
+            step(A2A_VENDOR_MIN_BLOCK_BYTES - 1, CollAlgo::Inbox),
+            step(usize::MAX, CollAlgo::Vendor),
+        ];
+        Ladders {
+            all_reduce: [ar.clone(), ar],
+            all_gather: [data.clone(), data.clone()],
+            reduce_scatter: [data.clone(), data],
+            all_to_all: [a2a.clone(), a2a],
+        }
+    }
+
+    /// Whether every ladder is well formed and the all-reduce ladders hold
+    /// ferrocomm's kernels only.
+    pub fn well_formed(&self) -> bool {
+        DtypeClass::ALL.into_iter().all(|class| {
+            let ar = self.all_reduce(class);
+            well_formed(ar)
+                && ar.iter().all(|s| Algorithm::CUSTOM.contains(&s.algo))
+                && Collective::ALL[1..].iter().all(|&c| well_formed(self.coll(c, class)))
+        })
+    }
+}
+
+/// Size thresholds per world size: an increasing ladder of steps per
+/// collective and dtype class, the last step unbounded.
 #[derive(Debug, Clone)]
 pub struct DispatchTable {
     /// Indexed by world size (0 and 1 are unused: no kernel runs there).
-    pub ladders: [Vec<Step>; 9],
+    pub ladders: [Ladders; 9],
     /// Smallest payload handed to the vendor library when the caller allows
     /// non-deterministic results and the library is loaded.
     pub ccl_min_bytes: usize,
@@ -143,71 +413,152 @@ pub struct DispatchTable {
     pub qr_min_bytes: [usize; 9],
 }
 
+/// The default all-reduce ladder of `world` ranks on `backend` (both dtype
+/// classes: the measurements below are bf16).
+fn default_all_reduce(backend: BackendKind, world: usize) -> Vec<Step> {
+    const KIB: usize = 1024;
+    const MIB: usize = 1024 * KIB;
+    use Algorithm::*;
+    match backend {
+        // The host backend's cost is memory traffic (DRAM-bound copies and
+        // reductions), not latency. On a 2-core VM (bf16 sum, processes,
+        // `ferrocomm-bench --backend host --algo ...`, median us per op):
+        //   w2  1M: oneshot 461, twoshot 426, twoshot-push 367
+        //       4M: oneshot 2495, twoshot 2515, twoshot-push 1504
+        //   w4  256K: oneshot 441, twoshot 273, twoshot-push 264
+        //       4M: oneshot 8701, twoshot 4165, twoshot-push 4646
+        // Below 64 KiB the rows are scheduling noise (4-8 threads on 2
+        // cores); the one-shot is the simplest there. The push two-shot
+        // stages only the segments peers reduce.
+        BackendKind::Host => vec![step(64 * KIB, OneShot), step(usize::MAX, TwoShotPush)],
+        // GPUs: measured on 4x H200 (NV18), bf16 sum, CUDA-graph replay,
+        // median us per op (ferrocomm-bench --graph --iters 10 --warmup 3,
+        // NCCL 2.x in the same run, NVLS off; 8 MiB slots):
+        //
+        //  w2       LL    push1  push2   pull1  pull2   NCCL
+        //  1K      3.39   5.32   8.01    5.09   8.55    5.89
+        //  64K     4.39   6.25   9.11    6.04  11.40    7.22
+        //  256K    5.87   6.57   9.41    6.61  12.30    8.55
+        //  512K    8.69   7.33   9.96    7.36  12.64   10.10
+        //  1M     11.80   8.97  11.29    9.24  13.53   14.03
+        //  4M     46.49  20.38  20.84   21.25  22.57   32.93
+        //  8M     96.61  35.32  33.07   39.97  36.72   47.80
+        //  16M   193.18  63.78  57.63   81.59  74.44   76.50
+        //  256M       -  843.9  808.9  1300.1 1186.5   883.7
+        //
+        //  w4       LL    push1  push2   pull1  pull2   NCCL
+        //  1K      3.40   6.33  10.78    5.17  11.56    9.17
+        //  64K     5.63   7.54  11.19    6.41  13.77   10.83
+        //  128K    6.68   7.59  11.37    7.19  13.99   11.11
+        //  256K    8.96   8.52  11.60    8.71  14.44   11.39
+        //  512K   14.39  11.20  12.40   12.20  15.10   14.16
+        //  1M     28.74  16.24  14.17   17.21  16.89   17.87
+        //  16M   463.43 165.92  86.62  188.66 113.60   97.92
+        //  256M       - 2424.9 1204.9  3006.0 1810.0  1178.9
+        //
+        // (LL = OneShotLl, push1/push2 = OneShotPush/TwoShotPush,
+        // pull1/pull2 = OneShot/TwoShot.) Worlds 3 and 5..8 were not
+        // measured: 3 follows 4; 5..8 halve the one-shot ranges of 4
+        // (one-shot traffic grows with world - 1).
+        BackendKind::Cuda | BackendKind::Hip => match world {
+            0..=2 => vec![
+                step(256 * KIB, OneShotLl),
+                step(4 * MIB, OneShotPush),
+                step(usize::MAX, TwoShotPush),
+            ],
+            3 | 4 => vec![
+                step(128 * KIB, OneShotLl),
+                step(512 * KIB, OneShotPush),
+                step(usize::MAX, TwoShotPush),
+            ],
+            _ => vec![
+                step(64 * KIB, OneShotLl),
+                step(256 * KIB, OneShotPush),
+                step(usize::MAX, TwoShotPush),
+            ],
+        },
+    }
+}
+
+/// Smallest per-peer block (bytes) `auto` sends to ferrocomm's inbox kernels
+/// when NCCL/RCCL is there and may take the call; smaller ones go to the
+/// library, except blocks the LL kinds carry, which beat it
+/// ([`ll_max_block_bytes`]).
+///
+/// Measured on 2x H200 (NV18), bf16, CUDA-graph replay, world 2,
+/// `ferrocomm-bench --coll all --algo auto,nccl --graph` (bench/2026-11-23-h200x2/run8),
+/// kernels / NCCL called directly, us, by the bench's size (all-gather's
+/// output, reduce-scatter's input: two blocks; reduce's buffer: one block):
+///
+/// ```text
+///            4K      64K     256K    512K    1M      4M      16M     64M
+/// all-gather 6.6/5.5 8.2/6.5 8.4/7.1 8.6/8.1 9.4/10.7 14.3/25.5 35.5/44.9 120.5/122.8
+/// red-scat.  6.5/5.5 7.9/6.3 8.2/6.9 8.3/7.8 8.7/9.9  13.6/23.5 34.8/50.9 117.8/163.3
+/// reduce     6.0/4.8 7.1/5.3 7.3/6.3 7.7/7.8 8.6/10.7 17.3/22.0 51.4/56.1 193.7/195.5
+/// ```
+///
+/// The kernels' push, flag and copy-out cost about 1 us more than NCCL's
+/// small-message path, and win from a 512 KiB block on. Gather and scatter
+/// run the same exchange and take the all-gather's threshold; worlds above 2
+/// were not measured and take world 2's. All-to-alls have their own rule
+/// ([`A2A_VENDOR_MIN_BLOCK_BYTES`]; with splits, no size: the kernels).
+pub(crate) const CUSTOM_MIN_BLOCK_BYTES: usize = 512 << 10;
+
+/// Smallest per-peer block (bytes) of an all-to-all without splits (the one
+/// kind with an agreed block) that `auto` gives NCCL/RCCL: below it the
+/// kernels are level or ahead, above it NCCL's copy is faster.
+///
+/// Measured on 2x H200 (NV18), bf16, graph replay, world 2, `ferrocomm-bench
+/// --coll all --algo auto,nccl --graph` (bench/2026-11-23-h200x2/run14-session6,
+/// `collbench_w2.log`), kernels (LL to 256 KiB a peer, then the inbox
+/// exchange) / NCCL called directly, us, by the per-peer block:
+///
+/// ```text
+/// 2K 1.77/3.20 (x2: 3.55/6.40 for the call)   32K 4.37/7.81   256K 5.80/9.63
+/// 512K 9.43/12.55   4M 21.96/24.96   8M 37.14/37.51   16M 67.39/64.17   32M 123.27/110.72
+/// ```
+/// (whole calls, input of 2 blocks.)
+pub(crate) const A2A_VENDOR_MIN_BLOCK_BYTES: usize = 16 << 20;
+
+/// Largest agreed per-peer block (bytes) the exchange and the reduce-to
+/// take their LL kinds at (`fc_exchange_ll`, `fc_reduce_to_ll_*`; 0: never),
+/// unless `CommOptions::coll_ll_bytes` says otherwise; for all-gather,
+/// reduce-scatter and all-to-all the first step of the default ladders,
+/// which autotune replaces.
+///
+/// Measured on 2x H200 (NV18), bf16, graph replay, `ferrocomm-bench --coll
+/// all_gather,reduce_scatter,reduce --algo auto,nccl --graph` with
+/// `FERROCOMM_COLL_ROUTE=custom` and LL forced up to 4 MiB a peer, off, or
+/// at its default (bench/2026-11-23-h200x2/run13-session5), us, LL / inbox
+/// kernels / NCCL called directly, by the per-peer block:
+///
+/// ```text
+///             512B            32K             128K            256K             512K
+/// all-gather  3.52/6.56/5.18  4.32/8.14/6.33  4.99/8.36/6.95  5.79/8.63/8.00   8.88/9.39/10.60
+/// red-scat.   3.39/6.52/5.29  4.25/7.90/6.28  5.20/8.15/6.95  6.09/8.22/7.87   9.10/8.67/10.01
+/// reduce      3.14/5.98/4.83  4.05/7.00/5.47  4.88/7.28/6.44  6.11/7.69/7.92   8.52/8.64/10.87
+/// ```
+///
+/// LL wins to 256 KiB a peer in every row; at 512 KiB the inbox kinds catch
+/// up (reduce-scatter 8.67 against 9.10). Worlds above 2 were not measured:
+/// each LL source's lines carry its block to every peer, as the LL
+/// all-reduce's do, whose ladder (above, 4x H200) stops LL at a
+/// quarter of world 2's range at world 4; 64 KiB to world 4 and 32 KiB above
+/// keep well inside it.
+pub(crate) fn ll_max_block_bytes(world: usize) -> usize {
+    match world {
+        0..=2 => 256 << 10,
+        3 | 4 => 64 << 10,
+        _ => 32 << 10,
+    }
+}
+
 impl DispatchTable {
-    /// Defaults per backend; autotune at init may replace them.
+    /// Defaults per backend; autotune at init may replace the ladders of a
+    /// communicator's world.
     pub fn default_for(backend: BackendKind) -> Self {
-        const KIB: usize = 1024;
-        const MIB: usize = 1024 * KIB;
-        use Algorithm::*;
-        let ladders: [Vec<Step>; 9] = std::array::from_fn(|world| match backend {
-            // The host backend's cost is memory traffic (DRAM-bound copies and
-            // reductions), not latency. On a 2-core VM (bf16 sum, processes,
-            // `ferrocomm-bench --backend host --algo ...`, median us per op):
-            //   w2  1M: oneshot 461, twoshot 426, twoshot-push 367
-            //       4M: oneshot 2495, twoshot 2515, twoshot-push 1504
-            //   w4  256K: oneshot 441, twoshot 273, twoshot-push 264
-            //       4M: oneshot 8701, twoshot 4165, twoshot-push 4646
-            // Below 64 KiB the rows are scheduling noise (4-8 threads on 2
-            // cores); the one-shot is the simplest there. The push two-shot
-            // stages only the segments peers reduce.
-            BackendKind::Host => vec![step(64 * KIB, OneShot), step(usize::MAX, TwoShotPush)],
-            // GPUs: measured on 4x H200 (NV18), bf16 sum, CUDA-graph replay,
-            // median us per op (ferrocomm-bench --graph --iters 10 --warmup 3,
-            // NCCL 2.x in the same run, NVLS off; 8 MiB slots):
-            //
-            //  w2       LL    push1  push2   pull1  pull2   NCCL
-            //  1K      3.39   5.32   8.01    5.09   8.55    5.89
-            //  64K     4.39   6.25   9.11    6.04  11.40    7.22
-            //  256K    5.87   6.57   9.41    6.61  12.30    8.55
-            //  512K    8.69   7.33   9.96    7.36  12.64   10.10
-            //  1M     11.80   8.97  11.29    9.24  13.53   14.03
-            //  4M     46.49  20.38  20.84   21.25  22.57   32.93
-            //  8M     96.61  35.32  33.07   39.97  36.72   47.80
-            //  16M   193.18  63.78  57.63   81.59  74.44   76.50
-            //  256M       -  843.9  808.9  1300.1 1186.5   883.7
-            //
-            //  w4       LL    push1  push2   pull1  pull2   NCCL
-            //  1K      3.40   6.33  10.78    5.17  11.56    9.17
-            //  64K     5.63   7.54  11.19    6.41  13.77   10.83
-            //  128K    6.68   7.59  11.37    7.19  13.99   11.11
-            //  256K    8.96   8.52  11.60    8.71  14.44   11.39
-            //  512K   14.39  11.20  12.40   12.20  15.10   14.16
-            //  1M     28.74  16.24  14.17   17.21  16.89   17.87
-            //  16M   463.43 165.92  86.62  188.66 113.60   97.92
-            //  256M       - 2424.9 1204.9  3006.0 1810.0  1178.9
-            //
-            // (LL = OneShotLl, push1/push2 = OneShotPush/TwoShotPush,
-            // pull1/pull2 = OneShot/TwoShot.) Worlds 3 and 5..8 were not
-            // measured: 3 follows 4; 5..8 halve the one-shot ranges of 4
-            // (one-shot traffic grows with world - 1).
-            BackendKind::Cuda | BackendKind::Hip => match world {
-                0..=2 => vec![
-                    step(256 * KIB, OneShotLl),
-                    step(4 * MIB, OneShotPush),
-                    step(usize::MAX, TwoShotPush),
-                ],
-                3 | 4 => vec![
-                    step(128 * KIB, OneShotLl),
-                    step(512 * KIB, OneShotPush),
-                    step(usize::MAX, TwoShotPush),
-                ],
-                _ => vec![
-                    step(64 * KIB, OneShotLl),
-                    step(256 * KIB, OneShotPush),
-                    step(usize::MAX, TwoShotPush),
-                ],
-            },
-        });
+        const MIB: usize = 1024 * 1024;
+        let ladders: [Ladders; 9] = std::array::from_fn(|world| Ladders::default_for(backend, world));
         DispatchTable {
             ladders,
             // Never by default: on 4x H200 (BENCHMARKS.md run 2) two-shot push
@@ -231,6 +582,7 @@ impl DispatchTable {
         }
     }
 
+    /// The all-reduce algorithm of a call of `bytes` in `class` on `world` ranks.
     /// `ccl_allowed`: the vendor library is loaded and the caller does not
     /// require deterministic results.
     /// `quantize`: the caller opted in to quick-reduce with this codec and the
@@ -240,6 +592,7 @@ impl DispatchTable {
         choice: AlgoChoice,
         bytes: usize,
         world: usize,
+        class: DtypeClass,
         ccl_allowed: bool,
         quantize: Option<Codec>,
     ) -> Algorithm {
@@ -252,12 +605,31 @@ impl DispatchTable {
                 if ccl_allowed && bytes >= self.ccl_min_bytes {
                     return Algorithm::Ccl;
                 }
-                self.ladders[world.min(8)]
-                    .iter()
-                    .find(|s| bytes <= s.max_bytes)
-                    .map_or(Algorithm::TwoShot, |s| s.algo)
+                step_for(self.ladders[world.min(8)].all_reduce(class), bytes).map_or(Algorithm::TwoShot, |s| s.algo)
             }
         }
+    }
+
+    /// The kind a call of `coll` (not all-reduce) with `bytes` per peer in
+    /// `class` on `world` ranks takes by the table: the first step that
+    /// reaches `bytes` and whose kind `runs` (it can run this call and the
+    /// options allow it); a step that cannot passes the call on to the next.
+    /// The inbox kinds run every call, so they end the search.
+    pub fn choose_coll(
+        &self,
+        coll: Collective,
+        class: DtypeClass,
+        bytes: usize,
+        world: usize,
+        runs: impl Fn(CollAlgo) -> bool,
+    ) -> CollAlgo {
+        self.ladders[world.min(8)]
+            .coll(coll, class)
+            .iter()
+            .filter(|s| bytes <= s.max_bytes)
+            .map(|s| s.algo)
+            .find(|&a| a == CollAlgo::Inbox || runs(a))
+            .unwrap_or(CollAlgo::Inbox)
     }
 }
 
@@ -292,23 +664,155 @@ mod tests {
         for backend in [BackendKind::Host, BackendKind::Cuda, BackendKind::Hip] {
             let t = DispatchTable::default_for(backend);
             for world in 2..=8 {
-                let ladder = &t.ladders[world];
-                assert_eq!(ladder.last().map(|s| s.max_bytes), Some(usize::MAX));
-                assert!(ladder.windows(2).all(|w| w[0].max_bytes < w[1].max_bytes));
-                assert!(ladder.iter().all(|s| Algorithm::CUSTOM.contains(&s.algo)));
-                assert_ne!(
-                    t.choose(AlgoChoice::Auto, usize::MAX, world, false, None),
-                    Algorithm::Ccl
-                );
-                let qr = Algorithm::QuickReduce(Codec::Int4);
-                if backend != BackendKind::Host {
-                    assert_eq!(
-                        t.choose(AlgoChoice::Auto, 256 << 20, world, false, Some(Codec::Int4)),
+                assert!(t.ladders[world].well_formed(), "{backend:?} world {world}");
+                for class in DtypeClass::ALL {
+                    assert_ne!(
+                        t.choose(AlgoChoice::Auto, usize::MAX, world, class, false, None),
+                        Algorithm::Ccl
+                    );
+                    let qr = Algorithm::QuickReduce(Codec::Int4);
+                    if backend != BackendKind::Host {
+                        assert_eq!(
+                            t.choose(AlgoChoice::Auto, 256 << 20, world, class, false, Some(Codec::Int4)),
+                            qr
+                        );
+                    }
+                    assert_ne!(
+                        t.choose(AlgoChoice::Auto, 1024, world, class, false, Some(Codec::Int4)),
                         qr
                     );
+                    assert_ne!(t.choose(AlgoChoice::Auto, 256 << 20, world, class, false, None), qr);
                 }
-                assert_ne!(t.choose(AlgoChoice::Auto, 1024, world, false, Some(Codec::Int4)), qr);
-                assert_ne!(t.choose(AlgoChoice::Auto, 256 << 20, world, false, None), qr);
+            }
+        }
+    }
+
+    #[test]
+    fn coll_algo_names_parse_back() {
+        for a in CollAlgo::ALL {
+            assert_eq!(a.name().parse::<CollAlgo>().unwrap(), a);
+        }
+        assert_eq!(" NCCL ".parse::<CollAlgo>().unwrap(), CollAlgo::Vendor);
+        assert!(
+            "auto".parse::<CollAlgo>().is_err(),
+            "auto is no algorithm: the hint reads it"
+        );
+        for c in Collective::ALL {
+            assert_eq!(c.name().parse::<Collective>().unwrap(), c);
+        }
+        for c in DtypeClass::ALL {
+            assert_eq!(c.name().parse::<DtypeClass>().unwrap(), c);
+        }
+    }
+
+    #[test]
+    fn dtype_classes_go_by_element_size() {
+        for d in DType::ALL {
+            let want = if d.size() <= 2 {
+                DtypeClass::Narrow
+            } else {
+                DtypeClass::Wide
+            };
+            assert_eq!(DtypeClass::of(d), want, "{d}");
+        }
+        for c in DtypeClass::ALL {
+            assert_eq!(DtypeClass::of(c.representative()), c);
+            assert_eq!(DtypeClass::ALL[c.index()], c);
+        }
+    }
+
+    #[test]
+    fn the_choice_follows_the_dtype_class() {
+        use Algorithm::*;
+        let mut t = DispatchTable::default_for(BackendKind::Cuda);
+        t.ladders[2].all_reduce = [
+            vec![step(4096, OneShotLl), step(usize::MAX, TwoShotPush)],
+            vec![step(usize::MAX, OneShot)],
+        ];
+        let ar = |bytes, class| t.choose(AlgoChoice::Auto, bytes, 2, class, false, None);
+        assert_eq!(ar(4096, DtypeClass::Narrow), OneShotLl);
+        assert_eq!(ar(4097, DtypeClass::Narrow), TwoShotPush);
+        assert_eq!(ar(4096, DtypeClass::Wide), OneShot);
+        assert_eq!(ar(1 << 30, DtypeClass::Wide), OneShot);
+        // A fixed choice wins over either class.
+        assert_eq!(
+            t.choose(AlgoChoice::Fixed(TwoShot), 4096, 2, DtypeClass::Narrow, false, None),
+            TwoShot
+        );
+        // World 4's ladders are untouched.
+        assert_eq!(
+            t.choose(AlgoChoice::Auto, 4096, 4, DtypeClass::Wide, false, None),
+            OneShotLl
+        );
+
+        t.ladders[2].reduce_scatter = [
+            vec![step(65536, CollAlgo::Ll), step(usize::MAX, CollAlgo::Vendor)],
+            vec![step(usize::MAX, CollAlgo::Inbox)],
+        ];
+        let all = |_| true;
+        let rs = |bytes, class, runs: &dyn Fn(CollAlgo) -> bool| {
+            t.choose_coll(Collective::ReduceScatter, class, bytes, 2, runs)
+        };
+        assert_eq!(rs(4096, DtypeClass::Narrow, &all), CollAlgo::Ll);
+        assert_eq!(rs(1 << 20, DtypeClass::Narrow, &all), CollAlgo::Vendor);
+        assert_eq!(rs(4096, DtypeClass::Wide, &all), CollAlgo::Inbox);
+        // A step that cannot run hands the call to the next one, and the
+        // inbox kinds end the ladder.
+        let no_ll = |a| a != CollAlgo::Ll;
+        assert_eq!(rs(4096, DtypeClass::Narrow, &no_ll), CollAlgo::Vendor);
+        let none = |_| false;
+        assert_eq!(rs(4096, DtypeClass::Narrow, &none), CollAlgo::Inbox);
+        // All-reduce has no CollAlgo ladder.
+        assert_eq!(
+            t.choose_coll(Collective::AllReduce, DtypeClass::Narrow, 1, 2, all),
+            CollAlgo::Inbox
+        );
+    }
+
+    #[test]
+    fn default_coll_ladders_are_the_static_rules() {
+        // What `route::decide` and the LL threshold said before there was a
+        // table, for each kind that can run.
+        let t = DispatchTable::default_for(BackendKind::Cuda);
+        for world in 2..=8 {
+            let ll = ll_max_block_bytes(world);
+            for class in DtypeClass::ALL {
+                for bytes in [
+                    1,
+                    ll,
+                    ll + 1,
+                    CUSTOM_MIN_BLOCK_BYTES - 1,
+                    CUSTOM_MIN_BLOCK_BYTES,
+                    1 << 30,
+                ] {
+                    for vendor in [false, true] {
+                        for ll_fits in [false, true] {
+                            let runs = |a| match a {
+                                CollAlgo::Ll => ll_fits,
+                                CollAlgo::Vendor => vendor,
+                                CollAlgo::Inbox => true,
+                            };
+                            let data = if ll_fits && bytes <= ll {
+                                CollAlgo::Ll
+                            } else if vendor && bytes < CUSTOM_MIN_BLOCK_BYTES {
+                                CollAlgo::Vendor
+                            } else {
+                                CollAlgo::Inbox
+                            };
+                            for c in [Collective::AllGather, Collective::ReduceScatter] {
+                                assert_eq!(t.choose_coll(c, class, bytes, world, runs), data);
+                            }
+                            let a2a = if ll_fits && bytes <= ll {
+                                CollAlgo::Ll
+                            } else if vendor && bytes >= A2A_VENDOR_MIN_BLOCK_BYTES {
+                                CollAlgo::Vendor
+                            } else {
+                                CollAlgo::Inbox
+                            };
+                            assert_eq!(t.choose_coll(Collective::AllToAll, class, bytes, world, runs), a2a);
+                        }
+                    }
+                }
             }
         }
     }

@@ -10,7 +10,10 @@ mod launch;
 pub mod layout;
 mod workspace;
 
-pub use dispatch::{AlgoChoice, Algorithm, DispatchTable, Step};
+pub(crate) use dispatch::{ll_max_block_bytes, CUSTOM_MIN_BLOCK_BYTES};
+pub use dispatch::{
+    step_for, well_formed, AlgoChoice, Algorithm, CollAlgo, Collective, DispatchTable, DtypeClass, Ladders, Step,
+};
 pub use grid::{GridTable, BLOCK_THREADS};
 pub use launch::{chunk_elems, fingerprint, whole_call, CollectiveCall, KernelNames};
 pub(crate) use workspace::PeerMaps;

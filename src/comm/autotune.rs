@@ -1,34 +1,53 @@
-//! Autotune at init: every rank of a new communicator times ferrocomm's
-//! all-reduce algorithms at a fixed ladder of sizes, rank 0's timings pick
-//! the fastest per size, and every rank adopts rank 0's choice (so all ranks
+//! Autotune at init: every rank of a new communicator times the candidate
+//! algorithms of each collective that has more than one, per (collective,
+//! size, dtype class), at a plan fixed before it runs; rank 0's medians pick
+//! the fastest per size, and every rank adopts rank 0's table (so all ranks
 //! dispatch alike). The result is cached on disk under a key of what it
-//! depends on (device, arch, world, topology, slot size, driver and library
-//! versions), so later runs only read it.
+//! depends on (device, arch, world, topology, slot size, the deterministic
+//! option, driver and library versions), so later runs only read it.
 //!
-//! What is tuned: the all-reduce ladder of this communicator's world
-//! (`DispatchTable::ladders`), measured with bf16 sums and applied to every
-//! dtype by bytes (one dtype class today). The plan is fixed before it runs
-//! (no rank may stop early on its own clock: the measurements are
-//! collectives), and sized to take well under the 2 s budget on H200; the
-//! report says how long it took.
+//! What is tuned, for this communicator's world (`DispatchTable::ladders`):
+//! - all-reduce: ferrocomm's five kernels by payload, per dtype class
+//!   (measured with bf16 and f32 sums);
+//! - all-gather, reduce-scatter and all-to-all without splits: LL, inbox
+//!   or NCCL/RCCL ([`CollAlgo`]) by bytes per peer. Reduce-scatter per dtype
+//!   class (bf16 and f32 sums); all-gather and all-to-all move bytes
+//!   whatever the dtype, so one measurement (bf16) serves both classes.
+//!
+//! A candidate is measured only where it can run and may be chosen: LL up to
+//! what its lines carry (and not where bandwidth rules), NCCL/RCCL only where
+//! the library loaded, and never for a reduce-scatter of a deterministic
+//! communicator (its sums are not the reference's bits). Each candidate is
+//! forced per call (`Call::algo`, `Call::coll_algo`); dispatch then reads
+//! the table, and explicit choices still win over it (`Call`'s docs).
+//!
+//! The plan is fixed before it runs: every rank runs the same collectives
+//! (they are collectives: no rank may stop early on its own clock), from
+//! what all ranks share and rank 0's deterministic option. It is sized to
+//! take well under the 2 s budget on 2x H200 ([`plan`] counts the ops); the
+//! report says how long it took, and a run past the budget is logged.
 //!
 //! On by default on GPUs, off on the host backend (the reference, whose
 //! tests create hundreds of communicators); `FERROCOMM_AUTOTUNE=0|1` or
-//! [`CommOptions::with_autotune`] decide.
+//! [`CommOptions::with_autotune`](super::CommOptions::with_autotune) decide.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::call::Call;
+use super::collectives::ll_capacity;
 use super::communicator::Communicator;
 use super::tensor::Tensor;
-use crate::algo::{AlgoChoice, Algorithm, Step};
+use super::work::Work;
+use crate::algo::kernels::{kernel_name, KernelKind};
+use crate::algo::{well_formed, AlgoChoice, Algorithm, CollAlgo, Collective, DtypeClass, Ladders, Step};
 use crate::bootstrap::store_all_gather;
 use crate::device::{BackendKind, Device};
-use crate::dtype::{DType, ReduceOp};
+use crate::dtype::ReduceOp;
 use crate::error::{Error, Result};
 
-/// Where a communicator's all-reduce ladder came from.
+/// Where a communicator's dispatch table came from.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TuneSource {
     /// Measured at init (rank 0's timings), taking this long.
@@ -37,71 +56,215 @@ pub enum TuneSource {
     Cached(PathBuf),
 }
 
+/// One measurement: a rank's median of one candidate at one size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Timing {
+    pub collective: Collective,
+    /// The class measured (all-gather and all-to-all: narrow, for both).
+    pub class: DtypeClass,
+    /// The payload for all-reduce, bytes per peer for the others.
+    pub bytes: usize,
+    /// An [`Algorithm`]'s name for all-reduce, a [`CollAlgo`]'s otherwise.
+    pub candidate: &'static str,
+    pub median_us: f64,
+}
+
 /// What autotune chose, and how.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TuneReport {
     pub source: TuneSource,
-    /// The ladder in force: payloads up to `max_bytes` run `algo`.
-    pub ladder: Vec<Step>,
-    /// Rank 0's median microseconds per (bytes, algorithm) when measured.
-    pub timings: Vec<(usize, Algorithm, f64)>,
+    /// The ladders in force for this communicator's world: per collective,
+    /// per dtype class.
+    pub table: Ladders,
+    /// This rank's medians when measured (rank 0's chose the table; empty
+    /// when read from the cache).
+    pub timings: Vec<Timing>,
 }
 
-/// The sizes timed and their candidates.
-fn plan(backend: BackendKind) -> Vec<(usize, Vec<Algorithm>)> {
-    use Algorithm::*;
-    let sizes: Vec<usize> = match backend {
-        // Host: memory-bound copies; the ladder's turn is below 1 MiB.
-        BackendKind::Host => (12..=20).step_by(2).map(|s| 1usize << s).collect(),
-        // GPUs: 1 KiB to 64 MiB, every 4x (the default ladder turns at
-        // 128 KiB-4 MiB on H200).
-        _ => (10..=26).step_by(2).map(|s| 1usize << s).collect(),
+/// A candidate of one collective.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Candidate {
+    AllReduce(Algorithm),
+    Coll(CollAlgo),
+}
+
+impl Candidate {
+    fn name(self) -> &'static str {
+        match self {
+            Candidate::AllReduce(a) => a.name(),
+            Candidate::Coll(c) => c.name(),
+        }
+    }
+}
+
+/// One size of one collective and class, and the candidates timed there.
+#[derive(Debug, Clone, PartialEq)]
+struct Case {
+    coll: Collective,
+    class: DtypeClass,
+    /// The payload (all-reduce) or bytes per peer.
+    bytes: usize,
+    candidates: Vec<Candidate>,
+}
+
+/// What the plan depends on; the same on every rank (the deterministic
+/// option is rank 0's).
+#[derive(Debug, Clone, Copy)]
+struct PlanFacts {
+    backend: BackendKind,
+    /// Largest block one source's LL lines carry ([`ll_capacity`]).
+    ll_room: usize,
+    /// NCCL/RCCL loaded (on every rank, or the communicator failed at init).
+    vendor: bool,
+    deterministic: bool,
+}
+
+/// LL carries 8 data bytes per 16-byte line: past 1 MiB a peer it never won
+/// on H200 (2x: inbox level at 512 KiB; the LL all-reduce's ladder stops at
+/// 256 KiB), so it is not timed where bandwidth rules.
+const LL_COLL_MAX_BYTES: usize = 1 << 20;
+/// The LL all-reduce likewise (its worst win was 256 KiB, at world 2).
+const LL_AR_MAX_BYTES: usize = 4 << 20;
+
+/// Untimed runs before, and timed runs of, each candidate at each size.
+fn iterations(backend: BackendKind) -> (usize, usize) {
+    match backend {
+        // The reference, timed in CI on 2 cores: enough to rank, no more.
+        BackendKind::Host => (1, 3),
+        _ => (2, 5),
+    }
+}
+
+/// The cases timed, in order (every rank builds the same list); a
+/// measurement is one candidate at one case's size.
+///
+/// GPUs: all-reduce at 1 KiB-64 MiB, every 4x (9 sizes; the default ladder
+/// turns at 128 KiB-4 MiB on H200) x the five kernels (LL to 4 MiB) x two
+/// dtype classes: 86 measurements. All-gather, reduce-scatter and
+/// all-to-all at 4 KiB-16 MiB a peer, every 4x (7 sizes) x LL (to 1 MiB a
+/// peer, within the lines: 5 sizes at 32 MiB slots for worlds 2-8), inbox
+/// and NCCL/RCCL (where it may run): all-gather 19, reduce-scatter 2 x 12
+/// (2 x 19 when not deterministic), all-to-all 19. So 148 measurements
+/// (162; 134 without NCCL/RCCL), each 2 untimed + 5 timed runs: about 1,040
+/// ops, 740 timed,
+/// each a launch plus an event pair and a stream sync (~20-30 us on H200)
+/// and the op itself; the large sizes dominate (64 MiB all-reduce
+/// ~0.2-0.35 ms, 16 MiB a peer ~65 us at world 2). On 2x H200 that is an
+/// estimated 0.1 s of measurement (from the bench tables, not yet timed on
+/// a GPU) after the kernels are prepared (loaded from the kernel cache);
+/// NCCL's first use of each collective (its connection setup) falls in the
+/// untimed runs, and counts against the budget.
+///
+/// Host: all-reduce at 4 KiB-1 MiB (5 sizes, every 4x) x 5 x 2 classes, and
+/// the others at 4 KiB-256 KiB a peer (4 sizes) x LL (where it fits) and
+/// inbox: at most 82 measurements of 1 + 3 runs.
+fn plan(f: &PlanFacts) -> Vec<Case> {
+    let host = f.backend == BackendKind::Host;
+    let every_4x = |lo: u32, hi: u32| (lo..=hi).step_by(2).map(|s| 1usize << s).collect::<Vec<_>>();
+    let (ar_sizes, coll_sizes) = match host {
+        // Memory-bound copies; the all-reduce ladder turns below 1 MiB.
+        true => (every_4x(12, 20), every_4x(12, 18)),
+        false => (every_4x(10, 26), every_4x(12, 24)),
     };
-    sizes
-        .into_iter()
-        .map(|b| {
-            let mut c = vec![OneShot, TwoShot, OneShotPush, TwoShotPush];
-            // LL carries 8 data bytes per 16-byte line: never a candidate
-            // where bandwidth rules.
-            if b <= 4 << 20 {
-                c.push(OneShotLl);
+    let mut cases = Vec::new();
+    for class in DtypeClass::ALL {
+        for &bytes in &ar_sizes {
+            let mut c: Vec<Candidate> = [
+                Algorithm::OneShot,
+                Algorithm::TwoShot,
+                Algorithm::OneShotPush,
+                Algorithm::TwoShotPush,
+            ]
+            .map(Candidate::AllReduce)
+            .to_vec();
+            if bytes <= LL_AR_MAX_BYTES {
+                c.push(Candidate::AllReduce(Algorithm::OneShotLl));
             }
-            (b, c)
-        })
-        .collect()
+            cases.push(Case {
+                coll: Collective::AllReduce,
+                class,
+                bytes,
+                candidates: c,
+            });
+        }
+    }
+    for coll in [Collective::AllGather, Collective::ReduceScatter, Collective::AllToAll] {
+        let classes: &[DtypeClass] = match coll.reduces() {
+            true => &DtypeClass::ALL,
+            false => &[DtypeClass::Narrow],
+        };
+        for &class in classes {
+            for &bytes in &coll_sizes {
+                let mut c = Vec::new();
+                if bytes <= f.ll_room.min(LL_COLL_MAX_BYTES) {
+                    c.push(Candidate::Coll(CollAlgo::Ll));
+                }
+                c.push(Candidate::Coll(CollAlgo::Inbox));
+                if f.vendor && !(coll == Collective::ReduceScatter && f.deterministic) {
+                    c.push(Candidate::Coll(CollAlgo::Vendor));
+                }
+                cases.push(Case {
+                    coll,
+                    class,
+                    bytes,
+                    candidates: c,
+                });
+            }
+        }
+    }
+    cases
 }
 
-const WARMUP: usize = 2;
-const ITERS: usize = 5;
+/// The whole autotune budget at init (issue 15): logged when exceeded.
+const BUDGET: Duration = Duration::from_secs(2);
 
-/// Tune `comm`'s all-reduce ladder. Collective over `comm`.
+/// Tune `comm`'s dispatch table. Collective over `comm`.
 pub(crate) fn tune<D: Device>(comm: &Communicator<D>) -> Result<TuneReport> {
     let started = Instant::now();
+    let inner = &*comm.inner;
     let key = cache_key(comm);
     let file = crate::cache::cache_dir().map(|d| d.join("autotune").join(format!("{:016x}.txt", fnv64(&key))));
-    // Rank 0 decides: its cached table, or measure now.
+    // Rank 0 decides: its cached table, or measure now (with its
+    // deterministic option, so that every rank plans alike).
     let mine = match (comm.rank(), &file) {
-        (0, Some(f)) => read_cached(f, &key).map(|l| format!("cached {}", encode(&l))),
+        (0, Some(f)) => read_cached(f, &key).map(|t| format!("cached\n{}", encode(&t))),
         _ => None,
     }
-    .unwrap_or_else(|| "measure".into());
+    .unwrap_or_else(|| format!("measure deterministic={}", u8::from(inner.opts.deterministic)));
     let decision = agree(comm, "decide", mine.as_bytes())?;
-    if let Some(ladder) = decision.strip_prefix("cached ") {
-        let ladder = decode(ladder)?;
-        let path = file.unwrap_or_default();
+    if let Some(table) = decision.strip_prefix("cached\n") {
         return Ok(TuneReport {
-            source: TuneSource::Cached(path),
-            ladder,
+            source: TuneSource::Cached(file.unwrap_or_default()),
+            table: decode(table)?,
             timings: Vec::new(),
         });
     }
-    let timings = measure(comm)?;
-    let ladder = ladder_from(&timings);
-    let chosen = agree(comm, "ladder", encode(&ladder).as_bytes())?;
-    let ladder = decode(&chosen)?;
+    let deterministic = match decision.as_str() {
+        "measure deterministic=1" => true,
+        "measure deterministic=0" => false,
+        other => return Err(Error::invalid(format!("autotune: rank 0 sent {other:?}"))),
+    };
+    let backend = inner.device.facts().backend;
+    let (ll_room, vendor) = comm.with_resources(|r| {
+        let room = r.ws.as_ref().map_or(0, |ws| ll_capacity(ws.slot_bytes(), inner.world));
+        (room, r.vendor.available())
+    })?;
+    let facts = PlanFacts {
+        backend,
+        ll_room,
+        vendor: vendor && backend != BackendKind::Host,
+        deterministic,
+    };
+    let cases = plan(&facts);
+    let measured = measure(comm, &cases)?;
+    let world = inner.world.min(crate::device::MAX_RANKS);
+    let defaults = Ladders::default_for(backend, world);
+    let table = table_from(&measured, &defaults);
+    let chosen = agree(comm, "table", encode(&table).as_bytes())?;
+    let table = decode(&chosen)?;
     if comm.rank() == 0 {
         if let Some(f) = &file {
-            if let Err(e) = write_cached(f, &key, &ladder) {
+            if let Err(e) = write_cached(f, &key, &table) {
                 crate::fc_log!(
                     tracing::Level::WARN,
                     "autotune: could not cache the table at {}: {e}",
@@ -110,9 +273,30 @@ pub(crate) fn tune<D: Device>(comm: &Communicator<D>) -> Result<TuneReport> {
             }
         }
     }
+    let took = started.elapsed();
+    if took > BUDGET {
+        crate::fc_log!(
+            tracing::Level::WARN,
+            "autotune of communicator {} took {:.2} s, over its {} s budget ({} measurements)",
+            inner.name,
+            took.as_secs_f64(),
+            BUDGET.as_secs(),
+            measured.len()
+        );
+    }
+    let timings = measured
+        .into_iter()
+        .map(|m| Timing {
+            collective: m.coll,
+            class: m.class,
+            bytes: m.bytes,
+            candidate: m.candidate.name(),
+            median_us: m.us,
+        })
+        .collect();
     Ok(TuneReport {
-        source: TuneSource::Measured(started.elapsed()),
-        ladder,
+        source: TuneSource::Measured(took),
+        table,
         timings,
     })
 }
@@ -132,63 +316,175 @@ fn agree<D: Device>(comm: &Communicator<D>, what: &str, value: &[u8]) -> Result<
     String::from_utf8(all[0].clone()).map_err(|_| Error::invalid("autotune: rank 0 sent a table that is not text"))
 }
 
+/// One rank-local median.
+#[derive(Debug, Clone, Copy)]
+struct Measured {
+    coll: Collective,
+    class: DtypeClass,
+    bytes: usize,
+    candidate: Candidate,
+    us: f64,
+}
+
+/// Every kernel the plan launches, so that no measurement waits for a
+/// compile (they are the ones later calls need anyway).
+fn kernels_of(cases: &[Case]) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut add = |n: String| {
+        if !names.contains(&n) {
+            names.push(n);
+        }
+    };
+    for case in cases {
+        let dtype = case.class.representative();
+        for c in &case.candidates {
+            let kind = match (case.coll, c) {
+                (_, Candidate::AllReduce(a)) => a.kernel_kind(),
+                (_, Candidate::Coll(CollAlgo::Vendor)) => None,
+                (Collective::ReduceScatter, Candidate::Coll(CollAlgo::Ll)) => Some(KernelKind::ReduceToLl),
+                (Collective::ReduceScatter, Candidate::Coll(_)) => Some(KernelKind::ReduceTo),
+                (_, Candidate::Coll(CollAlgo::Ll)) => Some(KernelKind::ExchangeLl),
+                (_, Candidate::Coll(_)) => Some(KernelKind::Exchange),
+            };
+            if let Some(kind) = kind {
+                add(kernel_name(kind, dtype, ReduceOp::Sum));
+            }
+        }
+    }
+    names
+}
+
 /// Time every candidate of the plan; rank-local medians in microseconds.
-fn measure<D: Device>(comm: &Communicator<D>) -> Result<Vec<(usize, Algorithm, f64)>> {
+fn measure<D: Device>(comm: &Communicator<D>, cases: &[Case]) -> Result<Vec<Measured>> {
     let inner = &*comm.inner;
     let dev = &inner.device;
-    let plan = plan(dev.facts().backend);
-    let largest = plan.iter().map(|(b, _)| *b).max().unwrap_or(0);
-    // The kernels first, so no measurement waits for a compile.
-    let names: Vec<String> = Algorithm::CUSTOM
-        .iter()
-        .filter_map(|a| a.kernel_kind())
-        .map(|k| crate::algo::kernels::kernel_name(k, DType::BF16, ReduceOp::Sum))
-        .collect();
+    let world = inner.world;
+    let (warmup, iters) = iterations(dev.facts().backend);
+    let prepare_started = Instant::now();
+    let names = kernels_of(cases);
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
     comm.with_resources(|res| dev.prepare(&res.module, &names))??;
-    let buf = comm.alloc(largest)?;
+    let prepared = prepare_started.elapsed();
+    // `a`: the all-reduce's buffer and the others' outputs; `b`: their inputs.
+    let (mut a_len, mut b_len) = (0usize, 0usize);
+    for c in cases {
+        match c.coll {
+            Collective::AllReduce => a_len = a_len.max(c.bytes),
+            _ => {
+                a_len = a_len.max(c.bytes * world);
+                b_len = b_len.max(c.bytes * world);
+            }
+        }
+    }
+    let a = comm.alloc(a_len.max(1))?;
+    let b = comm.alloc(b_len.max(1))?;
     let stream = comm.stream();
     let (start, end) = (dev.create_event()?, dev.create_event()?);
-    let mut out = Vec::new();
-    for (bytes, algos) in plan {
-        let t = Tensor::of(&buf, DType::BF16).slice(0, bytes / 2)?;
-        for algo in algos {
-            let call = Call::on(stream).algo(AlgoChoice::Fixed(algo));
-            for _ in 0..WARMUP {
-                comm.all_reduce(t, ReduceOp::Sum, &call)?;
+    let run = |case: &Case, call: &Call<'_, D>| -> Result<Work<D>> {
+        let dtype = case.class.representative();
+        let n = case.bytes / dtype.size();
+        let ta = Tensor::of(&a, dtype);
+        let tb = Tensor::of(&b, dtype);
+        match case.coll {
+            Collective::AllReduce => comm.all_reduce(ta.slice(0, n)?, ReduceOp::Sum, call),
+            Collective::AllGather => comm.all_gather_single(ta.slice(0, n * world)?, tb.slice(0, n)?, call),
+            Collective::ReduceScatter => {
+                comm.reduce_scatter_single(ta.slice(0, n)?, tb.slice(0, n * world)?, ReduceOp::Sum, call)
             }
-            let mut samples = Vec::with_capacity(ITERS);
-            for _ in 0..ITERS {
+            Collective::AllToAll => comm.all_to_all_single(ta.slice(0, n * world)?, tb.slice(0, n * world)?, call),
+        }
+    };
+    let mut out = Vec::new();
+    for case in cases {
+        for &candidate in &case.candidates {
+            let call = match candidate {
+                Candidate::AllReduce(algo) => Call::on(stream).algo(AlgoChoice::Fixed(algo)),
+                Candidate::Coll(kind) => Call::on(stream).coll_algo(kind),
+            };
+            for _ in 0..warmup {
+                run(case, &call)?;
+            }
+            let mut samples = Vec::with_capacity(iters);
+            for _ in 0..iters {
                 dev.record(&start, stream)?;
-                let w = comm.all_reduce(t, ReduceOp::Sum, &call)?;
+                let w = run(case, &call)?;
                 dev.record(&end, stream)?;
                 w.wait(None)?;
                 dev.synchronize(stream)?;
                 samples.push(dev.elapsed_ms(&start, &end)? as f64 * 1000.0);
             }
             samples.sort_by(f64::total_cmp);
-            out.push((bytes, algo, samples[samples.len() / 2]));
+            out.push(Measured {
+                coll: case.coll,
+                class: case.class,
+                bytes: case.bytes,
+                candidate,
+                us: samples[samples.len() / 2],
+            });
         }
     }
+    crate::fc_log!(
+        tracing::Level::INFO,
+        "autotune of communicator {}: {} kernels prepared in {:.3} s, {} measurements in {:.3} s",
+        inner.name,
+        names.len(),
+        prepared.as_secs_f64(),
+        out.len(),
+        (prepare_started.elapsed() - prepared).as_secs_f64()
+    );
     Ok(out)
 }
 
-/// The fastest algorithm per size as a ladder: each measured size's winner
-/// runs up to that size, the last one beyond it.
-fn ladder_from(timings: &[(usize, Algorithm, f64)]) -> Vec<Step> {
+/// The table the timings pick: for each (collective, class) measured, the
+/// fastest per size as a ladder; all-gather and all-to-all (measured in one
+/// class) the same for both; anything not measured keeps `defaults`.
+fn table_from(measured: &[Measured], defaults: &Ladders) -> Ladders {
+    let mut table = defaults.clone();
+    for class in DtypeClass::ALL {
+        let rows: Vec<(usize, Algorithm, f64)> = measured
+            .iter()
+            .filter(|m| m.coll == Collective::AllReduce && m.class == class)
+            .filter_map(|m| match m.candidate {
+                Candidate::AllReduce(a) => Some((m.bytes, a, m.us)),
+                Candidate::Coll(_) => None,
+            })
+            .collect();
+        if !rows.is_empty() {
+            table.all_reduce[class.index()] = ladder_from(&rows, Algorithm::TwoShotPush);
+        }
+        for coll in [Collective::AllGather, Collective::ReduceScatter, Collective::AllToAll] {
+            let rows: Vec<(usize, CollAlgo, f64)> = measured
+                .iter()
+                .filter(|m| m.coll == coll && (m.class == class || !coll.reduces()))
+                .filter_map(|m| match m.candidate {
+                    Candidate::Coll(c) => Some((m.bytes, c, m.us)),
+                    Candidate::AllReduce(_) => None,
+                })
+                .collect();
+            if let (false, Some(ladder)) = (rows.is_empty(), table.coll_mut(coll, class)) {
+                *ladder = ladder_from(&rows, CollAlgo::Inbox);
+            }
+        }
+    }
+    table
+}
+
+/// The fastest candidate per size as a ladder: each measured size's winner
+/// runs up to that size, the last one beyond it (`last` when nothing was
+/// measured).
+fn ladder_from<A: Copy + PartialEq>(timings: &[(usize, A, f64)], last: A) -> Vec<Step<A>> {
     let mut sizes: Vec<usize> = timings.iter().map(|t| t.0).collect();
     sizes.sort_unstable();
     sizes.dedup();
-    let mut ladder: Vec<Step> = Vec::new();
+    let mut ladder: Vec<Step<A>> = Vec::new();
     for &b in &sizes {
         let best = timings
             .iter()
             .filter(|t| t.0 == b)
             .min_by(|x, y| x.2.total_cmp(&y.2))
-            .map(|t| t.1)
-            .unwrap_or(Algorithm::TwoShotPush);
+            .map_or(last, |t| t.1);
         match ladder.last_mut() {
-            Some(last) if last.algo == best => last.max_bytes = b,
+            Some(prev) if prev.algo == best => prev.max_bytes = b,
             _ => ladder.push(Step {
                 max_bytes: b,
                 algo: best,
@@ -196,17 +492,17 @@ fn ladder_from(timings: &[(usize, Algorithm, f64)]) -> Vec<Step> {
         }
     }
     match ladder.last_mut() {
-        Some(last) => last.max_bytes = usize::MAX,
+        Some(prev) => prev.max_bytes = usize::MAX,
         None => ladder.push(Step {
             max_bytes: usize::MAX,
-            algo: Algorithm::TwoShotPush,
+            algo: last,
         }),
     }
     ladder
 }
 
-/// `max_bytes:algo` pairs, comma separated (`max` for the last step).
-fn encode(ladder: &[Step]) -> String {
+/// A ladder as `max_bytes:algo` pairs, comma separated (`max` for the last step).
+fn encode_ladder<A: std::fmt::Display>(ladder: &[Step<A>]) -> String {
     ladder
         .iter()
         .map(|s| match s.max_bytes {
@@ -217,10 +513,30 @@ fn encode(ladder: &[Step]) -> String {
         .join(",")
 }
 
-fn decode(s: &str) -> Result<Vec<Step>> {
-    let bad = || Error::invalid(format!("autotune table {s:?} is not `bytes:algo,...,max:algo`"));
+/// The table as text, one line per collective and dtype class:
+/// `<collective> <class> <max_bytes>:<algo>,...,max:<algo>`, e.g.
+/// `all_reduce narrow 262144:oneshot-ll,4194304:oneshot-push,max:twoshot-push`
+/// or `all_gather wide 262144:ll,524287:vendor,max:inbox`. All-reduce names
+/// [`Algorithm`]s (ferrocomm's kernels only), the others [`CollAlgo`]s;
+/// all-reduce counts the payload, the others bytes per peer.
+pub(crate) fn encode(table: &Ladders) -> String {
+    let mut lines = Vec::new();
+    for coll in Collective::ALL {
+        for class in DtypeClass::ALL {
+            let ladder = match coll {
+                Collective::AllReduce => encode_ladder(table.all_reduce(class)),
+                c => encode_ladder(table.coll(c, class)),
+            };
+            lines.push(format!("{coll} {class} {ladder}"));
+        }
+    }
+    lines.join("\n")
+}
+
+/// One ladder of `algo`s parsed by `parse`.
+fn decode_ladder<A>(s: &str, parse: impl Fn(&str) -> Result<A>) -> Result<Vec<Step<A>>> {
+    let bad = || Error::invalid(format!("autotune ladder {s:?} is not `bytes:algo,...,max:algo`"));
     let ladder = s
-        .trim()
         .split(',')
         .map(|step| {
             let (b, a) = step.split_once(':').ok_or_else(bad)?;
@@ -228,26 +544,76 @@ fn decode(s: &str) -> Result<Vec<Step>> {
                 "max" => usize::MAX,
                 b => b.parse().map_err(|_| bad())?,
             };
-            match a.parse::<AlgoChoice>()? {
-                AlgoChoice::Fixed(algo) if Algorithm::CUSTOM.contains(&algo) => Ok(Step { max_bytes, algo }),
-                _ => Err(bad()),
-            }
+            Ok(Step {
+                max_bytes,
+                algo: parse(a)?,
+            })
         })
         .collect::<Result<Vec<_>>>()?;
-    let increasing = ladder.windows(2).all(|w| w[0].max_bytes < w[1].max_bytes);
-    if ladder.last().map(|s| s.max_bytes) != Some(usize::MAX) || !increasing {
+    if !well_formed(&ladder) {
         return Err(bad());
     }
     Ok(ladder)
 }
 
-/// What a table depends on.
+/// [`encode`]'s text back: every (collective, class) exactly once, every
+/// ladder well formed, all-reduce on ferrocomm's kernels; anything else is
+/// an error (a cached file that says it is read as no cache).
+pub(crate) fn decode(s: &str) -> Result<Ladders> {
+    let mut table = Ladders {
+        all_reduce: [Vec::new(), Vec::new()],
+        all_gather: [Vec::new(), Vec::new()],
+        reduce_scatter: [Vec::new(), Vec::new()],
+        all_to_all: [Vec::new(), Vec::new()],
+    };
+    let mut seen = HashSet::new();
+    for line in s.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let bad = || {
+            Error::invalid(format!(
+                "autotune table line {line:?} is not `<collective> <class> <ladder>`"
+            ))
+        };
+        let mut words = line.split_whitespace();
+        let (Some(coll), Some(class), Some(ladder), None) = (words.next(), words.next(), words.next(), words.next())
+        else {
+            return Err(bad());
+        };
+        let (coll, class) = (coll.parse::<Collective>()?, class.parse::<DtypeClass>()?);
+        if !seen.insert((coll, class)) {
+            return Err(Error::invalid(format!("autotune table: {coll} {class} twice")));
+        }
+        match table.coll_mut(coll, class) {
+            Some(slot) => *slot = decode_ladder(ladder, |a| a.parse::<CollAlgo>())?,
+            None => {
+                table.all_reduce[class.index()] = decode_ladder(ladder, |a| match a.parse::<AlgoChoice>()? {
+                    AlgoChoice::Fixed(algo) if Algorithm::CUSTOM.contains(&algo) => Ok(algo),
+                    _ => Err(Error::invalid(format!(
+                        "autotune table: all-reduce step {a:?} is not one of ferrocomm's kernels"
+                    ))),
+                })?
+            }
+        }
+    }
+    if seen.len() != Collective::ALL.len() * DtypeClass::ALL.len() {
+        return Err(Error::invalid(format!(
+            "autotune table has {} of the {} ladders",
+            seen.len(),
+            Collective::ALL.len() * DtypeClass::ALL.len()
+        )));
+    }
+    Ok(table)
+}
+
+/// What a table depends on. The version tag changes whenever the table's
+/// format or meaning does, so older files are not read (they are measured
+/// over: a key that differs is no cache).
 fn cache_key<D: Device>(comm: &Communicator<D>) -> String {
     let inner = &*comm.inner;
     let f = inner.device.facts();
     format!(
-        "ferrocomm {} autotune v1; {} {} {} {} SMs; world {} on {}; slot {}; {}; NCCL/RCCL {}",
+        "ferrocomm {} autotune v2; deterministic {}; {} {} {} {} SMs; world {} on {}; slot {}; {}; NCCL/RCCL {}",
         env!("CARGO_PKG_VERSION"),
+        u8::from(inner.opts.deterministic),
         f.backend.name(),
         f.name,
         f.arch,
@@ -266,8 +632,10 @@ fn fnv64(s: &str) -> u64 {
     })
 }
 
-/// The cached ladder, if the file is ours, for this key, and well formed.
-fn read_cached(path: &PathBuf, key: &str) -> Option<Vec<Step>> {
+/// The cached table, if the file is ours (owned by us, not writable by
+/// group or others), for this key, and well formed. Anything else (another
+/// version's file, a foreign or corrupt one) is no cache: measure again.
+fn read_cached(path: &PathBuf, key: &str) -> Option<Ladders> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(path).ok()?;
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -276,11 +644,24 @@ fn read_cached(path: &PathBuf, key: &str) -> Option<Vec<Step>> {
         return None;
     }
     let text = std::fs::read_to_string(path).ok()?;
-    let (k, ladder) = text.split_once('\n')?;
-    (k == key).then(|| decode(ladder).ok()).flatten()
+    let (k, table) = text.split_once('\n')?;
+    if k != key {
+        return None;
+    }
+    match decode(table) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            crate::fc_log!(
+                tracing::Level::WARN,
+                "autotune: ignoring the cached table at {}: {e}",
+                path.display()
+            );
+            None
+        }
+    }
 }
 
-fn write_cached(path: &PathBuf, key: &str, ladder: &[Step]) -> std::io::Result<()> {
+fn write_cached(path: &PathBuf, key: &str, table: &Ladders) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     let dir = path.parent().unwrap_or(path);
@@ -293,7 +674,7 @@ fn write_cached(path: &PathBuf, key: &str, ladder: &[Step]) -> std::io::Result<(
         .mode(0o600)
         .open(&tmp)?;
     writeln!(f, "{key}")?;
-    writeln!(f, "{}", encode(ladder))?;
+    writeln!(f, "{}", encode(table))?;
     drop(f);
     std::fs::rename(&tmp, path)
 }
@@ -302,23 +683,87 @@ fn write_cached(path: &PathBuf, key: &str, ladder: &[Step]) -> std::io::Result<(
 mod tests {
     use super::*;
 
+    fn gpu_facts(world: usize, vendor: bool, deterministic: bool) -> PlanFacts {
+        PlanFacts {
+            backend: BackendKind::Cuda,
+            ll_room: ll_capacity(32 << 20, world),
+            vendor,
+            deterministic,
+        }
+    }
+
     #[test]
-    fn ladders_encode_and_decode() {
-        let l = vec![
+    fn tables_encode_and_decode() {
+        for backend in [BackendKind::Host, BackendKind::Cuda] {
+            for world in 2..=8 {
+                let t = Ladders::default_for(backend, world);
+                let text = encode(&t);
+                assert_eq!(text.lines().count(), 8, "{text}");
+                assert_eq!(decode(&text).unwrap(), t);
+            }
+        }
+        let mut t = Ladders::default_for(BackendKind::Cuda, 2);
+        t.all_reduce[1] = vec![Step {
+            max_bytes: usize::MAX,
+            algo: Algorithm::OneShot,
+        }];
+        t.reduce_scatter[0] = vec![
             Step {
                 max_bytes: 4096,
-                algo: Algorithm::OneShotLl,
+                algo: CollAlgo::Ll,
             },
             Step {
                 max_bytes: usize::MAX,
-                algo: Algorithm::TwoShotPush,
+                algo: CollAlgo::Inbox,
             },
         ];
-        assert_eq!(encode(&l), "4096:oneshot-ll,max:twoshot-push");
-        assert_eq!(decode(&encode(&l)).unwrap(), l);
-        assert!(decode("4096:oneshot").is_err(), "no unbounded last step");
-        assert!(decode("max:nccl").is_err(), "only ferrocomm's kernels");
-        assert!(decode("9:oneshot,4:twoshot,max:oneshot").is_err(), "not increasing");
+        let text = encode(&t);
+        assert!(text.contains("all_reduce wide max:oneshot\n"), "{text}");
+        assert!(text.contains("reduce_scatter narrow 4096:ll,max:inbox\n"), "{text}");
+        assert!(
+            text.contains("all_gather narrow 262144:ll,524287:vendor,max:inbox"),
+            "{text}"
+        );
+        assert_eq!(decode(&text).unwrap(), t);
+        // Blank lines and surrounding space are fine; order is free.
+        let shuffled: Vec<&str> = text.lines().rev().collect();
+        assert_eq!(decode(&format!("\n{}\n\n", shuffled.join("\n  \n"))).unwrap(), t);
+    }
+
+    #[test]
+    fn bad_tables_are_errors() {
+        let good = encode(&Ladders::default_for(BackendKind::Cuda, 4));
+        let with = |from: &str, to: &str| {
+            assert!(good.contains(from), "{from}");
+            good.replacen(from, to, 1)
+        };
+        let cases = [
+            // A ladder that is not unbounded, not increasing, or names an
+            // algorithm its collective does not have.
+            with("all_reduce narrow 131072:oneshot-ll", "all_reduce narrow 131072:nccl"),
+            with(
+                "all_reduce wide 131072:oneshot-ll,524288:oneshot-push,max:twoshot-push",
+                "all_reduce wide 4096:oneshot",
+            ),
+            with(
+                "all_gather narrow 65536:ll,524287:vendor",
+                "all_gather narrow 524287:ll,65536:vendor",
+            ),
+            with("all_to_all wide 65536:ll", "all_to_all wide 65536:oneshot-ll"),
+            with("reduce_scatter narrow 65536:ll", "reduce_scatter narrow 65536:fast"),
+            // Unknown names, a ladder twice or missing, stray words.
+            with("all_to_all wide", "all_to_all medium"),
+            with("all_to_all wide", "all_to_all narrow"),
+            with("reduce_scatter wide", "broadcast wide"),
+            with("all_gather wide 65536:ll", "all_gather wide 65536:ll extra"),
+            good.lines().skip(1).collect::<Vec<_>>().join("\n"),
+            // A v1 file's ladder alone.
+            "4096:oneshot-ll,max:twoshot-push".into(),
+            String::new(),
+        ];
+        for (k, text) in cases.iter().enumerate() {
+            assert!(decode(text).is_err(), "case {k}: {text}");
+        }
     }
 
     #[test]
@@ -334,7 +779,121 @@ mod tests {
             (65536, TwoShotPush, 7.0),
             (65536, OneShotPush, 8.0),
         ];
-        let l = ladder_from(&t);
-        assert_eq!(encode(&l), "4096:oneshot-ll,16384:oneshot-push,max:twoshot-push");
+        let l = ladder_from(&t, TwoShotPush);
+        assert_eq!(encode_ladder(&l), "4096:oneshot-ll,16384:oneshot-push,max:twoshot-push");
+        assert_eq!(
+            encode_ladder(&ladder_from::<CollAlgo>(&[], CollAlgo::Inbox)),
+            "max:inbox"
+        );
+    }
+
+    #[test]
+    fn timings_make_a_table_per_collective_and_class() {
+        let m = |coll, class, bytes, candidate, us| Measured {
+            coll,
+            class,
+            bytes,
+            candidate,
+            us,
+        };
+        use Candidate::{AllReduce as Ar, Coll};
+        use Collective::*;
+        use DtypeClass::*;
+        let measured = [
+            m(AllReduce, Narrow, 4096, Ar(Algorithm::OneShotLl), 3.0),
+            m(AllReduce, Narrow, 4096, Ar(Algorithm::OneShot), 4.0),
+            m(AllReduce, Wide, 4096, Ar(Algorithm::OneShotLl), 5.0),
+            m(AllReduce, Wide, 4096, Ar(Algorithm::OneShot), 4.0),
+            m(AllGather, Narrow, 4096, Coll(CollAlgo::Ll), 2.0),
+            m(AllGather, Narrow, 4096, Coll(CollAlgo::Vendor), 3.0),
+            m(AllGather, Narrow, 1 << 20, Coll(CollAlgo::Inbox), 9.0),
+            m(AllGather, Narrow, 1 << 20, Coll(CollAlgo::Vendor), 8.0),
+            m(ReduceScatter, Narrow, 4096, Coll(CollAlgo::Ll), 2.0),
+            m(ReduceScatter, Narrow, 4096, Coll(CollAlgo::Inbox), 3.0),
+            m(ReduceScatter, Wide, 4096, Coll(CollAlgo::Ll), 4.0),
+            m(ReduceScatter, Wide, 4096, Coll(CollAlgo::Inbox), 3.0),
+        ];
+        let defaults = Ladders::default_for(BackendKind::Cuda, 2);
+        let t = table_from(&measured, &defaults);
+        assert_eq!(encode_ladder(t.all_reduce(Narrow)), "max:oneshot-ll");
+        assert_eq!(encode_ladder(t.all_reduce(Wide)), "max:oneshot");
+        for class in DtypeClass::ALL {
+            assert_eq!(encode_ladder(t.coll(AllGather, class)), "4096:ll,max:vendor");
+            // Not measured: the defaults.
+            assert_eq!(t.coll(AllToAll, class), defaults.coll(AllToAll, class));
+        }
+        assert_eq!(encode_ladder(t.coll(ReduceScatter, Narrow)), "max:ll");
+        assert_eq!(encode_ladder(t.coll(ReduceScatter, Wide)), "max:inbox");
+        assert!(t.well_formed());
+    }
+
+    #[test]
+    fn the_plan_measures_only_what_can_run_and_fits_the_budget() {
+        for world in 2..=8 {
+            for vendor in [false, true] {
+                for det in [false, true] {
+                    let f = gpu_facts(world, vendor, det);
+                    let cases = plan(&f);
+                    for c in &cases {
+                        for cand in &c.candidates {
+                            match cand {
+                                Candidate::AllReduce(a) => {
+                                    assert_eq!(c.coll, Collective::AllReduce);
+                                    assert!(Algorithm::CUSTOM.contains(a));
+                                    assert!(*a != Algorithm::OneShotLl || c.bytes <= LL_AR_MAX_BYTES);
+                                }
+                                Candidate::Coll(CollAlgo::Ll) => assert!(c.bytes <= f.ll_room, "{c:?}"),
+                                Candidate::Coll(CollAlgo::Vendor) => {
+                                    assert!(vendor);
+                                    assert!(!(det && c.coll == Collective::ReduceScatter), "{c:?}");
+                                }
+                                Candidate::Coll(CollAlgo::Inbox) => {}
+                            }
+                        }
+                    }
+                    // The counts of the doc comment.
+                    let n: usize = cases.iter().map(|c| c.candidates.len()).sum();
+                    let want = match (vendor, det) {
+                        (true, true) => 148,
+                        (true, false) => 162,
+                        (false, _) => 134,
+                    };
+                    assert_eq!(n, want, "world {world} vendor {vendor} det {det}");
+                    let (warmup, iters) = iterations(BackendKind::Cuda);
+                    let ops = n * (warmup + iters);
+                    assert!(ops <= 1200, "{ops} ops");
+                }
+            }
+        }
+        let host = PlanFacts {
+            backend: BackendKind::Host,
+            ll_room: ll_capacity(8 << 20, 2),
+            vendor: false,
+            deterministic: true,
+        };
+        let cases = plan(&host);
+        assert_eq!(cases.len(), 5 * 2 + 4 * 4);
+        let ops: usize = cases.iter().map(|c| c.candidates.len()).sum();
+        assert_eq!(ops, 5 * 5 * 2 + 4 * 2 * 4);
+        assert!(cases
+            .iter()
+            .flat_map(|c| &c.candidates)
+            .all(|c| *c != Candidate::Coll(CollAlgo::Vendor)));
+    }
+
+    #[test]
+    fn every_planned_kernel_is_prepared() {
+        let names = kernels_of(&plan(&gpu_facts(2, true, false)));
+        for n in [
+            "fc_oneshot_ll_bf16_sum",
+            "fc_twoshot_push_f32_sum",
+            "fc_exchange",
+            "fc_exchange_ll",
+            "fc_reduce_to_bf16_sum",
+            "fc_reduce_to_ll_f32_sum",
+        ] {
+            assert!(names.iter().any(|x| x == n), "{n} not in {names:?}");
+        }
+        assert_eq!(names.len(), 5 * 2 + 2 + 2 * 2);
     }
 }

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::tensor::Tensor;
-use crate::algo::AlgoChoice;
+use crate::algo::{AlgoChoice, CollAlgo};
 use crate::device::Device;
 use crate::dtype::ReduceOp;
 use crate::error::{Error, Result};
@@ -16,14 +16,25 @@ use crate::error::{Error, Result};
 ///   `CUstream`/`hipStream_t`); the communicator's own stream when unset.
 /// - `timeout`: the bound on this call's waits (in kernels and in
 ///   [`super::Work::wait`]); the communicator's when unset.
-/// - `hints`: string pairs. ferrocomm reads `algo` (as `FERROCOMM_ALGO`
-///   takes it: `oneshot-ll`, `twoshot-push`, `nccl`, ...); other keys are
-///   ignored, so hints meant for other backends do no harm.
+/// - `hints`: string pairs. ferrocomm reads `algo` (an all-reduce's, as
+///   `FERROCOMM_ALGO` takes it: `oneshot-ll`, `twoshot-push`, `nccl`, ...)
+///   and `coll_algo` (all-gather's, reduce-scatter's and all-to-all's:
+///   `ll`, `inbox`, `vendor` or `auto`; see [`Call::coll_algo`]); other keys
+///   are ignored, so hints meant for other backends do no harm. A value
+///   ferrocomm cannot read is an `InvalidArgument` error before anything
+///   runs.
+///
+/// Precedence: what a call asks for wins over the communicator's options
+/// (`FERROCOMM_ALGO`, `FERROCOMM_COLL_ROUTE`, `FERROCOMM_COLL_LL_BYTES`),
+/// which win over the dispatch table (autotune's, or the defaults). Every
+/// rank must pass the same choice, as every rank must call the same
+/// collective.
 pub struct Call<'s, D: Device> {
     pub(crate) stream: Option<&'s D::Stream>,
     pub(crate) timeout: Option<Duration>,
     pub(crate) hints: BTreeMap<String, String>,
     algo: Option<AlgoChoice>,
+    coll_algo: Option<CollAlgo>,
 }
 
 impl<D: Device> Default for Call<'_, D> {
@@ -33,6 +44,7 @@ impl<D: Device> Default for Call<'_, D> {
             timeout: None,
             hints: BTreeMap::new(),
             algo: None,
+            coll_algo: None,
         }
     }
 }
@@ -70,6 +82,34 @@ impl<'s, D: Device> Call<'s, D> {
     pub fn algo(mut self, algo: AlgoChoice) -> Self {
         self.algo = Some(algo);
         self
+    }
+
+    /// Force how an all-gather, a reduce-scatter or an all-to-all runs (as
+    /// the `coll_algo` hint): on LL lines, through the inboxes, or through
+    /// NCCL/RCCL. A kind that cannot run the call (LL for a block larger
+    /// than its lines carry, or a premul_sum; NCCL/RCCL without the library,
+    /// or for a bitwise op) leaves it to the options and the table. It wins
+    /// over `FERROCOMM_COLL_ROUTE`, `FERROCOMM_COLL_LL_BYTES` and
+    /// `deterministic` (NCCL's reduce-scatter is not bitwise the
+    /// reference's). Heap operands that the direct kinds take
+    /// (`CommOptions::direct_min_bytes`) go direct whichever of the kernels'
+    /// kinds is chosen. Other collectives ignore it.
+    pub fn coll_algo(mut self, algo: CollAlgo) -> Self {
+        self.coll_algo = Some(algo);
+        self
+    }
+
+    /// The kind asked for: [`Call::coll_algo`], else the `coll_algo` hint
+    /// (`auto`: none).
+    pub(crate) fn asked_coll_algo(&self) -> Result<Option<CollAlgo>> {
+        if self.coll_algo.is_some() {
+            return Ok(self.coll_algo);
+        }
+        match self.hints.get("coll_algo").map(|v| v.trim()) {
+            None => Ok(None),
+            Some(v) if v.eq_ignore_ascii_case("auto") || v.is_empty() => Ok(None),
+            Some(v) => v.parse().map(Some),
+        }
     }
 
     /// The algorithm asked for: [`Call::algo`], else the `algo` hint.
@@ -134,5 +174,34 @@ impl Reduction {
             Reduction::Op(_) => Ok(None),
             Reduction::PreMulSum(f) => Ok(Some(*f)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backends::host::HostDevice;
+
+    #[test]
+    fn coll_algo_comes_from_the_call_or_the_hint() {
+        let c = |hint: Option<&str>| {
+            let call = Call::<HostDevice>::new();
+            match hint {
+                Some(v) => call.hint("coll_algo", v),
+                None => call,
+            }
+        };
+        assert_eq!(c(None).asked_coll_algo().unwrap(), None);
+        assert_eq!(c(Some("auto")).asked_coll_algo().unwrap(), None);
+        assert_eq!(c(Some("ll")).asked_coll_algo().unwrap(), Some(CollAlgo::Ll));
+        assert_eq!(c(Some(" Inbox")).asked_coll_algo().unwrap(), Some(CollAlgo::Inbox));
+        assert_eq!(c(Some("vendor")).asked_coll_algo().unwrap(), Some(CollAlgo::Vendor));
+        assert!(matches!(
+            c(Some("fast")).asked_coll_algo(),
+            Err(Error::InvalidArgument(_))
+        ));
+        // The method wins over the hint.
+        let call = c(Some("ll")).coll_algo(CollAlgo::Vendor);
+        assert_eq!(call.asked_coll_algo().unwrap(), Some(CollAlgo::Vendor));
     }
 }

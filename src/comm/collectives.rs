@@ -3,7 +3,10 @@
 //! kernels where it has them (all of them on the host backend, which is the
 //! reference; on GPUs all-reduce, broadcast, and the exchange / reduce-to
 //! kernels for all-gather, gather, scatter, all-to-all(-v), reduce-scatter and
-//! reduce as [`route::decide`] says), NCCL/RCCL underneath otherwise.
+//! reduce), NCCL/RCCL underneath otherwise. All-gather, reduce-scatter and
+//! all-to-all without splits take the kind the dispatch table says
+//! ([`coll_kind`]: LL, inbox or NCCL/RCCL, tuned at init); gather, scatter,
+//! reduce and all-to-all with splits go as [`route::decide`] says.
 
 use super::call::{Call, Factor, Reduction};
 use super::communicator::{Communicator, Submit};
@@ -12,7 +15,8 @@ use super::tensor::Tensor;
 use super::vendor::VendorOp;
 use super::work::Work;
 use crate::algo::kernels::{KernelKind, KERNEL_OPS, QR_DTYPES, QUICK_REDUCE};
-use crate::algo::{AlgoChoice, Algorithm, CollectiveCall};
+use crate::algo::ll_max_block_bytes;
+use crate::algo::{AlgoChoice, Algorithm, CollAlgo, Collective, CollectiveCall, DtypeClass};
 use crate::device::{BackendKind, Device, DeviceBuffer, DevicePtr, MAX_RANKS, PARAM_DIRECT_OK, PARAM_SCALAR_IS_PTR};
 use crate::dtype::{check_supported, DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -152,8 +156,9 @@ impl<D: Device> Communicator<D> {
             // one node's kernels serve): NCCL/RCCL carries the call.
             return Algorithm::Ccl;
         }
+        let class = DtypeClass::of(dtype);
         let mut chosen =
-            super::communicator::read(&inner.table).choose(algo, bytes, inner.world, ccl_allowed, quantize);
+            super::communicator::read(&inner.table).choose(algo, bytes, inner.world, class, ccl_allowed, quantize);
         // The LL protocol has no room for per-rank factors: dispatch takes
         // the push one-shot instead (a fixed choice still gets the error).
         if chosen == Algorithm::OneShotLl && op == ReduceOp::PreMulSum && algo == AlgoChoice::Auto {
@@ -321,7 +326,7 @@ impl<D: Device> Communicator<D> {
                         }
                     }
                     l.recvs[root] = Some((count, output.ptr()));
-                    exchange(s, dtype, &l, 0)
+                    exchange(s, dtype, &l, 0, false)
                 }
                 _ => {
                     let op = VendorOp::Broadcast {
@@ -368,7 +373,8 @@ impl<D: Device> Communicator<D> {
                     l.recvs[q] = Some((count, t.ptr()));
                 }
             }
-            reduce_to(s, dtype, op, scalar, flags, count, t.ptr(), &l)
+            let ll = op != ReduceOp::PreMulSum && takes_ll(s, dtype, &l, count);
+            reduce_to(s, dtype, op, scalar, flags, count, t.ptr(), &l, ll)
         })
     }
 
@@ -427,6 +433,7 @@ impl<D: Device> Communicator<D> {
             }
             self.checked("all_gather output", o)?;
         }
+        let asked = call.asked_coll_algo()?;
         if let Some(levels) = self.inner.levels.as_ref().filter(|l| l.uniform()) {
             return levels.all_gather(&self.inner.stream, outputs, input, call);
         }
@@ -441,7 +448,8 @@ impl<D: Device> Communicator<D> {
                 l.recvs[q] = Some((n, *out));
             }
             if on_host {
-                return exchange(s, dtype, &l, n);
+                let kind = coll_kind(s, Collective::AllGather, dtype, ReduceOp::Sum, &l, n, asked);
+                return exchange(s, dtype, &l, n, kind == CollAlgo::Ll);
             }
             if n == 0 {
                 return Ok(());
@@ -449,8 +457,9 @@ impl<D: Device> Communicator<D> {
             if world == 1 {
                 return copy_if_apart(s, outs[0], input.ptr(), n * dtype.size());
             }
-            if route_of(s, Coll::AllGather, Some(n * dtype.size())) == Route::Custom {
-                return exchange(s, dtype, &l, n);
+            let kind = coll_kind(s, Collective::AllGather, dtype, ReduceOp::Sum, &l, n, asked);
+            if kind != CollAlgo::Vendor {
+                return exchange(s, dtype, &l, n, kind == CollAlgo::Ll);
             }
             match whole {
                 Some(out) => {
@@ -534,6 +543,7 @@ impl<D: Device> Communicator<D> {
         }
         let dtype = output.dtype();
         let (op, scalar, flags) = self.checked_reduction(&red, dtype)?;
+        let asked = call.asked_coll_algo()?;
         if let Some(levels) = self.inner.levels.as_ref().filter(|l| l.uniform()) {
             return levels.reduce_scatter(world, &self.inner.stream, output, inputs, red, call);
         }
@@ -546,7 +556,8 @@ impl<D: Device> Communicator<D> {
                 l.recvs[q] = Some((n, output.ptr()));
             }
             if on_host {
-                return reduce_to(s, dtype, op, scalar, flags, n, output.ptr(), &l);
+                let kind = coll_kind(s, Collective::ReduceScatter, dtype, op, &l, n, asked);
+                return reduce_to(s, dtype, op, scalar, flags, n, output.ptr(), &l, kind == CollAlgo::Ll);
             }
             if n == 0 {
                 return Ok(());
@@ -554,9 +565,10 @@ impl<D: Device> Communicator<D> {
             if world == 1 && op != ReduceOp::PreMulSum {
                 return copy_if_apart(s, output.ptr(), ins[0], n * dtype.size());
             }
-            if reduction_route(s, Coll::ReduceScatter, Some(n * dtype.size()), op) == Route::Custom {
+            let kind = coll_kind(s, Collective::ReduceScatter, dtype, op, &l, n, asked);
+            if kind != CollAlgo::Vendor {
                 // The kernel takes the list as it is (no contiguous input needed).
-                return reduce_to(s, dtype, op, scalar, flags, n, output.ptr(), &l);
+                return reduce_to(s, dtype, op, scalar, flags, n, output.ptr(), &l, kind == CollAlgo::Ll);
             }
             let send = match whole {
                 Some(t) => t.ptr(),
@@ -698,19 +710,16 @@ impl<D: Device> Communicator<D> {
             l.sends[q] = Some((inputs[q].count(), inputs[q].ptr()));
             l.recvs[q] = Some((outputs[q].count(), outputs[q].ptr()));
         }
-        let on_host = self.on_host();
+        let asked = call.asked_coll_algo()?;
         self.submit(call, "all_to_all", |s| {
-            if on_host {
-                return exchange(s, dtype, &l, agreed);
-            }
-            // An agreed block goes to the route (large ones to NCCL/RCCL:
-            // `route::A2A_VENDOR_MIN_BLOCK_BYTES`) and to the exchange,
-            // which takes its LL kind for small ones and sizes the grid by
-            // it; without one `auto` keeps the kernels.
-            let block = (agreed > 0).then(|| agreed * dtype.size());
-            match route_of(s, Coll::AllToAll, block) {
-                Route::Custom => exchange(s, dtype, &l, agreed),
-                Route::Vendor => vendor_exchange(s, dtype, l, me),
+            // An agreed block goes to the table (LL for small ones, NCCL/RCCL
+            // for large ones by default: `algo::dispatch::A2A_VENDOR_MIN_BLOCK_BYTES`)
+            // and sizes the exchange's grid; without one the kernels run it
+            // (or NCCL/RCCL when asked for).
+            let kind = coll_kind(s, Collective::AllToAll, dtype, ReduceOp::Sum, &l, agreed, asked);
+            match kind {
+                CollAlgo::Vendor => vendor_exchange(s, dtype, l, me),
+                k => exchange(s, dtype, &l, agreed, k == CollAlgo::Ll),
             }
         })
     }
@@ -749,10 +758,10 @@ impl<D: Device> Communicator<D> {
         let (dtype, on_host) = (input.dtype(), self.on_host());
         self.submit(call, "gather", |s| {
             if on_host {
-                return exchange(s, dtype, &l, n);
+                return exchange(s, dtype, &l, n, takes_ll(s, dtype, &l, n));
             }
             match route_of(s, Coll::Gather, Some(n * dtype.size())) {
-                Route::Custom => exchange(s, dtype, &l, n),
+                Route::Custom => exchange(s, dtype, &l, n, takes_ll(s, dtype, &l, n)),
                 Route::Vendor => vendor_exchange(s, dtype, l, me),
             }
         })
@@ -790,10 +799,10 @@ impl<D: Device> Communicator<D> {
         let (dtype, on_host) = (output.dtype(), self.on_host());
         self.submit(call, "scatter", |s| {
             if on_host {
-                return exchange(s, dtype, &l, n);
+                return exchange(s, dtype, &l, n, takes_ll(s, dtype, &l, n));
             }
             match route_of(s, Coll::Scatter, Some(n * dtype.size())) {
-                Route::Custom => exchange(s, dtype, &l, n),
+                Route::Custom => exchange(s, dtype, &l, n, takes_ll(s, dtype, &l, n)),
                 Route::Vendor => vendor_exchange(s, dtype, l, me),
             }
         })
@@ -1041,13 +1050,16 @@ fn reduction_route<D: Device>(s: &Submit<'_, D>, coll: Coll, block_bytes: Option
 /// The exchange protocol (all-gather, gather, scatter, all-to-all):
 /// `fc_exchange`. `agreed`: the block (elements) every rank moves to every
 /// peer when the group agrees on one, else 0; it joins the fingerprint and
-/// sizes the GPU grid (a grid must be the same on every rank).
-fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize) -> Result<()> {
+/// sizes the GPU grid (a grid must be the same on every rank). `ll`: on LL
+/// lines (`fc_exchange_ll`), decided alike on every rank by the caller
+/// ([`coll_kind`] or [`takes_ll`]); heap operands the direct kind takes go
+/// direct either way.
+fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize, ll: bool) -> Result<()> {
     let l = unalias(s, dtype, l, None)?;
     let direct = direct_exchange(s, dtype, &l, agreed);
     let kind = match direct {
         Some(_) => KernelKind::ExchangeDirect,
-        None if takes_ll(s, dtype, &l, agreed) => KernelKind::ExchangeLl,
+        None if ll => KernelKind::ExchangeLl,
         None => KernelKind::Exchange,
     };
     let mut c = CollectiveCall::new(kind, dtype, ReduceOp::Sum, agreed, DevicePtr::NULL, DevicePtr::NULL);
@@ -1059,60 +1071,127 @@ fn exchange<D: Device>(s: &mut Submit<'_, D>, dtype: DType, l: &Lists, agreed: u
     enqueue(s, &c)
 }
 
-/// Largest agreed per-peer block (bytes) the exchange and the reduce-to
-/// take their LL kinds at (`fc_exchange_ll`, `fc_reduce_to_ll_*`; 0: never),
-/// unless `CommOptions::coll_ll_bytes` says otherwise.
-///
-/// Measured on 2x H200 (NV18), bf16, graph replay, `ferrocomm-bench --coll
-/// all_gather,reduce_scatter,reduce --algo auto,nccl --graph` with
-/// `FERROCOMM_COLL_ROUTE=custom` and LL forced up to 4 MiB a peer, off, or
-/// at its default (bench/2026-11-23-h200x2/run13-session5), us, LL / inbox
-/// kernels / NCCL called directly, by the per-peer block:
-///
-/// ```text
-///             512B            32K             128K            256K             512K
-/// all-gather  3.52/6.56/5.18  4.32/8.14/6.33  4.99/8.36/6.95  5.79/8.63/8.00   8.88/9.39/10.60
-/// red-scat.   3.39/6.52/5.29  4.25/7.90/6.28  5.20/8.15/6.95  6.09/8.22/7.87   9.10/8.67/10.01
-/// reduce      3.14/5.98/4.83  4.05/7.00/5.47  4.88/7.28/6.44  6.11/7.69/7.92   8.52/8.64/10.87
-/// ```
-///
-/// LL wins to 256 KiB a peer in every row; at 512 KiB the inbox kinds catch
-/// up (reduce-scatter 8.67 against 9.10). Worlds above 2 were not measured:
-/// each LL source's lines carry its block to every peer, as the LL
-/// all-reduce's do, whose ladder (`algo::dispatch`, 4x H200) stops LL at a
-/// quarter of world 2's range at world 4; 64 KiB to world 4 and 32 KiB above
-/// keep well inside it.
-pub(crate) fn ll_max_block_bytes(world: usize) -> usize {
-    match world {
-        0..=2 => 256 << 10,
-        3 | 4 => 64 << 10,
-        _ => 32 << 10,
-    }
+/// The largest per-peer block (bytes) one source's LL lines carry: 8 data
+/// bytes per 16-byte line, in a quarter of a slot over the world. What the
+/// LL kinds can run at all, whatever a table or an option asks.
+pub(crate) const fn ll_capacity(slot_bytes: usize, world: usize) -> usize {
+    crate::algo::layout::ll_stride(slot_bytes, world) / 2
 }
 
-/// The largest per-peer block (bytes) the LL kinds carry on this
-/// communicator: the option or the default, within one source's LL lines
-/// (a quarter of a slot over the world); 0 without a workspace.
+/// [`ll_capacity`] on this communicator; 0 without a workspace.
+fn ll_room<D: Device>(s: &Submit<'_, D>) -> usize {
+    s.res
+        .ws
+        .as_ref()
+        .map_or(0, |ws| ll_capacity(ws.slot_bytes(), s.inner.world))
+}
+
+/// The largest per-peer block (bytes) gather, scatter, reduce and
+/// all-to-all with splits take the LL kinds at on this communicator: the
+/// option or the default ([`ll_max_block_bytes`]), within [`ll_room`].
 fn ll_limit<D: Device>(s: &Submit<'_, D>) -> usize {
-    let Some(ws) = &s.res.ws else { return 0 };
-    let world = s.inner.world;
-    let max = s.inner.opts.coll_ll_bytes.unwrap_or_else(|| ll_max_block_bytes(world));
-    max.min(crate::algo::layout::ll_stride(ws.slot_bytes(), world) / 2)
+    let max = s
+        .inner
+        .opts
+        .coll_ll_bytes
+        .unwrap_or_else(|| ll_max_block_bytes(s.inner.world));
+    max.min(ll_room(s))
 }
 
-/// Whether an exchange or reduce-to goes on LL lines, decided alike on
-/// every rank from what all of them share: the agreed per-peer block
-/// (`agreed` elements; the fingerprint checks it) against [`ll_limit`], and
+/// Whether the LL kinds can carry a call: an agreed per-peer block
+/// (`agreed` elements; the fingerprint checks it) within [`ll_room`], and
 /// every non-empty block of this rank's lists being that block (so no
-/// counts need agreeing in the kernel).
-fn takes_ll<D: Device>(s: &Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize) -> bool {
+/// counts need agreeing in the kernel). Alike on every rank.
+fn ll_fits<D: Device>(s: &Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize) -> bool {
     agreed > 0
-        && agreed.saturating_mul(dtype.size()) <= ll_limit(s)
+        && agreed.saturating_mul(dtype.size()) <= ll_room(s)
         && l.sends
             .iter()
             .chain(l.recvs.iter())
             .flatten()
             .all(|&(n, _)| n == 0 || n == agreed)
+}
+
+/// The kind a call of all-gather, reduce-scatter or all-to-all takes:
+/// LL, inbox (or its direct twin, see [`exchange`]) or NCCL/RCCL. Decided
+/// alike on every rank, from what all of them share: the call's choice
+/// (every rank passes the same hints, as for `algo`), the options (every
+/// rank sets them alike), the agreed per-peer block (`agreed` elements, 0
+/// for an all-to-all given splits), whether the library loaded, and the
+/// dispatch table (rank 0's autotune result, adopted by every rank).
+///
+/// Precedence, the first that applies:
+/// 1. the call's [`Call::coll_algo`] or `coll_algo` hint, where that kind
+///    can run the call (LL: the block fits the lines and the op is not
+///    premul_sum; vendor: the library is there and the op is not bitwise);
+///    it wins over the options, as the `algo` hint does over
+///    `FERROCOMM_ALGO`, and over `deterministic`;
+/// 2. `FERROCOMM_COLL_ROUTE=vendor`, where the library can run the call
+///    (also over `deterministic`, as before the table); `custom` keeps the
+///    library out of steps 3-4;
+/// 3. `FERROCOMM_COLL_LL_BYTES`: LL up to it where the block fits; the
+///    table never picks LL when it is set;
+/// 4. the table's ladder for (collective, dtype class, world) by bytes per
+///    peer, a step whose kind cannot run passing the call to the next:
+///    NCCL/RCCL is never `auto`'s choice for a deterministic reduce-scatter
+///    (its sums are not the reference's bits), nor without the library;
+/// 5. the inbox kinds, which run everything (and all-to-alls with splits,
+///    which have no size to look up).
+///
+/// GPU communicators without a workspace, or of one rank or more than the
+/// kernels serve, keep NCCL/RCCL (as [`route::decide`]).
+fn coll_kind<D: Device>(
+    s: &Submit<'_, D>,
+    coll: Collective,
+    dtype: DType,
+    op: ReduceOp,
+    l: &Lists,
+    agreed: usize,
+    asked: Option<CollAlgo>,
+) -> CollAlgo {
+    let inner = s.inner;
+    let world = inner.world;
+    let host = inner.device.facts().backend == BackendKind::Host;
+    if !host && (!inner.kernels || world <= 1 || world > MAX_RANKS) {
+        return CollAlgo::Vendor;
+    }
+    let reduces = coll == Collective::ReduceScatter;
+    let bytes = agreed.saturating_mul(dtype.size());
+    let vendor = !host && s.res.vendor.available() && !(reduces && op.is_bitwise());
+    let ll = !(reduces && op == ReduceOp::PreMulSum) && ll_fits(s, dtype, l, agreed);
+    let (route, ll_bytes) = (inner.opts.coll_route, inner.opts.coll_ll_bytes);
+    let chosen =
+        match asked {
+            Some(CollAlgo::Vendor) if vendor => CollAlgo::Vendor,
+            Some(CollAlgo::Ll) if ll => CollAlgo::Ll,
+            Some(CollAlgo::Inbox) => CollAlgo::Inbox,
+            _ if route == CollRoute::Vendor && vendor => CollAlgo::Vendor,
+            _ if ll && ll_bytes.is_some_and(|max| bytes <= max) => CollAlgo::Ll,
+            _ if agreed == 0 => CollAlgo::Inbox,
+            _ => {
+                let auto_vendor = vendor && route == CollRoute::Auto && !(reduces && inner.opts.deterministic);
+                super::communicator::read(&inner.table).choose_coll(coll, DtypeClass::of(dtype), bytes, world, |a| {
+                    match a {
+                        CollAlgo::Ll => ll && ll_bytes.is_none(),
+                        CollAlgo::Vendor => auto_vendor,
+                        CollAlgo::Inbox => true,
+                    }
+                })
+            }
+        };
+    crate::fc_log!(
+        tracing::Level::DEBUG,
+        "dispatch: {coll} {agreed} x {dtype} a peer ({bytes} bytes, world {world}, asked {asked:?}, route {route}, \
+         LL option {ll_bytes:?}) -> {chosen}"
+    );
+    chosen
+}
+
+/// Whether a gather, scatter or reduce (the collectives without a tuned
+/// ladder) goes on LL lines, decided alike on every rank: [`ll_fits`] and
+/// the block within [`ll_limit`].
+fn takes_ll<D: Device>(s: &Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize) -> bool {
+    ll_fits(s, dtype, l, agreed) && agreed.saturating_mul(dtype.size()) <= ll_limit(s)
 }
 
 /// Smallest agreed per-peer block (bytes) a GPU exchange (all-gather,
@@ -1295,7 +1374,8 @@ fn unalias<D: Device>(
 }
 
 /// The reduce-to protocol (reduce-scatter, reduce): `fc_reduce_to_<dtype>_<op>`,
-/// or its direct twin on heap blocks.
+/// or its direct twin on heap blocks, or (`ll`, decided alike on every rank
+/// by the caller, never for premul_sum) its LL twin.
 #[allow(clippy::too_many_arguments)]
 fn reduce_to<D: Device>(
     s: &mut Submit<'_, D>,
@@ -1306,6 +1386,7 @@ fn reduce_to<D: Device>(
     n: usize,
     output: DevicePtr,
     l: &Lists,
+    ll: bool,
 ) -> Result<()> {
     let receives = l.recvs.iter().any(|r| r.is_some_and(|(m, _)| m > 0));
     let out = receives.then_some((n, output));
@@ -1315,7 +1396,7 @@ fn reduce_to<D: Device>(
     let direct = direct_reduce_to(s, dtype, &l, n, out);
     let kind = match direct {
         Some(_) => KernelKind::ReduceToDirect,
-        None if op != ReduceOp::PreMulSum && takes_ll(s, dtype, &l, n) => KernelKind::ReduceToLl,
+        None if ll => KernelKind::ReduceToLl,
         None => KernelKind::ReduceTo,
     };
     let mut c = CollectiveCall::new(kind, dtype, op, n, DevicePtr::NULL, output);

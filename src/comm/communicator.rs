@@ -87,7 +87,7 @@ pub(crate) struct Inner<D: Device> {
     pub(crate) rank: usize,
     pub(crate) world: usize,
     pub(crate) opts: CommOptions,
-    /// Dispatch thresholds; autotune at init replaces the all-reduce ladder.
+    /// Dispatch thresholds; autotune at init replaces the ladders of this world.
     pub(crate) table: RwLock<DispatchTable>,
     /// What autotune chose at init, if it ran.
     pub(crate) tuned: Mutex<Option<TuneReport>>,
@@ -442,8 +442,9 @@ impl<D: Device> Communicator<D> {
         Ok(comm)
     }
 
-    /// Autotune the all-reduce ladder (`autotune.rs`) where it is on and
-    /// this communicator runs kernels between ranks. Collective.
+    /// Autotune the dispatch table of this communicator's world
+    /// (`autotune.rs`) where it is on and this communicator runs kernels
+    /// between ranks. Collective.
     fn autotune_at_init(&self, kernels: bool) -> Result<()> {
         let inner = &*self.inner;
         let backend = inner.device.facts().backend;
@@ -453,21 +454,13 @@ impl<D: Device> Communicator<D> {
         let report = autotune::tune(self)?;
         crate::fc_log!(
             tracing::Level::INFO,
-            "communicator {}: all-reduce ladder {} ({:?})",
+            "communicator {}: dispatch table ({:?}): {}",
             inner.name,
-            report
-                .ladder
-                .iter()
-                .map(|s| match s.max_bytes {
-                    usize::MAX => s.algo.to_string(),
-                    b => format!("{} up to {b} B", s.algo),
-                })
-                .collect::<Vec<_>>()
-                .join(", "),
-            report.source
+            report.source,
+            autotune::encode(&report.table).replace('\n', "; ")
         );
         let mut table = inner.table.write().unwrap_or_else(|e| e.into_inner());
-        table.ladders[inner.world.min(MAX_RANKS)] = report.ladder.clone();
+        table.ladders[inner.world.min(MAX_RANKS)] = report.table.clone();
         drop(table);
         *lock(&inner.tuned) = Some(report);
         Ok(())

@@ -22,7 +22,8 @@ mod window;
 mod work;
 
 pub use crate::algo::fused::FusionPattern;
-pub use autotune::{TuneReport, TuneSource};
+pub use crate::algo::{CollAlgo, Collective, DtypeClass, Ladders};
+pub use autotune::{Timing, TuneReport, TuneSource};
 pub use call::{Call, Factor, Reduction};
 pub use collectives::P2p;
 pub(crate) use collectives::{DIRECT_MIN_BLOCK_BYTES, DIRECT_MIN_REDUCE_TO_BYTES};

@@ -22,7 +22,9 @@ pub struct CommOptions {
     /// reduce run on GPUs: ferrocomm's kernels or NCCL/RCCL
     /// (`FERROCOMM_COLL_ROUTE=auto|custom|vendor`, default auto; every rank
     /// must ask for the same). Without the library the kernels run whatever
-    /// is asked; see `comm::route`.
+    /// is asked; see `comm::route`. `auto` lets the dispatch table (tuned at
+    /// init) choose for all-gather, reduce-scatter and all-to-all without
+    /// splits; `custom` and `vendor` win over it.
     pub coll_route: CollRoute,
     /// Bytes per workspace data slot; payloads above it are chunked
     /// (`FERROCOMM_SLOT_BYTES`). `None` takes the backend's default: 32 MiB on
@@ -39,9 +41,11 @@ pub struct CommOptions {
     /// run multi-node paths on one machine (`FERROCOMM_LOCAL_SIZE`; every
     /// rank must set the same value). `None`: nodes are real hosts.
     pub local_size: Option<usize>,
-    /// Time the all-reduce algorithms at init and dispatch by the result,
-    /// cached on disk (`FERROCOMM_AUTOTUNE=0|1`). `None`: on for GPUs, off
-    /// on the host backend.
+    /// Time the algorithms of all-reduce, all-gather, reduce-scatter and
+    /// all-to-all at init and dispatch by the result, cached on disk
+    /// (`FERROCOMM_AUTOTUNE=0|1`; `comm/autotune.rs`). `None`: on for GPUs,
+    /// off on the host backend. Explicit choices (`algo`, `coll_route`,
+    /// `coll_ll_bytes`, a call's `algo` or `coll_algo`) win over its table.
     pub autotune: Option<bool>,
     /// Bytes of each rank's symmetric heap (`FERROCOMM_HEAP_BYTES`; every
     /// rank must set the same). `None` takes the backend's default: 1 GiB on
@@ -53,9 +57,12 @@ pub struct CommOptions {
     /// kernels carry on LL lines, the small-message kinds
     /// (`FERROCOMM_COLL_LL_BYTES`; 0 turns them off; every rank must set
     /// the same). `None`: 256 KiB at world 2 (measured on 2x H200), 64 KiB
-    /// at worlds 3 and 4, 32 KiB above (`comm::collectives::ll_max_block_bytes`).
-    /// A block also has to fit one source's LL lines (a quarter of a slot
-    /// over the world). `auto` routes such blocks to the kernels, not NCCL.
+    /// at worlds 3 and 4, 32 KiB above (`algo::dispatch::ll_max_block_bytes`),
+    /// or for all-gather, reduce-scatter and all-to-all without splits what
+    /// autotune measured. A block also has to fit one source's LL lines (a
+    /// quarter of a slot over the world). `auto` routes such blocks to the
+    /// kernels, not NCCL. Set, it wins over the tuned table (which then
+    /// never picks LL); a call's `coll_algo` wins over it.
     pub coll_ll_bytes: Option<usize>,
     /// Smallest agreed per-peer block (bytes) from which all-gather, gather,
     /// scatter (outputs in the heap), reduce-scatter and reduce (inputs in
