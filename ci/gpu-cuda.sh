@@ -5,7 +5,7 @@
 #   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
 #   STEPS: tests coldstart torchrun layered example sanitizer bench collbench
 #          fused heap epbench qrbench python flashinfer baseline (default: all),
-#          and shared (not
+#          and autotune and shared (not
 #          in the default: protocol checks for a machine of one GPU)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a
@@ -335,6 +335,22 @@ if [[ " $STEPS " == *" epbench "* ]]; then
             [ "$b" = default ] || blocks=(FERROCOMM_EP_BLOCKS="$b")
             step "epbench_w${w}_blocks_$b" env "${blocks[@]}" "$BIN/ferrocomm-bench" --backend cuda --world "$w" \
                 --ep --graph --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}"
+        done
+    done
+fi
+
+if [[ " $STEPS " == *" autotune "* ]]; then
+    # Autotune at init (issue 15): per world, a fresh measurement (the
+    # bench prints the table and how long it took), then the same rows on
+    # the static table (FERROCOMM_AUTOTUNE=0), bf16 and f32 (the two dtype
+    # classes).
+    for w in $(bench_worlds autotune); do
+        rm -rf "${FERROCOMM_CACHE_DIR:-$HOME/.cache/ferrocomm}/autotune"
+        for at in 1 0; do
+            step "autotune${at}_w$w" env FERROCOMM_AUTOTUNE=$at FERROCOMM_DEBUG=info "$BIN/ferrocomm-bench" --backend cuda --world "$w" \
+                --coll all_reduce,all_gather,reduce_scatter,all_to_all --algo auto --graph --dtype bf16,f32 \
+                --min-bytes 1K --max-bytes "${AUTOTUNE_MAX:-64M}" --iters "${BENCH_ITERS:-10}" \
+                --warmup "${BENCH_WARMUP:-3}" --json "$LOG/autotune${at}_w$w.json"
         done
     done
 fi

@@ -49,7 +49,7 @@ fn run(world: usize) {
         &open,
         // Two heap buffers of `world` blocks just above the direct
         // reduce-to threshold (8 MiB), with room for the rest.
-        |o| o.with_heap_bytes((world * 24 << 20).max(64 << 20)),
+        |o| o.with_heap_bytes(((world * 24) << 20).max(64 << 20)),
         |comm, store, cfg| run_heap_suite(comm, store, cfg),
         &cfg(),
         20,

@@ -539,6 +539,14 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     // The heap holds the heap rows' buffers (`--operands heap|both`).
     opts = operands::with_heap(opts, a, backend, world)?;
     let comm = Communicator::new(dev, store.clone(), rank, world, opts)?;
+    if let (0, Some(report)) = (rank, comm.autotune_report()) {
+        // What dispatch reads for `auto` rows (FERROCOMM_AUTOTUNE=0: the
+        // static table, nothing printed).
+        println!("# autotune: {:?}", report.source);
+        for line in report.table_text().lines() {
+            println!("# autotune table: {line}");
+        }
+    }
     if a.ep {
         return ep::bench_ep(&comm, &store, a);
     }
