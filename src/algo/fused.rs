@@ -157,11 +157,14 @@ impl FusedKind {
 // bench/2026-11-23-h200x2/run9/fused_w2_h4096.log, every pattern alike):
 // 1 MiB (128 x 4096) rms 22.7 / 34.8, 16 MiB (2048 x 4096) rms 112.4 / 97.6;
 // hidden 8192: 2 MiB (128 rows) one-shot ahead, 32 MiB two-shot ahead
-// (fused_w2_h8192.log). The 4 MiB threshold sits between. Worlds above 2
-// were not measured: 1 MiB follows the all-reduce crossover at world 4
-// (dispatch.rs), which the fused kernels inherit (the epilogue's local
-// traffic is the same in both).
-pub const FUSED_TWOSHOT_MIN_BYTES: [usize; 2] = [4 << 20, 1 << 20];
+// (fused_w2_h8192.log). The 4 MiB threshold sits between. World 4,
+// measured on 4x H100 (rms, bf16, graph replay, us, push one-shot /
+// two-shot; bench/2026-11-27-h100x4/run16-session8/b/fused_w4_h*.log):
+// 1 MiB 22.2 / 25.6 (128 x 4096), 21.8 / 35.0 (64 x 8192); 2 MiB 37.2 /
+// 30.8 (256 x 4096), 36.1 / 39.8 (128 x 8192); 4 MiB 64.2 / 40.6, 68.0 /
+// 48.5. The 1 MiB it had (the all-reduce's crossover, unmeasured) lost up
+// to 38%; 2 MiB is the split.
+pub const FUSED_TWOSHOT_MIN_BYTES: [usize; 2] = [4 << 20, 2 << 20];
 
 /// Payloads (bytes in all) up to which dispatch takes the LL one-shot, at
 /// world 2 and at larger worlds.
@@ -634,7 +637,8 @@ mod tests {
         assert_eq!(choose_fused(16 << 20, 2048, 2), FusedKind::TwoShot);
         assert_eq!(choose_fused(16 << 20, 2048, 1), FusedKind::OneShot);
         assert_eq!(choose_fused(16 << 20, 3, 4), FusedKind::OneShot);
-        assert_eq!(choose_fused(1 << 20, 128, 4), FusedKind::TwoShot);
+        assert_eq!(choose_fused(1 << 20, 128, 4), FusedKind::OneShot);
+        assert_eq!(choose_fused(2 << 20, 256, 4), FusedKind::TwoShot);
     }
 
     #[test]
