@@ -237,8 +237,8 @@ if [[ " $STEPS " == *" collbench "* ]]; then
             --dtype bf16 --min-bytes 4K --max-bytes "${DIRECT_MAX:-256M}" \
             --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}" --json "$LOG/collbench_direct_w$w.json"
     done
-    # The LL kinds (small agreed blocks: FERROCOMM_COLL_LL_BYTES, 64 KiB a
-    # peer to world 4, taken from the LL all-reduce's ladder, not timed)
+    # The LL kinds (small agreed blocks: FERROCOMM_COLL_LL_BYTES, 256 KiB a
+    # peer to world 4, 32 KiB above)
     # against the inbox kinds and NCCL, on the kernels at every size
     # (FERROCOMM_COLL_ROUTE=custom): once with LL in force, once with it off.
     for w in $(bench_worlds collbench_ll); do

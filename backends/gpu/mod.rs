@@ -831,6 +831,39 @@ mod tests {
         assert!(dev.wait_event_for(&e, Duration::from_millis(1)).unwrap());
     }
 
+    /// Ranks that are threads of one process load every kernel (the fused
+    /// module's too) before `Communicator::new` returns: no module load may
+    /// race a peer's spinning kernel (`Communicator::preload_kernels`).
+    #[test]
+    fn thread_ranks_load_every_kernel_at_creation() {
+        use crate::comm::{CommOptions, Communicator};
+        use crate::testing::harness::run_thread_ranks;
+
+        let results = run_thread_ranks(2, |rank, world, store| -> Result<(usize, usize, usize, usize)> {
+            let dev = GpuDevice::<Fake>::new(rank)?;
+            let opts = CommOptions::default()
+                .with_timeout(Duration::from_secs(120))
+                .with_slot_bytes(64 << 10)
+                .with_autotune(false);
+            let comm = Communicator::new(dev, store, rank, world, opts)?;
+            let counts = comm.with_resources(|r| {
+                let fused = r
+                    .fused_module
+                    .as_ref()
+                    .map_or((0, 1), |m| (m.ready_count(), m.unit_count()));
+                (r.module.ready_count(), r.module.unit_count(), fused.0, fused.1)
+            })?;
+            comm.finalize()?;
+            Ok(counts)
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            let (ready, units, fused_ready, fused_units) = r.unwrap();
+            assert_eq!(ready, units, "rank {rank}: collectives module");
+            assert_eq!(fused_ready, fused_units, "rank {rank}: fused module");
+            assert!(units > 0 && fused_units > 1, "rank {rank}");
+        }
+    }
+
     /// The data-moving collectives on a GPU communicator without NCCL/RCCL
     /// (this build): the exchange / reduce-to kernels, with the per-peer
     /// lists, the agreed count and the output by value in the params.
@@ -859,7 +892,12 @@ mod tests {
             let opts = CommOptions::default()
                 .with_timeout(Duration::from_secs(30))
                 .with_slot_bytes(64 << 10)
-                .with_coll_ll_bytes(0);
+                .with_coll_ll_bytes(0)
+                // The fake compiles each kernel in 40 ms, one at a time, and
+                // places allocations 4 MiB apart: autotune's buffers would
+                // overlap.
+                .with_preload_kernels(false)
+                .with_autotune(false);
             let comm = Communicator::new(dev, store, rank, world, opts)?;
             assert!(!comm.has_vendor_library());
             let dev = comm.device();

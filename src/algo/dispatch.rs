@@ -540,15 +540,16 @@ pub(crate) const A2A_VENDOR_MIN_BLOCK_BYTES: usize = 16 << 20;
 /// ```
 ///
 /// LL wins to 256 KiB a peer in every row; at 512 KiB the inbox kinds catch
-/// up (reduce-scatter 8.67 against 9.10). Worlds above 2 were not measured:
-/// each LL source's lines carry its block to every peer, as the LL
-/// all-reduce's do, whose ladder (above, 4x H200) stops LL at a
-/// quarter of world 2's range at world 4; 64 KiB to world 4 and 32 KiB above
-/// keep well inside it.
+/// up (reduce-scatter 8.67 against 9.10). World 4, measured on 4x H100
+/// (bench/2026-11-27-h100x4/run16-session8/d, graph replay, bf16, us, LL /
+/// inbox kernels at 128 KiB and 256 KiB a peer): all-gather 7.03 / 10.51,
+/// 9.13 / 12.88; reduce-scatter 7.03 / 11.75, 9.27 / 12.02; all-to-all
+/// 7.02 / 13.42, 9.16 / 13.69 (NCCL 9.4-13.6); autotune put the LL step at
+/// 256 KiB there too. World 3 sits between (not measured); above 4, 32 KiB
+/// (not measured).
 pub(crate) fn ll_max_block_bytes(world: usize) -> usize {
     match world {
-        0..=2 => 256 << 10,
-        3 | 4 => 64 << 10,
+        0..=4 => 256 << 10,
         _ => 32 << 10,
     }
 }

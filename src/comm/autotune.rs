@@ -803,16 +803,16 @@ mod tests {
                 "all_reduce wide 4096:oneshot",
             ),
             with(
-                "all_gather narrow 65536:ll,524287:vendor",
-                "all_gather narrow 524287:ll,65536:vendor",
+                "all_gather narrow 262144:ll,524287:vendor",
+                "all_gather narrow 524287:ll,262144:vendor",
             ),
-            with("all_to_all wide 65536:ll", "all_to_all wide 65536:oneshot-ll"),
-            with("reduce_scatter narrow 65536:ll", "reduce_scatter narrow 65536:fast"),
+            with("all_to_all wide 262144:ll", "all_to_all wide 65536:oneshot-ll"),
+            with("reduce_scatter narrow 262144:ll", "reduce_scatter narrow 65536:fast"),
             // Unknown names, a ladder twice or missing, stray words.
             with("all_to_all wide", "all_to_all medium"),
             with("all_to_all wide", "all_to_all narrow"),
             with("reduce_scatter wide", "broadcast wide"),
-            with("all_gather wide 65536:ll", "all_gather wide 65536:ll extra"),
+            with("all_gather wide 262144:ll", "all_gather wide 262144:ll extra"),
             good.lines().skip(1).collect::<Vec<_>>().join("\n"),
             // A v1 file's ladder alone.
             "4096:oneshot-ll,max:twoshot-push".into(),

@@ -438,8 +438,61 @@ impl<D: Device> Communicator<D> {
                 levels,
             }),
         };
+        comm.preload_kernels(kernels)?;
         comm.autotune_at_init(kernels)?;
         Ok(comm)
+    }
+
+    /// Load every kernel now where [`CommOptions::preload_kernels`] says so,
+    /// by default where a peer rank is a thread of this process.
+    ///
+    /// Ranks that share a process share the driver's module-loading lock.
+    /// With kernels loaded lazily, one rank's load could wait on a peer's
+    /// kernel that spins for this rank's launch: the thread-rank suite
+    /// stalled that way on 4x H100 (BENCHMARKS.md, eighth session: a fused
+    /// kernel active on one GPU, the peer's thread and the compile pool
+    /// inside the driver's lock), and CUDA's lazy-loading guide warns of it
+    /// for kernels that must run concurrently. Loading everything before
+    /// the first collective (autotune's included) leaves no load to race
+    /// a spinning kernel. Ranks as processes keep the lazy loading.
+    /// Collective over the communicator (every rank decides alike: the
+    /// option must be the same on every rank).
+    fn preload_kernels(&self, kernels: bool) -> Result<()> {
+        let inner = &*self.inner;
+        if !kernels || inner.world < 2 || inner.device.facts().backend == BackendKind::Host {
+            return Ok(());
+        }
+        let preload = match inner.opts.preload_kernels {
+            Some(on) => on,
+            None => {
+                let key = inner.next_key("process");
+                let me = std::process::id().to_le_bytes();
+                let pids = store_all_gather(
+                    inner.store.as_ref(),
+                    &key,
+                    inner.rank,
+                    inner.world,
+                    &me,
+                    inner.opts.timeout,
+                )?;
+                // Same node and same process id: a thread of this process.
+                inner
+                    .topology
+                    .ranks_on(inner.topology.node)
+                    .into_iter()
+                    .any(|r| r != inner.rank && pids.get(r).is_some_and(|p| p[..] == me[..]))
+            }
+        };
+        if !preload {
+            return Ok(());
+        }
+        self.with_resources(|res| -> Result<()> {
+            if res.fused_module.is_none() {
+                res.fused_module = Some(inner.device.load_module(&crate::algo::kernels::FUSED)?);
+            }
+            Ok(())
+        })??;
+        self.prepare()
     }
 
     /// Autotune the dispatch table of this communicator's world

@@ -47,6 +47,11 @@ pub struct CommOptions {
     /// off on the host backend. Explicit choices (`algo`, `coll_route`,
     /// `coll_ll_bytes`, a call's `algo` or `coll_algo`) win over its table.
     pub autotune: Option<bool>,
+    /// Load every kernel when the communicator is created
+    /// (`FERROCOMM_PRELOAD_KERNELS=0|1`). `None`: only where a peer rank is
+    /// a thread of this process on a GPU (`Communicator::new` says why);
+    /// elsewhere kernels load when first launched.
+    pub preload_kernels: Option<bool>,
     /// Bytes of each rank's symmetric heap (`FERROCOMM_HEAP_BYTES`; every
     /// rank must set the same). `None` takes the backend's default: 1 GiB on
     /// GPUs (NVSHMEM's default; EP dispatch/combine at hidden 7168 and 4096
@@ -56,8 +61,8 @@ pub struct CommOptions {
     /// Largest agreed per-peer block (bytes) the exchange and reduce-to
     /// kernels carry on LL lines, the small-message kinds
     /// (`FERROCOMM_COLL_LL_BYTES`; 0 turns them off; every rank must set
-    /// the same). `None`: 256 KiB at world 2 (measured on 2x H200), 64 KiB
-    /// at worlds 3 and 4, 32 KiB above (`algo::dispatch::ll_max_block_bytes`),
+    /// the same). `None`: 256 KiB to world 4 (measured on 2x H200 and 4x
+    /// H100), 32 KiB above (`algo::dispatch::ll_max_block_bytes`),
     /// or for all-gather, reduce-scatter and all-to-all without splits what
     /// autotune measured. A block also has to fit one source's LL lines (a
     /// quarter of a slot over the world). `auto` routes such blocks to the
@@ -96,6 +101,7 @@ impl Default for CommOptions {
             name: None,
             local_size: None,
             autotune: None,
+            preload_kernels: None,
             heap_bytes: None,
             coll_ll_bytes: None,
             direct_min_bytes: None,
@@ -158,6 +164,9 @@ impl CommOptions {
         }
         if let Some(v) = env_var("FERROCOMM_AUTOTUNE") {
             o.autotune = Some(switch("FERROCOMM_AUTOTUNE", &v)?);
+        }
+        if let Some(v) = env_var("FERROCOMM_PRELOAD_KERNELS") {
+            o.preload_kernels = Some(switch("FERROCOMM_PRELOAD_KERNELS", &v)?);
         }
         if let Some(v) = env_var("FERROCOMM_ALGO") {
             o.algo = v.parse()?;
@@ -244,6 +253,13 @@ impl CommOptions {
     /// Whether autotune runs on `backend`.
     pub fn autotune_for(&self, backend: crate::device::BackendKind) -> bool {
         self.autotune.unwrap_or(backend != crate::device::BackendKind::Host)
+    }
+
+    /// Preload every kernel at creation on or off (see
+    /// [`CommOptions::preload_kernels`]).
+    pub fn with_preload_kernels(mut self, on: bool) -> Self {
+        self.preload_kernels = Some(on);
+        self
     }
 
     /// A symmetric heap of `bytes` per rank (see [`CommOptions::heap_bytes`]).
