@@ -769,7 +769,10 @@ pub fn child_cold_start<D: Device>(g: &Gpu<D>) {
     if world >= 2 {
         let results = ferrocomm::testing::harness::run_thread_ranks(world, |rank, world, store| {
             let dev = (g.open)(rank)?;
-            let comm = Communicator::new(dev, store, rank, world, CommOptions::default())?;
+            // The lazy path ranks as processes take (threads of one
+            // process preload every kernel by default).
+            let opts = CommOptions::default().with_preload_kernels(false);
+            let comm = Communicator::new(dev, store, rank, world, opts)?;
             let opened = started.elapsed();
             let count = 2048;
             let buf = comm.alloc(count * 2)?;
