@@ -217,8 +217,13 @@ def test_ctrl_c_ends_a_rendezvous_waiting_for_a_missing_rank():
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="2",
                FERROCOMM_TOKEN="t" * 16, PYTHONUNBUFFERED="1")
     env.pop("FERROCOMM_TOKEN_FILE", None)
+    # The child installs Python's own SIGINT handler, so that the test does
+    # not depend on the disposition it inherits: SIG_IGN survives exec (a
+    # shell's `cmd &` without job control sets it), and Python then never
+    # raises KeyboardInterrupt.
     code = (
-        "import ferrocomm, time\n"
+        "import ferrocomm, signal, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "print('waiting', flush=True)\n"
         "try:\n"
         "    ferrocomm.init(backend='host')\n"
