@@ -65,6 +65,17 @@ pub(crate) struct Resources<D: Device> {
     pub(crate) staging: Option<D::Buffer>,
 }
 
+impl<D: Device> Resources<D> {
+    /// Load the fused epilogues' module on first need (its kernels still
+    /// compile lazily, unless prepared).
+    pub(crate) fn load_fused_module(&mut self, device: &D) -> Result<()> {
+        if self.fused_module.is_none() {
+            self.fused_module = Some(device.load_module(&crate::algo::kernels::FUSED)?);
+        }
+        Ok(())
+    }
+}
+
 /// The last stream a collective was queued on (its vendor handle, or the
 /// wrapper's address for backends without one).
 struct LastStream<D: Device> {
@@ -454,44 +465,18 @@ impl<D: Device> Communicator<D> {
     /// inside the driver's lock), and CUDA's lazy-loading guide warns of it
     /// for kernels that must run concurrently. Loading everything before
     /// the first collective (autotune's included) leaves no load to race
-    /// a spinning kernel. Ranks as processes keep the lazy loading.
-    /// Collective over the communicator (every rank decides alike: the
-    /// option must be the same on every rank).
+    /// a spinning kernel. Ranks as processes keep the lazy loading. Local:
+    /// each rank decides from the option and the topology it gathered.
     fn preload_kernels(&self, kernels: bool) -> Result<()> {
         let inner = &*self.inner;
         if !kernels || inner.world < 2 || inner.device.facts().backend == BackendKind::Host {
             return Ok(());
         }
-        let preload = match inner.opts.preload_kernels {
-            Some(on) => on,
-            None => {
-                let key = inner.next_key("process");
-                let me = std::process::id().to_le_bytes();
-                let pids = store_all_gather(
-                    inner.store.as_ref(),
-                    &key,
-                    inner.rank,
-                    inner.world,
-                    &me,
-                    inner.opts.timeout,
-                )?;
-                // Same node and same process id: a thread of this process.
-                inner
-                    .topology
-                    .ranks_on(inner.topology.node)
-                    .into_iter()
-                    .any(|r| r != inner.rank && pids.get(r).is_some_and(|p| p[..] == me[..]))
-            }
-        };
-        if !preload {
+        // Whether a peer is a thread of this process came with the topology.
+        if !inner.opts.preload_kernels.unwrap_or(inner.topology.shares_process()) {
             return Ok(());
         }
-        self.with_resources(|res| -> Result<()> {
-            if res.fused_module.is_none() {
-                res.fused_module = Some(inner.device.load_module(&crate::algo::kernels::FUSED)?);
-            }
-            Ok(())
-        })??;
+        self.with_resources(|res| res.load_fused_module(&inner.device))??;
         self.prepare()
     }
 

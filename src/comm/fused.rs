@@ -19,7 +19,6 @@ use crate::algo::fused::{
     MoeCall, FUSED_DTYPES, FUSED_LL_MAX_HIDDEN, FUSED_MAX_HIDDEN, MOE_MAX_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT,
     PTR_QUANT_OUT, PTR_RESIDUAL_IN, PTR_RESIDUAL_OUT, PTR_SCALE, PTR_WEIGHT,
 };
-use crate::algo::kernels::FUSED;
 use crate::algo::layout::push_oneshot_stride;
 use crate::algo::{AlgoChoice, Algorithm};
 use crate::device::{Device, MAX_RANKS};
@@ -187,9 +186,7 @@ impl<D: Device> Communicator<D> {
                 return Ok(());
             }
             let inner = s.inner;
-            if s.res.fused_module.is_none() {
-                s.res.fused_module = Some(inner.device.load_module(&FUSED)?);
-            }
+            s.res.load_fused_module(&inner.device)?;
             let (Some(module), Some(ws)) = (s.res.fused_module.as_ref(), s.res.ws.as_ref()) else {
                 return Err(Error::Unsupported(format!(
                     "all_reduce_fused on communicator {}: it spans {} and has no workspace for the fused kernels \

@@ -1,4 +1,5 @@
-//! Which node each rank runs on, gathered once at init.
+//! Which node each rank runs on, and which ranks share a process, gathered
+//! once at init.
 //!
 //! A node is a host, told apart by hostname and boot id (two containers on
 //! one host share the boot id and may share the hostname: both must match).
@@ -26,6 +27,9 @@ pub struct Topology {
     /// Whether the nodes are pseudo-nodes of one host (`FERROCOMM_LOCAL_SIZE`).
     pub pseudo: bool,
     node_of: Vec<usize>,
+    /// Whether another rank of this rank's node runs in this rank's process
+    /// (ranks as threads).
+    shares_process: bool,
 }
 
 const PSEUDO: &str = "pseudo-node";
@@ -42,13 +46,26 @@ impl Topology {
         opts: &CommOptions,
         timeout: Duration,
     ) -> Result<Topology> {
-        let key = node_key(root_rank, opts.local_size)?;
-        let keys = store_all_gather(store, &format!("{prefix}/node"), rank, world, key.as_bytes(), timeout)?;
-        Topology::from_keys(rank, &keys)
+        let record = format!("{}\n{}", node_key(root_rank, opts.local_size)?, process_key());
+        let records = store_all_gather(
+            store,
+            &format!("{prefix}/node"),
+            rank,
+            world,
+            record.as_bytes(),
+            timeout,
+        )?;
+        Topology::from_keys(rank, &records)
     }
 
-    /// The topology `rank` sees, given every rank's node key.
-    pub(crate) fn from_keys(rank: usize, keys: &[Vec<u8>]) -> Result<Topology> {
+    /// The topology `rank` sees, given every rank's record: its node key,
+    /// then (after a newline, where known) its process key.
+    pub(crate) fn from_keys(rank: usize, records: &[Vec<u8>]) -> Result<Topology> {
+        let split = |r: &Vec<u8>| match r.iter().position(|&b| b == b'\n') {
+            Some(i) => (r[..i].to_vec(), Some(r[i + 1..].to_vec())),
+            None => (r.clone(), None),
+        };
+        let (keys, processes): (Vec<Vec<u8>>, Vec<Option<Vec<u8>>>) = records.iter().map(split).unzip();
         let pseudo = |k: &Vec<u8>| k.starts_with(PSEUDO.as_bytes());
         let size_of = |k: &Vec<u8>| k.split(|&b| b == b'/').nth(1).map(<[u8]>::to_vec);
         if keys.iter().any(pseudo) {
@@ -73,6 +90,8 @@ impl Topology {
             })
             .collect();
         let node = node_of[rank];
+        let shares_process = processes[rank].is_some()
+            && (0..keys.len()).any(|r| r != rank && node_of[r] == node && processes[r] == processes[rank]);
         Ok(Topology {
             node,
             nodes: distinct.len(),
@@ -80,7 +99,14 @@ impl Topology {
             local_size: node_of.iter().filter(|&&n| n == node).count(),
             pseudo: keys.first().is_some_and(pseudo),
             node_of,
+            shares_process,
         })
+    }
+
+    /// Whether another rank of this rank's node is a thread of this rank's
+    /// process (they then share the vendor driver's process-wide locks).
+    pub fn shares_process(&self) -> bool {
+        self.shares_process
     }
 
     /// The node of `rank`.
@@ -110,8 +136,18 @@ fn node_key(rank: usize, local_size: Option<usize>) -> Result<String> {
     if let Some(k) = local_size {
         return Ok(format!("{PSEUDO}/{k}/{}", rank / k));
     }
+    Ok(host_key())
+}
+
+/// The host's name and boot id.
+fn host_key() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    Ok(format!("host/{}/{}", hostname(), boot.trim()))
+    format!("host/{}/{}", hostname(), boot.trim())
+}
+
+/// This process: its host and its id.
+fn process_key() -> String {
+    format!("{}/{}", host_key(), std::process::id())
 }
 
 fn hostname() -> String {
@@ -170,6 +206,17 @@ mod tests {
             Topology::from_keys(0, &k),
             Err(Error::Mismatch { peer: 3, .. })
         ));
+    }
+
+    #[test]
+    fn ranks_of_one_process_on_one_node_share_it() {
+        let k = keys(&["host/a/1\np/7", "host/a/1\np/7", "host/a/1\np/8", "host/b/1\np/8"]);
+        let shares = |rank| Topology::from_keys(rank, &k).unwrap().shares_process();
+        assert_eq!([shares(0), shares(1), shares(2), shares(3)], [true, true, false, false]);
+        // Without process keys, nothing is shared.
+        let k = keys(&["host/a/1", "host/a/1"]);
+        assert!(!Topology::from_keys(0, &k).unwrap().shares_process());
+        assert_eq!(Topology::from_keys(0, &k).unwrap().nodes, 1);
     }
 
     #[test]
