@@ -169,11 +169,11 @@ fn iterations(backend: BackendKind) -> (usize, usize) {
 /// connects NCCL on its first use, outside any capture), then a graph of
 /// [`graph_ops`] calls captured and replayed 2 + 5 times (the 5 timed):
 /// graph replay is how engines run small collectives, and eager timing
-/// measured the CPU's launch instead (on 2x H100 it picked the push
-/// one-shot over LL at 8-16 KiB, 47-61% slower under replay). The large
-/// sizes dominate (64 MiB all-reduce ~0.2-0.35 ms). Measured at init with
-/// the earlier eager plan on 4x H100: 0.39 s at world 2, 1.43 s at world 4,
-/// most of it NCCL's setup and the kernels' loading.
+/// measured the CPU's launch instead (on 4x H100 at world 2 it picked the
+/// push one-shot over LL at 8-16 KiB, 47-61% slower under replay). The
+/// large sizes dominate (64 MiB all-reduce ~0.2-0.35 ms). Measured at init
+/// on 4x H100 with the kernels from the disk cache: 0.48 s at world 2,
+/// 1.64 s at world 4 (NCCL's first connections included).
 ///
 /// Host: all-reduce at 4 KiB-1 MiB (5 sizes, every 4x) x 5 x 2 classes, and
 /// the others at 4 KiB-256 KiB a peer (4 sizes) x LL (where it fits) and
