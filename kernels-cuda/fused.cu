@@ -259,24 +259,33 @@ FC_DEVICE FuRows fu_rows(const FcParams& p) {
     return w;
 }
 
-// Pass 1 on the pack at byte `off` of row `rb` (byte offset of the row in
-// the caller's tensors): the all-reduce of the sources in rank order, its
-// optional output, the residual add and its store. Returns the stored
-// residual pack (the sum of squares is taken from these rounded values).
+// Pass 1's steps after the loads, on the pack at byte `off` of row `rb`
+// (byte offset of the row in the caller's tensors), from `a`, the sum of its
+// sources in rank order, and its residual_in pack: the all-reduce rounded
+// and its optional output, the residual add and its store. Returns the
+// stored residual pack (the sum of squares is taken from these rounded
+// values).
 template <class T>
-FC_DEVICE fc_vec16 fu_residual_pack(const FuRows& w, const char* src, fc_u64 stride, fc_u32 world, fc_u64 rb,
-                                    fc_u64 off) {
-    float a[8], r[8];
-    fu_reduce_pack<T>(src + off, stride, world, a);
+FC_DEVICE fc_vec16 fu_residual_vals(const FuRows& w, float (&a)[8], const fc_vec16& resid, fc_u64 rb, fc_u64 off) {
+    float r[8];
     const fc_vec16 arp = fu_pack<T>(a);
     if (w.ar_out != nullptr) fc_store16(w.ar_out + rb + off, arp);
     T::unpack(arp, a);
-    T::unpack(fc_load16(w.resid_in + rb + off), r);
+    T::unpack(resid, r);
 #pragma unroll
     for (int k = 0; k < 8; ++k) r[k] = fc_fadd(a[k], r[k]);
     const fc_vec16 resp = fu_pack<T>(r);
     fc_store16(w.resid_out + rb + off, resp);
     return resp;
+}
+
+// Pass 1 on one pack, its sources at `src + off + r * stride`, r = 0..world-1.
+template <class T>
+FC_DEVICE fc_vec16 fu_residual_pack(const FuRows& w, const char* src, fc_u64 stride, fc_u32 world, fc_u64 rb,
+                                    fc_u64 off) {
+    float a[8];
+    fu_reduce_pack<T>(src + off, stride, world, a);
+    return fu_residual_vals<T>(w, a, fc_load16(w.resid_in + rb + off), rb, off);
 }
 
 // ss + the squares of a pack's 8 values, in order (fc_fmul then fc_fadd).
@@ -302,15 +311,16 @@ FC_DEVICE float fu_token_scale(float amax) {
     return fc_fmax(fc_fdiv(amax, qmax), fc_fdiv(1.0f, fc_fmul(qmax, 512.0f)));
 }
 
-// Pass 2 on pack i of row g: the normed values and their optional output;
+// Pass 2's steps after the loads, on pack i of row g (`res` its stored
+// residual, `wt` the weight's): the normed values and their optional output;
 // static FP8 quantizes here (with `scale`), per-token patterns fold the
 // values' magnitudes into `amax`.
 template <class T, int PAT>
-FC_DEVICE void fu_norm_step(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, float rstd, float scale, float& amax) {
-    const fc_u64 off = i * 16u;
+FC_DEVICE void fu_norm_vals_store(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, const fc_vec16& res,
+                                  const fc_vec16& wt, float rstd, float scale, float& amax) {
     float y[8];
-    const fc_vec16 n = fu_norm_pack<T>(w.resid_out + rb + off, w.weight + off, rstd, y);
-    if (w.norm_out != nullptr) fc_store16(w.norm_out + rb + off, n);
+    const fc_vec16 n = fu_norm_vals<T>(res, wt, rstd, y);
+    if (w.norm_out != nullptr) fc_store16(w.norm_out + rb + i * 16u, n);
     if (PAT == FU_PAT_RMS_FP8) {
         fu_store_quant<PAT>(w.quant_out + g * w.hidden + i * 8u, y, scale);
     } else if (PAT == FU_PAT_RMS_FP8TOK || PAT == FU_PAT_RMS_I8TOK) {
@@ -319,14 +329,79 @@ FC_DEVICE void fu_norm_step(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, floa
     }
 }
 
+// Pass 2 on pack i of row g.
+template <class T, int PAT>
+FC_DEVICE void fu_norm_step(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, float rstd, float scale, float& amax) {
+    const fc_u64 off = i * 16u;
+    fu_norm_vals_store<T, PAT>(w, g, rb, i, fc_load16(w.resid_out + rb + off), fc_load16(w.weight + off), rstd, scale,
+                               amax);
+}
+
 // Pass 3 on pack i of row g (per-token patterns): the normed values
 // recomputed (same bits) and quantized with the row's scale.
 template <class T, int PAT>
+FC_DEVICE void fu_quant_vals_store(const FuRows& w, fc_u64 g, fc_u64 i, const fc_vec16& res, const fc_vec16& wt,
+                                   float rstd, float scale) {
+    float y[8];
+    fu_norm_vals<T>(res, wt, rstd, y);
+    fu_store_quant<PAT>(w.quant_out + g * w.hidden + i * 8u, y, scale);
+}
+template <class T, int PAT>
 FC_DEVICE void fu_quant_step(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, float rstd, float scale) {
     const fc_u64 off = i * 16u;
-    float y[8];
-    fu_norm_pack<T>(w.resid_out + rb + off, w.weight + off, rstd, y);
-    fu_store_quant<PAT>(w.quant_out + g * w.hidden + i * 8u, y, scale);
+    fu_quant_vals_store<T, PAT>(w, g, i, fc_load16(w.resid_out + rb + off), fc_load16(w.weight + off), rstd, scale);
+}
+
+// Where a walker finds a block's row v (v < fu_count(map), fu_row_at): its sources (source
+// 0's row; source r at + r * stride) and its row in the caller's tensors.
+// False for a row the block does not have (a short last piece); the answer
+// is the same on every thread.
+//
+// The one-shot: rows [lo, lo + n) of the chunk whose first row is `first`,
+// row j's sources at region + j * row_bytes.
+struct FuSpan {
+    const char* region;
+    fc_u64 first, lo, n;
+};
+FC_DEVICE fc_u64 fu_count(const FuSpan& m) { return m.n; }
+FC_DEVICE bool fu_row_at(const FuSpan& m, fc_u64 row_bytes, fc_u64 v, const char*& src, fc_u64& g) {
+    src = m.region + (m.lo + v) * row_bytes;
+    g = m.first + m.lo + v;
+    return true;
+}
+
+// Rows piece b (of `per` rows) of segment d (of `seg` rows) of a chunk of n rows.
+FC_DEVICE Range fu_piece(fc_u64 n, fc_u64 seg, fc_u64 per, fc_u32 d, fc_u32 b) {
+    Range r;
+    const fc_u64 start = min_u64((fc_u64)d * seg, n);
+    const fc_u64 len = min_u64(seg, n - start);
+    r.lo = start + min_u64((fc_u64)b * per, len);
+    r.hi = start + min_u64((fc_u64)b * per + per, len);
+    return r;
+}
+
+// The two-shot's epilogue: piece b of every segment d of a chunk of n rows
+// at row `first`, v = d * per + k, row j of segment d (all-reduced, one
+// source) at result + d * stride + (j - d * seg) * row_bytes. One walk over
+// every segment's piece, not a walk a segment: at 2048 x 4096 on world 2 a
+// segment's piece is 8 rows, which kept half of a block's 16 groups idle.
+// (Row counts in 32 bits: a chunk's rows fit one workspace slot. Every
+// register counts here: the two-shot's chunk loop keeps its own state live
+// across the walk, and a wider map spilled on sm_80/sm_90.)
+struct FuPieces {
+    const char* result;
+    fc_u64 stride, first;
+    fc_u32 n, seg, per, world;
+};
+FC_DEVICE fc_u64 fu_count(const FuPieces& m) { return (fc_u64)m.world * m.per; }
+FC_DEVICE bool fu_row_at(const FuPieces& m, fc_u64 row_bytes, fc_u64 v, const char*& src, fc_u64& g) {
+    const fc_u32 d = (fc_u32)v / m.per;
+    const Range r = fu_piece(m.n, m.seg, m.per, d, fc_block_id());
+    const fc_u64 row = r.lo + ((fc_u32)v - d * m.per);
+    if (row >= r.hi) return false;
+    src = m.result + (fc_u64)d * m.stride + (row - (fc_u64)d * m.seg) * row_bytes;
+    g = m.first + row;
+    return true;
 }
 
 // The epilogue with the whole block on one row at a time, for blocks that
@@ -338,9 +413,8 @@ FC_DEVICE void fu_quant_step(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, flo
 // l, l + 32, ... of the stored residual, then the butterfly); the row's
 // absolute maximum is a max, the same in any order. Every thread of the
 // block runs every barrier and shuffle.
-template <class T, int PAT>
-FC_DEVICE void fused_rows_block(const FuRows& w, const char* region, fc_u64 stride, fc_u32 world, fc_u64 first,
-                                fc_u64 rlo, fc_u64 rhi) {
+template <class T, int PAT, class Map>
+FC_DEVICE void fused_rows_block(const FuRows& w, const Map& map, fc_u64 stride, fc_u32 world) {
     __shared__ float fu_shared[FC_MAX_BLOCK_THREADS / FU_GROUP + 1];
     const fc_u32 tid = fc_thread_id();
     const fc_u32 nt = fc_block_threads();
@@ -348,10 +422,11 @@ FC_DEVICE void fused_rows_block(const FuRows& w, const char* region, fc_u64 stri
     const fc_u32 group = tid / FU_GROUP;
     const fc_u32 ngroups = nt / FU_GROUP;
 
-    for (fc_u64 row = rlo; row < rhi; ++row) {
-        const fc_u64 g = first + row;
+    for (fc_u64 v = 0; v < fu_count(map); ++v) {
+        const char* src = nullptr;
+        fc_u64 g = 0;
+        if (!fu_row_at(map, w.row_bytes, v, src, g)) continue; // the same on every thread
         const fc_u64 rb = g * w.row_bytes;
-        const char* src = region + row * w.row_bytes;
         // All-reduce and residual add, every thread a pack at a time.
         for (fc_u64 i = tid; i < w.packs; i += nt) fu_residual_pack<T>(w, src, stride, world, rb, i * 16u);
         if (PAT == FU_PAT_RES) continue;
@@ -395,37 +470,36 @@ FC_DEVICE void fused_rows_block(const FuRows& w, const char* region, fc_u64 stri
     }
 }
 
-// The epilogue of rows [rlo, rhi) of the chunk whose first row is `first`
-// (global), reduced from `world` sources in our own workspace (row j of
-// source r at region + r * stride + j * row_bytes; the two-shot passes one
-// source, the already reduced rows, whose "sum" is the identity). One group of 32 lanes per row; lane
-// l takes the row's 8-element packs l, l + 32, ... in every pass, so it
-// re-reads only what it wrote itself. The row loop runs the same number of
-// times in every group (inactive groups join the shuffles), so every lane
-// of a warp or wave reaches every shuffle.
-template <class T, int PAT>
-FC_DEVICE void fused_rows(const FcParams& p, const char* region, fc_u64 stride, fc_u32 world, fc_u64 first,
-                          fc_u64 rlo, fc_u64 rhi) {
+// The epilogue of the block's rows (`map`), reduced from `world` sources in
+// our own workspace (the two-shot passes one source, the already reduced
+// rows, whose "sum" is the identity). One group of 32 lanes per row; lane l
+// takes the row's 8-element packs l, l + 32, ... in every pass, so it
+// re-reads only what it wrote itself. The row loop runs the
+// same number of times in every group (inactive groups join the shuffles),
+// so every lane of a warp or wave reaches every shuffle.
+template <class T, int PAT, class Map>
+FC_DEVICE void fused_rows(const FcParams& p, const Map& map, fc_u64 stride, fc_u32 world) {
     const fc_u32 lane = fc_thread_id() % FU_GROUP;
     const fc_u32 group = fc_thread_id() / FU_GROUP;
     const fc_u32 ngroups = fc_block_threads() / FU_GROUP;
     const FuRows w = fu_rows<T>(p);
+    const fc_u64 count = fu_count(map);
 
     // Few rows for this block: all its threads on each row in turn.
-    if ((rhi - rlo) * FU_BLOCK_MODE_DIV <= ngroups) {
-        fused_rows_block<T, PAT>(w, region, stride, world, first, rlo, rhi);
+    if (count * FU_BLOCK_MODE_DIV <= ngroups) {
+        fused_rows_block<T, PAT>(w, map, stride, world);
         return;
     }
-    for (fc_u64 base = rlo; base < rhi; base += ngroups) {
-        const fc_u64 row = base + group;
-        const bool active = row < rhi;
-        const fc_u64 g = first + row; // the row in the caller's tensors
+    for (fc_u64 base = 0; base < count; base += ngroups) {
+        const fc_u64 v = base + group;
+        const char* src = nullptr;
+        fc_u64 g = 0; // the row in the caller's tensors
+        const bool active = v < count && fu_row_at(map, w.row_bytes, v, src, g);
         const fc_u64 rb = g * w.row_bytes;
 
         // Pass 1: all-reduce, residual add, lane partial of the sum of squares.
         float ss = 0.0f;
         if (active) {
-            const char* src = region + row * w.row_bytes;
             for (fc_u64 i = lane; i < w.packs; i += FU_GROUP) {
                 const fc_vec16 resp = fu_residual_pack<T>(w, src, stride, world, rb, i * 16u);
                 if (PAT != FU_PAT_RES) ss = fu_add_squares<T>(ss, resp);
@@ -595,7 +669,8 @@ FC_DEVICE void fused_oneshot(const FcParams& p) {
             copy_range<ES, FC_COPY_UNROLL>(own + mine, input, rlo * hidden, rhi * hidden, in_aligned);
         }
         if (!arrive_wait(p, own, epoch, parity, 0, b)) return;
-        fused_rows<T, PAT>(p, own + region, stride, world, first, rlo, rhi);
+        const FuSpan span = {own + region, first, rlo, rhi - rlo};
+        fused_rows<T, PAT>(p, span, stride, world);
     }
     complete(own, e0 + (fc_u32)(nchunk - 1));
 }
@@ -822,16 +897,6 @@ FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
     complete(own, epoch);
 }
 
-// Rows piece b (of `per` rows) of segment d (of `seg` rows) of a chunk of n rows.
-FC_DEVICE Range fu_piece(fc_u64 n, fc_u64 seg, fc_u64 per, fc_u32 d, fc_u32 b) {
-    Range r;
-    const fc_u64 start = min_u64((fc_u64)d * seg, n);
-    const fc_u64 len = min_u64(seg, n - start);
-    r.lo = start + min_u64((fc_u64)b * per, len);
-    r.hi = start + min_u64((fc_u64)b * per + per, len);
-    return r;
-}
-
 // S2 of the two-shot: bytes [lo, hi) (whole packs) of our segment, reduced
 // in rank order from our inboxes (source r at src + r * stride) and rounded
 // (NaN canonical, as every fused store), go to offset `off` of every rank's
@@ -942,12 +1007,8 @@ FC_DEVICE void fused_twoshot(const FcParams& p) {
         }
         if (!wait_phase(p, own, epoch, parity, 1, b)) return;
 
-#pragma unroll 1
-        for (fc_u32 d = 0; d < world; ++d) {
-            const Range r = fu_piece(n, seg, per, d, b);
-            const char* at = own + (result + (fc_u64)d * stride - (fc_u64)d * seg * row_bytes);
-            fused_rows<T, PAT>(p, at, 0, 1u, first, r.lo, r.hi);
-        }
+        const FuPieces pieces = {own + result, stride, first, (fc_u32)n, (fc_u32)seg, (fc_u32)per, world};
+        fused_rows<T, PAT>(p, pieces, 0, 1u);
     }
     complete(own, e0 + (fc_u32)(nchunk - 1));
 }
