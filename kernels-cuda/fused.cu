@@ -675,17 +675,13 @@ FC_DEVICE void fused_oneshot(const FcParams& p) {
     complete(own, e0 + (fc_u32)(nchunk - 1));
 }
 
-// Wait until both lines of one pack (at `at`, the second 16 bytes later)
-// carry `flag`, into v. False after raising a timeout for source `src`.
-FC_DEVICE bool fu_ll_pack(const FcParams& p, const char* at, fc_u32 flag, fc_u32 epoch, fc_u32 src, fc_vec16& v) {
-    bool a = ll_load(at, flag, v.w[0], v.w[1]);
-    bool b = ll_load(at + 16u, flag, v.w[2], v.w[3]);
-    if (a && b) return true;
+// Wait until the pack at `at` (one source's, in the Lamport area) has
+// arrived, into v. False after raising a timeout for source `src`.
+FC_DEVICE bool fu_lamport_pack(const FcParams& p, const char* at, fc_u32 epoch, fc_u32 src, fc_vec16& v) {
+    if (lamport_load(at, v)) return true;
     const fc_u64 start = fc_globaltimer_ns();
     for (;;) {
-        if (!a) a = ll_load(at, flag, v.w[0], v.w[1]);
-        if (!b) b = ll_load(at + 16u, flag, v.w[2], v.w[3]);
-        if (a && b) return true;
+        if (lamport_load(at, v)) return true;
         if (fc_globaltimer_ns() - start >= p.timeout_ns) {
             raise_timeout(p, src, epoch);
             return false;
@@ -715,29 +711,34 @@ FC_DEVICE float fu_block_max(float amax, float* shared) {
     return shared[0];
 }
 
-// One-shot fused, LL: the push one-shot's data flow on the LL all-reduce's
-// lines, so no flag round trip and no grid barrier sit between a rank's
-// rows and the epilogue that reads them (the push one-shot's arrive_wait
-// was most of its time at a few tokens). The whole call is one epoch: the
-// host takes this kind only when every row fits one source's lines
-// (tokens * row_bytes * 2 <= ll_stride) and a row fits FU_LL_PACKS packs a
-// thread. Block b owns rows [b*per, (b+1)*per), one row at a time, pack i of
-// a row always on thread i % nt (its m-th pack, m = i / nt).
+// One-shot fused, LL: the push one-shot's data flow with data that carries
+// its own arrival (common.cuh, "Lamport area"), so no flag round trip and
+// no grid barrier sit between a rank's rows and the epilogue that reads them
+// (the push one-shot's arrive_wait was most of its time at a few tokens).
+// The rows travel as they are: the LL all-reduce's lines, which this kernel
+// used first, carry 8 data bytes in 16, and from 32 rows of 4096 the kernel
+// was bound by those bytes (2x H200, run15-session7). The whole call is one
+// epoch: the host takes this kind only when every row fits one source's
+// part of the area (tokens * row_bytes <= lamport_stride) and a row fits
+// FU_LL_PACKS packs a thread. Block b owns rows [b*per, (b+1)*per), one row
+// at a time, pack i of a row always on thread i % nt (its m-th pack,
+// m = i / nt).
 // 1. Our record to every peer (ll_send_record). Every pack of our rows (or,
-//    with MOE, the pack the MoE prologue computes) goes as its two lines to
-//    our lines at every peer, and to our staging area (the push one-shot's
+//    with MOE, the pack the MoE prologue computes) goes to our part of every
+//    peer's Lamport area, and to our staging area (the push one-shot's
 //    region of this parity, row j at j * row_bytes: nothing else writes it
 //    during this epoch; peers' push kinds use the other parity at E + 1),
 //    where the same thread finds it again in 3.
 // 2. Every peer's record (ll_check_record); on a failure, exit.
 // 3. Per row, per pack held: the residual and weight loads first, then
-//    every peer's two lines (cleared for E + 2 once read), the sum in rank
+//    every peer's pack (emptied for E + 2 once read), the sum in rank
 //    order (fu_reduce_pack's), allreduce_out, the residual add and
 //    residual_out (fu_residual_pack's steps): the residual stays in
 //    registers and, for the norm, in shared memory, where group 0 takes the
 //    sum of squares in the lane order; then the normed pack and the
 //    quantization from registers. Every value is the push one-shot's, bit
-//    for bit; only where it lives between the steps differs.
+//    for bit (a NaN sent as another NaN sums to the same canonical NaN);
+//    only where it lives between the steps differs.
 template <class T, int PAT, bool MOE = false>
 FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
     __shared__ fc_vec16 fu_row[FU_LL_PACKS * FC_MAX_BLOCK_THREADS];
@@ -758,8 +759,8 @@ FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
     const fc_u64 per = div_ceil(tokens, fc_grid_blocks());
     const fc_u64 rlo = min_u64((fc_u64)b * per, tokens);
     const fc_u64 rhi = min_u64(rlo + per, tokens);
-    const fc_u64 stride = ll_stride(p);
-    const fc_u64 lines = ll_lines_offset(p, parity);
+    const fc_u64 stride = lamport_stride(p);
+    const fc_u64 lines = lamport_offset(p, parity);
     char* staging = own + region_offset(p, parity);
 
     ll_send_record(p, parity, b, flag);
@@ -773,14 +774,12 @@ FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
                 v = fc_load16(fc_ptr<const char>(p.input) + at);
             }
             fc_store16(staging + at, v);
-            const fc_u64 u0 = ll_unit(v.w[0], flag), u1 = ll_unit(v.w[1], flag);
-            const fc_u64 u2 = ll_unit(v.w[2], flag), u3 = ll_unit(v.w[3], flag);
+            const fc_vec16 l = lamport_send_pack(v);
+            const fc_u64 lo = ((fc_u64)l.w[1] << 32) | l.w[0], hi = ((fc_u64)l.w[3] << 32) | l.w[2];
             for (fc_u32 n = 1; n < world; ++n) {
                 fc_u32 q = rank + n;
                 if (q >= world) q -= world;
-                char* line = fc_ptr<char>(p.peer_ws[q] + lines + (fc_u64)rank * stride + 2u * at);
-                fc_st_volatile_v2u64(line, u0, u1);
-                fc_st_volatile_v2u64(line + 16u, u2, u3);
+                fc_st_volatile_v2u64(fc_ptr<char>(p.peer_ws[q] + lines + (fc_u64)rank * stride + at), lo, hi);
             }
         }
     }
@@ -810,7 +809,7 @@ FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
             const fc_u32 i = tid + (fc_u32)m * nt;
             if (i >= packs || failed) continue;
             const fc_u64 at = rb + (fc_u64)i * 16u;
-            const char* mine = own + lines + 2u * at; // source 0's lines of this pack
+            const char* mine = own + lines + at; // source 0's copy of this pack
             // Sources one at a time, added in rank order as they come: no
             // array of every source's pack (with one, the registers the
             // row's packs need spilled).
@@ -819,7 +818,7 @@ FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
                 fc_vec16 v;
                 if (s == rank) {
                     v = fc_load16(staging + at);
-                } else if (!fu_ll_pack(p, mine + (fc_u64)s * stride, flag, epoch, s, v)) {
+                } else if (!fu_lamport_pack(p, mine + (fc_u64)s * stride, epoch, s, v)) {
                     failed = true;
                     break;
                 }
@@ -842,12 +841,8 @@ FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
             res[m] = fu_pack<T>(r);
             fc_store16(w.resid_out + at, res[m]);
             if (PAT != FU_PAT_RES) fu_row[i] = res[m];
-            for (fc_u32 s = 0; s < world; ++s) {
-                if (s == rank) continue;
-                char* line = own + lines + (fc_u64)s * stride + 2u * at;
-                fc_st_volatile_v2u64(line, 0ull, 0ull);
-                fc_st_volatile_v2u64(line + 16u, 0ull, 0ull);
-            }
+            for (fc_u32 s = 0; s < world; ++s)
+                if (s != rank) fc_st_volatile_v2u64(own + lines + (fc_u64)s * stride + at, ~0ull, ~0ull);
         }
         if (PAT == FU_PAT_RES) continue;
         if (fc_barrier_or(failed)) return;

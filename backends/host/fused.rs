@@ -171,7 +171,10 @@ unsafe fn oneshot<T: Half16>(l: &Launch, pattern: FusionPattern, moe: bool) -> O
 /// the MoE rows) as LL units to every peer, the handshake, every peer's
 /// rows pulled from our lines, then each row's epilogue over the sources in
 /// rank order. One epoch for the whole call (the communicator checked that
-/// the rows fit one source's lines). Returns the epoch.
+/// the rows fit one source's part of the Lamport area, which LL lines of
+/// the same slots also hold). The GPU kernel sends the rows as they are
+/// through the Lamport area; the data flow and every result are the same.
+/// Returns the epoch.
 ///
 /// # Safety: see [`run`].
 unsafe fn oneshot_ll<T: Half16>(l: &Launch, pattern: FusionPattern, moe: bool) -> Option<u32> {

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use super::grid::{GridTable, BLOCK_THREADS};
 use super::kernels::KernelKind;
-use super::layout::{ll_stride, push_oneshot_stride, push_twoshot_stride, DATA_OFFSET, FLAGS_OFFSET, FP_OFFSET};
+use super::layout::{lamport_stride, push_oneshot_stride, push_twoshot_stride, DATA_OFFSET, FLAGS_OFFSET, FP_OFFSET};
 use super::workspace::Workspace;
 use crate::device::{Device, DevicePtr, HostFlags, KernelParams, MAX_RANKS};
 use crate::dtype::DType;
@@ -382,15 +382,15 @@ pub const FUSED_LL_PACKS: usize = 2;
 /// rows take the push kinds).
 pub const FUSED_LL_MAX_HIDDEN: usize = FUSED_LL_PACKS * 8 * BLOCK_THREADS as usize;
 
-/// Rows the LL one-shot carries: every row travels as LL lines (16 bytes a
-/// line for 8 data bytes), and the whole call must fit one source's lines
-/// (`ll_stride`). 0 when a row does not fit, or is wider than
-/// [`FUSED_LL_MAX_HIDDEN`].
+/// Rows the LL one-shot carries: the whole call must fit one source's part
+/// of the Lamport area (`lamport_stride`), where the rows travel as they
+/// are. 0 when a row does not fit, or is wider than [`FUSED_LL_MAX_HIDDEN`].
+/// (The host twin moves them as LL lines, which hold at least as many.)
 pub fn fused_ll_rows(slot_bytes: usize, world: usize, hidden: usize, elem: usize) -> usize {
     if hidden > FUSED_LL_MAX_HIDDEN {
         return 0;
     }
-    ll_stride(slot_bytes, world.max(1)) / (2 * hidden * elem).max(1)
+    lamport_stride(slot_bytes, world.max(1)) / (hidden * elem).max(1)
 }
 
 /// Whole rows of one segment of a two-shot chunk (a chunk is `world`

@@ -13,6 +13,8 @@
 //!                   parity region 1: slots 2, 3  (parity = epoch & 1)
 //! ll_offset(s)      LL fingerprint records  [2 parity][MAX_BLOCKS][MAX_RANKS] x 16 B
 //!                   LL lines, parity 0, then parity 1 (slot_bytes / 2 each)
+//! lamport_offset(s) Lamport area, parity 0, then parity 1 (slot_bytes / 4 each):
+//!                   the fused LL one-shot's rows, filled with 0xff at creation
 //! p2p_offset(s)     send/recv mailboxes [MAX_RANKS sources][2 halves] x p2p_half_bytes(s)
 //! ```
 //!
@@ -103,9 +105,28 @@ pub const fn ll_parity_bytes(slot_bytes: usize) -> usize {
     slot_bytes / 2
 }
 
-/// Offset of the send/receive mailboxes (after the LL area).
-pub const fn p2p_offset(slot_bytes: usize) -> usize {
+/// Offset of the Lamport area (after the LL lines): the fused LL one-shot's
+/// rows travel there as they are, a 16-bit half of 0xffff meaning "not
+/// arrived" (kernels-cuda/common.cuh, `lamport_offset`). It must hold 0xff
+/// in every byte before the first launch ([`super::Workspace::create`]
+/// fills it); every launch leaves it so.
+pub const fn lamport_offset(slot_bytes: usize) -> usize {
     ll_offset(slot_bytes) + LL_FP_BYTES + 2 * ll_parity_bytes(slot_bytes)
+}
+
+/// Bytes of the Lamport area per parity.
+pub const fn lamport_parity_bytes(slot_bytes: usize) -> usize {
+    slot_bytes / 4
+}
+
+/// Per-source stride (bytes) inside one parity of the Lamport area.
+pub const fn lamport_stride(slot_bytes: usize, world: usize) -> usize {
+    (lamport_parity_bytes(slot_bytes) / world) & !63
+}
+
+/// Offset of the send/receive mailboxes (after the Lamport area).
+pub const fn p2p_offset(slot_bytes: usize) -> usize {
+    lamport_offset(slot_bytes) + 2 * lamport_parity_bytes(slot_bytes)
 }
 
 /// Bytes of one half of one source's send/receive mailbox: the mailboxes

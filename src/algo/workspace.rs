@@ -19,10 +19,14 @@ pub struct Workspace<D: Device> {
 }
 
 impl<D: Device> Workspace<D> {
-    /// Allocate, export, swap handles through `store`, and import every peer's.
-    /// Collective: every rank must call it with the same `key_prefix`.
+    /// Allocate, fill the Lamport area (on `stream`, waited for before any
+    /// peer can map the buffer), export, swap handles through `store`, and
+    /// import every peer's. Collective: every rank must call it with the same
+    /// `key_prefix`.
+    #[allow(clippy::too_many_arguments)]
     pub fn create(
         dev: &D,
+        stream: &D::Stream,
         store: &dyn Store,
         key_prefix: &str,
         rank: usize,
@@ -41,6 +45,12 @@ impl<D: Device> Workspace<D> {
             )));
         }
         let own = dev.alloc(layout::workspace_bytes(slot_bytes), MemKind::Shareable)?;
+        // Every other area starts zeroed (alloc's promise); the Lamport area
+        // starts "not arrived" in every half. Peers write into it only after
+        // the exchange below, which comes after this wait.
+        let lamport = layout::lamport_offset(slot_bytes);
+        dev.memset(&own, lamport, 2 * layout::lamport_parity_bytes(slot_bytes), 0xff, stream)?;
+        dev.synchronize(stream)?;
         let PeerMaps { peers, ptrs } = PeerMaps::exchange(dev, store, key_prefix, "ws", &own, rank, world, timeout)?;
         Ok(Workspace {
             peers,

@@ -344,6 +344,7 @@ impl<D: Device> Communicator<D> {
         let ws = match kernels {
             true => Some(Workspace::create(
                 &device,
+                &stream,
                 store.as_ref(),
                 &prefix,
                 rank,
