@@ -167,16 +167,22 @@ impl FusedKind {
 pub const FUSED_TWOSHOT_MIN_BYTES: [usize; 2] = [4 << 20, 2 << 20];
 
 /// Payloads (bytes in all) up to which dispatch takes the LL one-shot, at
-/// world 2 and at larger worlds.
+/// world 2 and at larger worlds: what its Lamport area holds with the
+/// default 32 MiB slots (calls it cannot hold take the push one-shot).
 //
-// World 2, measured on 2x H200 (bf16, graph replay, us, LL / push one-shot;
-// bench/2026-11-24-h200x2/run15-session7/d/fused_w2_h*.log): rms 1 x 4096
-// (8 KiB) 5.46 / 8.27, 32 x 4096 (256 KiB) 8.24 / 9.34, 64 x 4096 (512 KiB)
-// 10.30 / 9.98; hidden 8192: 8 rows (128 KiB) 8.84 / 11.99, 32 rows
-// (512 KiB) 12.86 / 12.50 (res and the quantizing patterns alike). Worlds
-// above 2 were not measured: half, as the LL all-reduce's crossover halves
-// (dispatch.rs).
-pub const FUSED_LL_MAX_BYTES: [usize; 2] = [256 << 10, 128 << 10];
+// Since the rows travel as they are (Lamport area), the LL one-shot is the
+// fastest fused kind wherever it fits. rms, bf16, graph replay, us, LL /
+// push one-shot / two-shot. World 2 on 2x H100
+// (bench/2026-11-27-h100x2/run17-session9/b/fused_w2_h*.log): 64 x 4096
+// (512 KiB) 7.50 / 10.35 / 16.28; 256 x 4096 (2 MiB) 13.78 / 23.84 / 20.65;
+// 512 x 4096 (4 MiB) 24.81 / 35.67 / 32.62; 256 x 8192 (4 MiB) 23.30 /
+// 40.41 / 31.33 (res alike: 19.65 / 28.32 / 24.26 at 512 x 4096). World 4
+// on 4x H100 (run17-session9/c): 128 x 4096 (1 MiB) 16.22 / 22.07 / 25.85;
+// 256 x 4096 (2 MiB) 27.65 / 36.97 / 31.09; 128 x 8192 (2 MiB) 27.18 /
+// 35.89 / 39.63 (res at 2 MiB: 25.27 / 28.87 / 22.65 and 25.33 / 28.73 /
+// 25.05, the only rows where LL is not first). On LL lines (before) the
+// crossover was 256 KiB at world 2.
+pub const FUSED_LL_MAX_BYTES: [usize; 2] = [4 << 20, 2 << 20];
 
 /// The fused kernel dispatch picks for `tokens` rows of `bytes` in all at
 /// `world` ranks: the LL one-shot up to [`FUSED_LL_MAX_BYTES`], the two-shot
@@ -629,16 +635,17 @@ mod tests {
 
     #[test]
     fn dispatch_takes_ll_for_small_and_the_two_shot_for_large_payloads() {
-        assert_eq!(choose_fused(1 << 20, 128, 2), FusedKind::OneShot);
         assert_eq!(choose_fused(8 << 10, 1, 2), FusedKind::OneShotLl);
-        assert_eq!(choose_fused(256 << 10, 32, 2), FusedKind::OneShotLl);
-        assert_eq!(choose_fused(512 << 10, 64, 2), FusedKind::OneShot);
+        assert_eq!(choose_fused(1 << 20, 128, 2), FusedKind::OneShotLl);
+        assert_eq!(choose_fused(4 << 20, 512, 2), FusedKind::OneShotLl);
+        assert_eq!(choose_fused(8 << 20, 1024, 2), FusedKind::TwoShot);
+        assert_eq!(choose_fused(8 << 20, 1, 2), FusedKind::OneShot);
         assert_eq!(choose_fused(8 << 10, 1, 1), FusedKind::OneShot);
         assert_eq!(choose_fused(16 << 20, 2048, 2), FusedKind::TwoShot);
         assert_eq!(choose_fused(16 << 20, 2048, 1), FusedKind::OneShot);
         assert_eq!(choose_fused(16 << 20, 3, 4), FusedKind::OneShot);
-        assert_eq!(choose_fused(1 << 20, 128, 4), FusedKind::OneShot);
-        assert_eq!(choose_fused(2 << 20, 256, 4), FusedKind::TwoShot);
+        assert_eq!(choose_fused(2 << 20, 256, 4), FusedKind::OneShotLl);
+        assert_eq!(choose_fused(4 << 20, 512, 4), FusedKind::TwoShot);
     }
 
     #[test]

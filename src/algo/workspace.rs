@@ -48,8 +48,11 @@ impl<D: Device> Workspace<D> {
         // Every other area starts zeroed (alloc's promise); the Lamport area
         // starts "not arrived" in every half. Peers write into it only after
         // the exchange below, which comes after this wait.
-        let lamport = layout::lamport_offset(slot_bytes);
-        dev.memset(&own, lamport, 2 * layout::lamport_parity_bytes(slot_bytes), 0xff, stream)?;
+        let (at, len) = (
+            layout::lamport_offset(slot_bytes),
+            2 * layout::lamport_parity_bytes(slot_bytes),
+        );
+        dev.memset(&own, at, len, 0xff, stream)?;
         dev.synchronize(stream)?;
         let PeerMaps { peers, ptrs } = PeerMaps::exchange(dev, store, key_prefix, "ws", &own, rank, world, timeout)?;
         Ok(Workspace {
