@@ -8,7 +8,13 @@
 #    byte offsets not a multiple of their element where the host passes such
 #    tensors (exchange and reduce-to);
 #  - device_api_emu.cpp: the device API (kernels-cuda/device_api.cuh) and the
-#    example all-gather (kernels-cuda/examples/user_allgather.cu).
+#    example all-gather (kernels-cuda/examples/user_allgather.cu);
+#  - fused_emu.cpp: the fused all-reduce epilogues (kernels-cuda/fused.cu:
+#    push one-shot, LL one-shot and two-shot, every pattern, f16 and bf16)
+#    at worlds 2 and 3, calls of many chunks back to back on one workspace,
+#    every output compared bit for bit with a reference written from
+#    docs/protocol.md ("Fused epilogues"), with rows built so that a sum of
+#    squares taken in another order changes the normed output.
 # Every access of N bytes (element, 16-byte vector, volatile or atomic word,
 # LL unit) at an address not a multiple of N, where a GPU faults, aborts with
 # a FAIL line naming the access and its call site (and in exchange_emu the
@@ -23,12 +29,12 @@ CXX="${CXX:-g++}"
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 FLAGS=(-std=c++20 -O1 -g -ffp-contract=off -pthread -Wall -Wno-unused-function -Wno-unknown-pragmas)
-for prog in exchange_emu device_api_emu; do
+for prog in exchange_emu device_api_emu fused_emu; do
     "$CXX" "${FLAGS[@]}" -o "$OUT/$prog" "$ROOT/ci/emu/$prog.cpp"
     for seed in 1 2 3; do "$OUT/$prog" "$seed"; done
 done
 if [ "${TSAN:-0}" = 1 ]; then
-    for prog in exchange_emu device_api_emu; do
+    for prog in exchange_emu device_api_emu fused_emu; do
         "$CXX" "${FLAGS[@]}" -Wno-tsan -fsanitize=thread -o "$OUT/$prog-tsan" "$ROOT/ci/emu/$prog.cpp"
         TSAN_OPTIONS=halt_on_error=1 "$OUT/$prog-tsan" 7
     done

@@ -24,6 +24,17 @@
 //!   the example all-gather (`kernels-cuda/examples/user_allgather.cu`):
 //!   repeated all-gathers, puts and gets at every granularity, signals,
 //!   barriers, remote atomics, timeouts.
+//! - `fused_emu.cpp`: the fused all-reduce epilogues (`kernels-cuda/fused.cu`:
+//!   `fused_oneshot`, `fused_oneshot_ll`, `fused_twoshot`; every pattern, f16
+//!   and bf16) at worlds 2 and 3: calls of many chunks (one-shot and
+//!   two-shot, empty segments and short pieces included) back to back on
+//!   one workspace across kinds, blocks of one row (the block walker) and of
+//!   many (the group walker), in place, NaN, infinities, zero rows; every
+//!   rank's residual_out, norm_out, allreduce_out, codes and per-token
+//!   scales compared bit for bit with a reference written from
+//!   docs/protocol.md ("Fused epilogues"), on rows built so that a sum of
+//!   squares in another order changes the normed output; inputs, the bytes
+//!   around every tensor, error words and epoch advances checked.
 //!
 //! The emulated prelude aborts on any access a GPU would fault on (`N`
 //! bytes at an address not a multiple of `N`: element loads and stores,
@@ -38,6 +49,42 @@
 use std::path::Path;
 use std::process::Command;
 
+/// The flags every emulation is compiled with.
+const CXX_FLAGS: [&str; 5] = [
+    "-std=c++20",
+    "-O1",
+    "-ffp-contract=off",
+    "-pthread",
+    "-Wno-unknown-pragmas",
+];
+
+/// Whether `cxx` builds the emulated prelude (C++20: `<barrier>`,
+/// `std::atomic_ref`, `_Float16`): a compiler that cannot is a reason to
+/// skip; once it can, an emulation that does not compile is a failure (a
+/// kernel source that no compiler takes must not pass as skipped).
+fn builds_the_prelude(cxx: &str, root: &Path, stem: &str) -> Result<(), String> {
+    // Named per emulation: the tests run side by side in one process.
+    let dir = std::env::temp_dir();
+    let src = dir.join(format!("ferrocomm-{stem}-probe-{}.cpp", std::process::id()));
+    let out = dir.join(format!("ferrocomm-{stem}-probe-{}", std::process::id()));
+    let text = format!(
+        "#include \"{}\"\nint main() {{ return (int)fc_f16_to_f32(0); }}\n",
+        root.join("ci/emu/emu_prelude.h").display()
+    );
+    std::fs::write(&src, text).map_err(|e| e.to_string())?;
+    let probe = Command::new(cxx).args(CXX_FLAGS).arg("-o").arg(&out).arg(&src).output();
+    let _ = std::fs::remove_file(&src);
+    let _ = std::fs::remove_file(&out);
+    match probe {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => Err(format!(
+            "{cxx} could not compile the emulated prelude (C++20 <barrier> needed):\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        )),
+        Err(e) => Err(format!("no C++ compiler {cxx}: {e}")),
+    }
+}
+
 /// Compiles `ci/emu/<source>` and runs it once per seed; each run must print
 /// "all ok".
 fn run_emulation(source: &str, seeds: &[&str]) {
@@ -45,35 +92,24 @@ fn run_emulation(source: &str, seeds: &[&str]) {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     let require = std::env::var("FERROCOMM_REQUIRE_EMU").as_deref() == Ok("1");
     let stem = source.trim_end_matches(".cpp");
+    if let Err(why) = builds_the_prelude(&cxx, root, stem) {
+        assert!(!require, "FERROCOMM_REQUIRE_EMU=1 but {why}");
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
     let out = std::env::temp_dir().join(format!("ferrocomm-{stem}-{}", std::process::id()));
     let compiled = Command::new(&cxx)
-        .args([
-            "-std=c++20",
-            "-O1",
-            "-ffp-contract=off",
-            "-pthread",
-            "-Wno-unknown-pragmas",
-            "-o",
-        ])
+        .args(CXX_FLAGS)
+        .arg("-o")
         .arg(&out)
         .arg(root.join("ci/emu").join(source))
-        .output();
-    let compiled = match compiled {
-        Ok(o) if o.status.success() => o,
-        Ok(o) if !require => {
-            eprintln!(
-                "SKIPPED: {cxx} could not compile the emulation (C++20 <barrier> needed):\n{}",
-                String::from_utf8_lossy(&o.stderr)
-            );
-            return;
-        }
-        Err(e) if !require => {
-            eprintln!("SKIPPED: no C++ compiler {cxx}: {e}");
-            return;
-        }
-        Ok(o) => panic!("{cxx} failed:\n{}", String::from_utf8_lossy(&o.stderr)),
-        Err(e) => panic!("FERROCOMM_REQUIRE_EMU=1 but {cxx} cannot run: {e}"),
-    };
+        .output()
+        .unwrap_or_else(|e| panic!("{cxx} cannot run: {e}"));
+    assert!(
+        compiled.status.success(),
+        "{cxx} failed on ci/emu/{source}:\n{}",
+        String::from_utf8_lossy(&compiled.stderr)
+    );
     drop(compiled);
     for seed in seeds {
         let run = Command::new(&out).arg(seed).output().expect("running the emulation");
@@ -95,4 +131,9 @@ fn exchange_and_reduce_to_kernels_run_on_the_cpu() {
 #[test]
 fn device_api_and_user_allgather_run_on_the_cpu() {
     run_emulation("device_api_emu.cpp", &["1", "2"]);
+}
+
+#[test]
+fn fused_epilogue_kernels_run_on_the_cpu() {
+    run_emulation("fused_emu.cpp", &["1", "2"]);
 }
