@@ -9,15 +9,18 @@
 //
 // The contract is docs/protocol.md, with the workspace layout of
 // src/algo/layout.rs and the parameter block of src/device/params.rs (FcParams
-// in the prelude). A module's text is prelude + "\n" + this file + "\n" + the
-// module's kernels (src/algo/kernels.rs); the includes below only serve
-// standalone compiles.
+// in the prelude). A module's text is prelude + lamport.cuh + this file + the
+// module's kernels, joined by newlines (src/algo/kernels.rs); the includes
+// below only serve standalone compiles.
 
 #ifndef FC_COMMON_INCLUDED
 #define FC_COMMON_INCLUDED
 
 #ifndef FC_PRELUDE_INCLUDED
 #include "prelude.cuh"
+#endif
+#ifndef FC_LAMPORT_INCLUDED
+#include "lamport.cuh"
 #endif
 
 // Tuning knobs (may be overridden with -D): 16-byte packs in flight per thread
@@ -443,47 +446,13 @@ FC_DEVICE fc_u64 ll_lines_offset(const FcParams& p, fc_u32 parity) {
 
 // The Lamport area (the fused LL one-shot's rows), after the LL lines:
 // [2 parity][world source] x lamport_stride, slot_bytes / 4 a parity. Rows
-// travel as they are, in 16-byte packs, half the LL lines' bytes: a 16-bit
-// half equal to FC_LAMPORT_EMPTY means "not arrived". The area starts
-// empty (the host fills it at workspace creation), a writer never stores
-// EMPTY (that bit pattern is a NaN in f16 and bf16; it sends another NaN,
-// and every result of a NaN is the one canonical NaN), and a reader that
-// took a pack stores EMPTY back, so every launch leaves the area as it found
-// it. Each half is written whole, so a pack with no EMPTY half is this
-// launch's; the reuse of a parity at E + 2 rests on the LL handshake
+// travel as they are, in 16-byte Lamport packs (lamport.cuh), half the LL
+// lines' bytes. The reuse of a parity at E + 2 rests on the LL handshake
 // records, as the LL lines' does.
-#define FC_LAMPORT_EMPTY 0xffffu
 FC_DEVICE fc_u64 lamport_offset(const FcParams& p, fc_u32 parity) {
     return ll_offset(p) + FC_LL_FP_BYTES + p.slot_bytes + (fc_u64)parity * (p.slot_bytes / 4u);
 }
 FC_DEVICE fc_u64 lamport_stride(const FcParams& p) { return ((p.slot_bytes / 4u) / p.world) & ~(fc_u64)63; }
-
-// A pack as it travels: EMPTY halves become 0xfffe (a NaN too).
-FC_DEVICE fc_vec16 lamport_send_pack(fc_vec16 v) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        fc_u32 w = v.w[k];
-        if ((w & 0xffffu) == FC_LAMPORT_EMPTY) w ^= 1u;
-        if ((w >> 16) == FC_LAMPORT_EMPTY) w ^= 1u << 16;
-        v.w[k] = w;
-    }
-    return v;
-}
-
-// One pack; true when none of its halves is EMPTY.
-FC_DEVICE bool lamport_load(const char* at, fc_vec16& v) {
-    fc_u64 a, b;
-    fc_ld_volatile_v2u64(at, a, b);
-    v.w[0] = (fc_u32)a;
-    v.w[1] = (fc_u32)(a >> 32);
-    v.w[2] = (fc_u32)b;
-    v.w[3] = (fc_u32)(b >> 32);
-    bool full = true;
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-        full = full && (v.w[k] & 0xffffu) != FC_LAMPORT_EMPTY && (v.w[k] >> 16) != FC_LAMPORT_EMPTY;
-    return full;
-}
 
 FC_DEVICE fc_u64 ll_unit(fc_u32 word, fc_u32 flag) { return ((fc_u64)flag << 32) | (fc_u64)word; }
 

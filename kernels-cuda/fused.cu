@@ -760,7 +760,7 @@ FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
     const fc_u64 rlo = min_u64((fc_u64)b * per, tokens);
     const fc_u64 rhi = min_u64(rlo + per, tokens);
     const fc_u64 stride = lamport_stride(p);
-    const fc_u64 lines = lamport_offset(p, parity);
+    const fc_u64 area = lamport_offset(p, parity);
     char* staging = own + region_offset(p, parity);
 
     ll_send_record(p, parity, b, flag);
@@ -775,11 +775,10 @@ FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
             }
             fc_store16(staging + at, v);
             const fc_vec16 l = lamport_send_pack(v);
-            const fc_u64 lo = ((fc_u64)l.w[1] << 32) | l.w[0], hi = ((fc_u64)l.w[3] << 32) | l.w[2];
             for (fc_u32 n = 1; n < world; ++n) {
                 fc_u32 q = rank + n;
                 if (q >= world) q -= world;
-                fc_st_volatile_v2u64(fc_ptr<char>(p.peer_ws[q] + lines + (fc_u64)rank * stride + at), lo, hi);
+                lamport_store(fc_ptr<char>(p.peer_ws[q] + area + (fc_u64)rank * stride + at), l);
             }
         }
     }
@@ -809,7 +808,7 @@ FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
             const fc_u32 i = tid + (fc_u32)m * nt;
             if (i >= packs || failed) continue;
             const fc_u64 at = rb + (fc_u64)i * 16u;
-            const char* mine = own + lines + at; // source 0's copy of this pack
+            const char* mine = own + area + at; // source 0's copy of this pack
             // Sources one at a time, added in rank order as they come: no
             // array of every source's pack (with one, the registers the
             // row's packs need spilled).
@@ -842,7 +841,7 @@ FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
             fc_store16(w.resid_out + at, res[m]);
             if (PAT != FU_PAT_RES) fu_row[i] = res[m];
             for (fc_u32 s = 0; s < world; ++s)
-                if (s != rank) fc_st_volatile_v2u64(own + lines + (fc_u64)s * stride + at, ~0ull, ~0ull);
+                if (s != rank) lamport_clear(own + area + (fc_u64)s * stride + at);
         }
         if (PAT == FU_PAT_RES) continue;
         if (fc_barrier_or(failed)) return;

@@ -2,7 +2,7 @@
 // algorithm body shared with CUDA, unchanged (see README.md in this directory).
 //
 // The module hipRTC compiles at run time is the same text, assembled in
-// src/algo/kernels.rs (FUSED: prelude.hip.h + "\n" + kernels-cuda/common.cuh + "\n" +
+// src/algo/kernels.rs (FUSED: prelude.hip.h + kernels-cuda/lamport.cuh + kernels-cuda/common.cuh +
 // kernels-cuda/fused.cu); this file only serves standalone compiles:
 //
 //   clang++-19 -x hip --cuda-device-only --no-gpu-bundle-output -nogpuinc -nogpulib \

@@ -42,7 +42,8 @@ use kernel_compile::{
 const PRELUDE: &str = include_str!("../kernels-hip/prelude.hip.h");
 const SHARED_BODY: &str = include_str!("../kernels-cuda/collectives.cu");
 /// Every vendor-neutral file the modules are assembled from.
-const SHARED_FILES: [(&str, &str); 9] = [
+const SHARED_FILES: [(&str, &str); 10] = [
+    ("kernels-cuda/lamport.cuh", include_str!("../kernels-cuda/lamport.cuh")),
     ("kernels-cuda/common.cuh", include_str!("../kernels-cuda/common.cuh")),
     ("kernels-cuda/collectives.cu", SHARED_BODY),
     (
@@ -54,7 +55,7 @@ const SHARED_FILES: [(&str, &str); 9] = [
     ("kernels-cuda/examples/user_allgather.cu", USER_ALLGATHER),
     ("kernels-cuda/examples/put_bench.cu", PUT_BENCH),
     ("kernels-cuda/windows.cu", WINDOWS),
-    ("kernels-cuda/ep.cu", EP_KERNELS),
+    ("kernels-cuda/ep.cu (with lamport.cuh)", EP_KERNELS),
 ];
 
 /// Threads per block the backend compiles for (`ferrocomm::algo::BLOCK_THREADS`).

@@ -7,7 +7,7 @@ use crate::device::ModuleSource;
 use crate::dtype::{DType, ReduceOp};
 
 /// A module's text: the vendor prelude (primitives), the shared device code
-/// (`common.cuh`), then the module's templates, so every body is written once
+/// (`lamport.cuh`, `common.cuh`), then the module's templates, so every body is written once
 /// and compiles for both vendors. The entry points are not in the text: Rust
 /// generates them ([`ModuleSource::text`]), so one compile can hold any subset
 /// of a module's kernels (one kernel, compiled on first use, is what makes a
@@ -16,6 +16,8 @@ macro_rules! module_text {
     ($prelude:literal, $body:literal) => {
         concat!(
             include_str!($prelude),
+            "\n",
+            include_str!("../../kernels-cuda/lamport.cuh"),
             "\n",
             include_str!("../../kernels-cuda/common.cuh"),
             "\n",

@@ -10,8 +10,13 @@ pub const USER_ALLGATHER: &str = include_str!("../../kernels-cuda/examples/user_
 pub const PUT_BENCH: &str = include_str!("../../kernels-cuda/examples/put_bench.cu");
 pub const UNFUSED_BENCH: &str = include_str!("../../kernels-cuda/examples/unfused_bench.cu");
 pub const WINDOWS: &str = include_str!("../../kernels-cuda/windows.cu");
-/// The EP module's kernels (src/ep), compiled as the module is: prelude + API + ep.cu.
-pub const EP_KERNELS: &str = include_str!("../../kernels-cuda/ep.cu");
+/// The EP module's kernels (src/ep), compiled as the module is: prelude + API
+/// + lamport.cuh + ep.cu.
+pub const EP_KERNELS: &str = concat!(
+    include_str!("../../kernels-cuda/lamport.cuh"),
+    "\n",
+    include_str!("../../kernels-cuda/ep.cu")
+);
 
 /// A kernel that calls every function of the device API once, so every
 /// template is instantiated (and on CUDA every inline PTX path reaches ptxas).
