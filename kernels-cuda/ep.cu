@@ -14,6 +14,9 @@
 #ifndef FC_DEVICE_API_INCLUDED
 #include "device_api.cuh"
 #endif
+#ifndef FC_LAMPORT_INCLUDED
+#include "lamport.cuh"
+#endif
 
 #define FC_EP_PAYLOAD_BF16 0u
 #define FC_EP_PAYLOAD_FP8 1u
@@ -37,7 +40,7 @@ struct FcEpArgs {
     fc_u64 recv_weights; // f32 [world][max][topk]: 0 where the id is -1
     fc_u64 recv_src;     // i32 [world][max]: the token's index at its source
     fc_u64 recv_counts;  // i32 [FC_MAX_RANKS]: rows received from each source
-    fc_u64 inbox;        // bf16 [world expert rank][max][hidden]: combine rows sent back here
+    fc_u64 inbox;        // bf16 [world expert rank][max][hidden]: combine rows sent back here (Lamport packs)
     fc_u64 flags;        // u64 flag words, above
     fc_u64 slots;        // i32 [max][FC_MAX_RANKS] (local): token t's row at rank r, -1: not sent
     fc_u64 send_counts;  // i32 [FC_MAX_RANKS] (local): tokens this rank sends to each rank
@@ -54,19 +57,6 @@ static_assert(sizeof(FcEpArgs) == 256, "FcEpArgs must match EpArgs in src/ep/mod
 
 namespace fc_ep {
 
-// Ranks token t goes to: one bit per rank owning at least one of its experts.
-// Ids below 0 mean "no expert"; ids at or past num_experts are ignored.
-FC_DEVICE fc_u32 dest_mask(const FcEpArgs& a, fc_u32 t) {
-    const fc_i32* idx = fc_ptr<fc_i32>(a.topk_idx) + (fc_u64)t * a.topk;
-    const fc_u32 per_rank = a.num_experts / a.ctx.world;
-    fc_u32 mask = 0;
-    for (fc_u32 k = 0; k < a.topk; ++k) {
-        const fc_i32 e = fc_load(idx + k);
-        if (e >= 0 && (fc_u32)e < a.num_experts) mask |= 1u << ((fc_u32)e / per_rank);
-    }
-    return mask;
-}
-
 // Warp geometry over the grid: every warp takes whole tokens (rows).
 struct Warps {
     fc_u32 lane, id, count;
@@ -82,6 +72,17 @@ FC_DEVICE Warps grid_warps() {
 }
 
 FC_DEVICE fc_u64* flag_words(const FcEpArgs& a) { return fc_ptr<fc_u64>(a.flags); }
+
+// A block is done putting: every thread of it made its puts before a block
+// barrier; thread r < world then adds v to rank r's flag word `word` + this
+// rank (the release covers the block's puts). A kernel's last block
+// signalling for all (a local count, then one signal a rank) was tried: its
+// extra fences and count made a 1-token dispatch + combine 9.6 us slower on
+// 2x H100 (session 10).
+FC_DEVICE void block_signal(const FcEpArgs& a, fc_u32 word, fc_u64 v) {
+    const fc_u32 t = fc_thread_id();
+    if (t < a.ctx.world) fc_signal_add(a.ctx, t, flag_words(a) + word + a.ctx.rank, v);
+}
 
 // Rows move in pieces of one copy round of a warp (FC_DEVAPI_UNROLL 16-byte
 // units a lane, 2 KiB on 32 lanes), a (row, piece) pair per warp, so that a
@@ -110,62 +111,219 @@ FC_DEVICE bool wait_ge(const FcDevCtx& ctx, const fc_u64* sig, fc_u64 v, fc_u32 
     return fc_wait_until(ctx, sig, FC_CMP_GE, v, peer);
 }
 
+// Token t's row at every rank (slots[t], FC_MAX_RANKS i32: 32 bytes, aligned
+// in the region), in two loads issued together.
+struct Slots {
+    fc_vec16 lo, hi;
+};
+FC_DEVICE Slots load_slots(const FcEpArgs& a, fc_u32 t) {
+    const char* at = fc_ptr<const char>(a.slots) + (fc_u64)t * FC_MAX_RANKS * 4u;
+    Slots s;
+    s.lo = fc_load16(at);
+    s.hi = fc_load16(at + 16);
+    return s;
+}
+// Rank r's entry, by selects (no indexing into the vectors, which would put
+// them in local memory when r is not a constant).
+FC_DEVICE fc_u32 word_at(const fc_vec16& v, fc_u32 k) {
+    return k == 0 ? v.w[0] : k == 1 ? v.w[1] : k == 2 ? v.w[2] : v.w[3];
+}
+FC_DEVICE fc_i32 slot_at(const Slots& s, fc_u32 r) {
+    return (fc_i32)(r < 4u ? word_at(s.lo, r & 3u) : word_at(s.hi, r & 3u));
+}
+
 } // namespace fc_ep
 
 // Layout: one block. Bumps this rank's epoch and gives every token its row at
 // each destination, in token order: slot[t][r] = number of earlier tokens that
-// go to r (a block-wide inclusive scan per chunk of block-size tokens, four
-// ranks' 16-bit counts packed per u64, so two scans cover eight ranks).
+// go to r. Per chunk of RUN * block-size tokens:
+// 1. each thread finds the ranks of RUN tokens strided by the block size
+//    (neighbouring threads load neighbouring ids), every id loaded before
+//    one is used, into a byte per token in shared memory;
+// 2. each thread takes RUN tokens in a row: their bytes in one 8-byte
+//    shared load, and their counts per rank;
+// 3. one block-wide inclusive scan over the threads' counts (four ranks'
+//    16-bit counts packed per u64, two words for eight ranks);
+// 4. each thread writes its tokens' slots.
+// One thread per token with a scan per 512 tokens took 41 us at 4096 tokens
+// on H200; a thread walking its 8 tokens' ids one by one, 10.6 us at 8
+// tokens on H100 (a chain of shared-memory read-modify-writes).
+#define FC_EP_LAYOUT_RUN 8u // tokens per thread: a run's bytes are one u64
+
+namespace fc_ep {
+
+// The destination bit of one top-k id: rank e / per_rank; none for ids below
+// 0 or at or past num_experts.
+FC_DEVICE fc_u32 dest_bit(fc_i32 e, fc_u32 num_experts, fc_u32 per_rank) {
+    return e >= 0 && (fc_u32)e < num_experts ? 1u << ((fc_u32)e / per_rank) : 0u;
+}
+
+// Step 1 for tokens chunk + i * nt + t (i < RUN): byte i * nt + t of masks.
+FC_DEVICE void chunk_masks(const FcEpArgs& a, fc_u32 chunk, fc_u8* masks) {
+    const fc_u32 t = fc_thread_id(), nt = fc_block_threads();
+    const fc_u32 per_rank = a.num_experts / a.ctx.world;
+    const fc_i32* idx = fc_ptr<const fc_i32>(a.topk_idx);
+    // Top-4 and top-8 rows of ids are one or two 16-byte vectors.
+    if ((a.topk == 4u || a.topk == 8u) && (a.topk_idx & 15u) == 0) {
+        fc_vec16 v[FC_EP_LAYOUT_RUN][2];
+#pragma unroll
+        for (fc_u32 i = 0; i < FC_EP_LAYOUT_RUN; ++i) {
+            const fc_u32 tok = chunk + i * nt + t;
+            if (tok >= a.num_tokens) continue;
+            v[i][0] = fc_load16(idx + (fc_u64)tok * a.topk);
+            if (a.topk == 8u) v[i][1] = fc_load16(idx + (fc_u64)tok * a.topk + 4u);
+        }
+#pragma unroll
+        for (fc_u32 i = 0; i < FC_EP_LAYOUT_RUN; ++i) {
+            const fc_u32 tok = chunk + i * nt + t;
+            fc_u32 m = 0;
+            if (tok < a.num_tokens) {
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    m |= dest_bit((fc_i32)v[i][0].w[k], a.num_experts, per_rank);
+                    if (a.topk == 8u) m |= dest_bit((fc_i32)v[i][1].w[k], a.num_experts, per_rank);
+                }
+            }
+            masks[i * nt + t] = (fc_u8)m;
+        }
+    } else {
+        for (fc_u32 i = 0; i < FC_EP_LAYOUT_RUN; ++i) {
+            const fc_u32 tok = chunk + i * nt + t;
+            fc_u32 m = 0;
+            for (fc_u32 k = 0; tok < a.num_tokens && k < a.topk; ++k)
+                m |= dest_bit(fc_load(idx + (fc_u64)tok * a.topk + k), a.num_experts, per_rank);
+            masks[i * nt + t] = (fc_u8)m;
+        }
+    }
+}
+
+// Tokens of a run (a byte each) that go to rank r.
+FC_DEVICE fc_u32 run_count(fc_u64 run, fc_u32 r) {
+    return (fc_u32)((((run >> r) & 0x0101010101010101ull) * 0x0101010101010101ull) >> 56);
+}
+
+// Packed counts: rank r's 16 bits at 16 * (r % 4) of lo for r < 4, of hi above.
+FC_DEVICE void count_bits(fc_u32 mask, fc_u64& lo, fc_u64& hi) {
+#pragma unroll
+    for (fc_u32 r = 0; r < 4u; ++r) {
+        lo += (fc_u64)((mask >> r) & 1u) << (16u * r);
+        hi += (fc_u64)((mask >> (r + 4u)) & 1u) << (16u * r);
+    }
+}
+FC_DEVICE fc_u32 count_of(fc_u64 lo, fc_u64 hi, fc_u32 r) {
+    return (fc_u32)((r < 4u ? lo : hi) >> (16u * (r & 3u))) & 0xFFFFu;
+}
+
+} // namespace fc_ep
+
+namespace fc_ep {
+
+// The layout's shared memory.
+struct LayoutShared {
+    fc_u64 scan[2][FC_MAX_BLOCK_THREADS]; // steps 2-3: per thread, inclusive packed counts
+    fc_u64 runs[FC_MAX_BLOCK_THREADS];    // step 1: a byte per token of the chunk
+};
+
+// Steps 1-3 for the chunk at `chunk`. Returns the threads that hold its
+// tokens; `run` gets this thread's bytes, `lo`/`hi` its inclusive counts,
+// `own_lo`/`own_hi` its own. Every thread of the block calls it.
+FC_DEVICE fc_u32 layout_scan(const FcEpArgs& a, fc_u32 chunk, LayoutShared& sh, fc_u64& run, fc_u64& lo, fc_u64& hi,
+                             fc_u64& own_lo, fc_u64& own_hi) {
+    const fc_u32 t = fc_thread_id(), nt = fc_block_threads();
+    chunk_masks(a, chunk, reinterpret_cast<fc_u8*>(sh.runs));
+    fc_barrier();
+    const fc_u32 left = a.num_tokens - chunk;
+    const fc_u32 active = left >= FC_EP_LAYOUT_RUN * nt ? nt : (left + FC_EP_LAYOUT_RUN - 1u) / FC_EP_LAYOUT_RUN;
+    run = t < active ? sh.runs[t] : 0u;
+    lo = 0;
+    hi = 0;
+#pragma unroll
+    for (fc_u32 r = 0; r < 4u; ++r) {
+        lo |= (fc_u64)run_count(run, r) << (16u * r);
+        hi |= (fc_u64)run_count(run, r + 4u) << (16u * r);
+    }
+    own_lo = lo;
+    own_hi = hi;
+    sh.scan[0][t] = lo;
+    sh.scan[1][t] = hi;
+    fc_barrier();
+    for (fc_u32 off = 1; off < active; off <<= 1) {
+        fc_u64 plo = 0, phi = 0;
+        if (t >= off) {
+            plo = sh.scan[0][t - off];
+            phi = sh.scan[1][t - off];
+        }
+        fc_barrier();
+        lo += plo;
+        hi += phi;
+        sh.scan[0][t] = lo;
+        sh.scan[1][t] = hi;
+        fc_barrier();
+    }
+    return active;
+}
+
+// Token tok's slots from a scanned single chunk (the dispatch's own layout):
+// the counts of the threads before its own, plus its run's earlier tokens.
+FC_DEVICE Slots chunk_slots(const LayoutShared& sh, fc_u32 tok, fc_u32 world) {
+    const fc_u32 th = tok / FC_EP_LAYOUT_RUN, j = tok % FC_EP_LAYOUT_RUN;
+    const fc_u64 run = sh.runs[th];
+    const fc_u32 mask = (fc_u32)(run >> (8u * j)) & 0xFFu;
+    const fc_u64 before = j == 0 ? 0u : run & ((1ull << (8u * j)) - 1u);
+    const fc_u64 lo = th == 0 ? 0u : sh.scan[0][th - 1u], hi = th == 0 ? 0u : sh.scan[1][th - 1u];
+    Slots s;
+#pragma unroll
+    for (fc_u32 r = 0; r < FC_MAX_RANKS; ++r) {
+        const bool sent = r < world && ((mask >> r) & 1u);
+        const fc_u32 slot = sent ? count_of(lo, hi, r) + run_count(before, r) : 0xFFFFFFFFu; // -1: not sent
+        (r < 4u ? s.lo : s.hi).w[r % 4u] = slot;
+    }
+    return s;
+}
+
+FC_DEVICE void store_slots(const FcEpArgs& a, fc_u32 tok, const Slots& s) {
+    char* at = fc_ptr<char>(a.slots) + (fc_u64)tok * FC_MAX_RANKS * 4u;
+    fc_store16(at, s.lo);
+    fc_store16(at + 16, s.hi);
+}
+
+} // namespace fc_ep
+
 FC_HEAP_KERNEL(fc_ep_layout, FcEpArgs) {
-    __shared__ fc_u64 scan[2][FC_MAX_BLOCK_THREADS];
+    __shared__ fc_ep::LayoutShared sh;
     __shared__ fc_u32 base[FC_MAX_RANKS];
     const fc_u32 t = fc_thread_id(), nt = fc_block_threads();
     const fc_u32 world = a.ctx.world;
-    fc_i32* slots = fc_ptr<fc_i32>(a.slots);
     if (t < FC_MAX_RANKS) base[t] = 0;
     if (t == 0) {
         fc_u64* epoch = fc_ep::flag_words(a) + FC_EP_FLAG_EPOCH;
         fc_st_volatile_u64(epoch, fc_ld_volatile_u64(epoch) + 1u);
     }
-    fc_barrier();
-    for (fc_u32 chunk = 0; chunk < a.num_tokens; chunk += nt) {
-        const fc_u32 tok = chunk + t;
-        const fc_u32 mask = tok < a.num_tokens ? fc_ep::dest_mask(a, tok) : 0u;
-        fc_u64 lo = 0, hi = 0;
-        for (fc_u32 r = 0; r < 4u; ++r) {
-            lo |= (fc_u64)((mask >> r) & 1u) << (16u * r);
-            hi |= (fc_u64)((mask >> (r + 4u)) & 1u) << (16u * r);
-        }
-        scan[0][t] = lo;
-        scan[1][t] = hi;
-        fc_barrier();
-        for (fc_u32 off = 1; off < nt; off <<= 1) {
-            fc_u64 plo = 0, phi = 0;
-            if (t >= off) {
-                plo = scan[0][t - off];
-                phi = scan[1][t - off];
-            }
-            fc_barrier();
-            lo += plo;
-            hi += phi;
-            scan[0][t] = lo;
-            scan[1][t] = hi;
-            fc_barrier();
-        }
-        if (tok < a.num_tokens) {
+    for (fc_u32 chunk = 0; chunk < a.num_tokens; chunk += FC_EP_LAYOUT_RUN * nt) {
+        fc_u64 run, lo, hi, own_lo, own_hi;
+        const fc_u32 active = fc_ep::layout_scan(a, chunk, sh, run, lo, hi, own_lo, own_hi);
+        // Step 4. Exclusive: the tokens of earlier threads and chunks; then
+        // this thread's own, in order.
+        fc_u32 at_rank[FC_MAX_RANKS];
+#pragma unroll
+        for (fc_u32 r = 0; r < FC_MAX_RANKS; ++r) at_rank[r] = base[r] + fc_ep::count_of(lo - own_lo, hi - own_hi, r);
+        const fc_u32 tok0 = chunk + t * FC_EP_LAYOUT_RUN;
+#pragma unroll
+        for (fc_u32 j = 0; j < FC_EP_LAYOUT_RUN; ++j) {
+            if (t >= active || tok0 + j >= a.num_tokens) continue;
+            const fc_u32 mask = (fc_u32)(run >> (8u * j)) & 0xFFu;
+            fc_ep::Slots out;
+#pragma unroll
             for (fc_u32 r = 0; r < FC_MAX_RANKS; ++r) {
-                const fc_u64 word = r < 4u ? lo : hi;
-                const fc_u32 inclusive = (fc_u32)(word >> (16u * (r & 3u))) & 0xFFFFu;
                 const bool sent = r < world && ((mask >> r) & 1u);
-                fc_store(slots + (fc_u64)tok * FC_MAX_RANKS + r, sent ? (fc_i32)(base[r] + inclusive - 1u) : -1);
+                (r < 4u ? out.lo : out.hi).w[r % 4u] = sent ? at_rank[r] : 0xFFFFFFFFu; // -1: not sent
+                at_rank[r] += sent ? 1u : 0u;
             }
+            fc_ep::store_slots(a, tok0 + j, out);
         }
-        // Everyone has read base[] for this chunk before it moves on.
+        // Everyone has read base[] and the shared chunk before they change.
         fc_barrier();
-        if (t < FC_MAX_RANKS) {
-            const fc_u64 word = t < 4u ? scan[0][nt - 1u] : scan[1][nt - 1u];
-            base[t] += (fc_u32)(word >> (16u * (t & 3u))) & 0xFFFFu;
-        }
+        if (t < FC_MAX_RANKS) base[t] += fc_ep::count_of(sh.scan[0][active - 1u], sh.scan[1][active - 1u], t);
         fc_barrier();
     }
     if (t < FC_MAX_RANKS) fc_store(fc_ptr<fc_i32>(a.send_counts) + t, t < world ? (fc_i32)base[t] : 0);
@@ -174,33 +332,79 @@ FC_HEAP_KERNEL(fc_ep_layout, FcEpArgs) {
 // Dispatch: a warp per piece of a token's row puts it into every destination
 // rank's region of this source, at the token's slot; the warp of piece 0 also
 // puts the fp8 scales, the top-k ids and weights as the destination sees
-// them, and the token's index. Block 0 also
-// writes the row counts. Each block then adds 1 to every rank's flag for this
-// source (after a block barrier: the release covers the block's puts), and
-// block 0 waits until every source's flag reaches epoch * grid, so the stream's
-// next work sees every row.
-FC_HEAP_KERNEL(fc_ep_dispatch, FcEpArgs) {
+// them, and the token's index. Block 0 also writes the row counts. Each block
+// then adds 1 to every rank's flag for this source (after a block barrier:
+// the release covers the block's puts), and block 0 waits until every
+// source's flag reaches epoch * grid, so the stream's next work sees every
+// row.
+//
+// When the rows allow 16-byte units (the usual case), a warp loads its piece
+// and the token's slots once, together, and stores the piece to every
+// destination from registers; otherwise fc_put_warp copies it per
+// destination.
+namespace fc_ep {
+
+template <bool LAYOUT>
+FC_DEVICE void dispatch(const FcEpArgs& a) {
+    __shared__ LayoutShared sh;
     const FcDevCtx& ctx = a.ctx;
     const fc_u32 me = ctx.rank, world = ctx.world;
     const fc_u32 per_rank = a.num_experts / world;
-    fc_u64* flags = fc_ep::flag_words(a);
-    const fc_u64 epoch = fc_ld_volatile_u64(flags + FC_EP_FLAG_EPOCH);
-    const fc_ep::Warps w = fc_ep::grid_warps();
-    const fc_i32* slots = fc_ptr<fc_i32>(a.slots);
+    fc_u64* flags = flag_words(a);
+    fc_u64 epoch = fc_ld_volatile_u64(flags + FC_EP_FLAG_EPOCH);
+    const fc_u32 t = fc_thread_id();
+    if (LAYOUT) {
+        // This kernel's own layout (one chunk): every block scans every
+        // token; block 0 bumps the epoch (after all its threads read it:
+        // the scan's barriers) and stores the counts; the warp of a token's
+        // piece 0 stores its slots, for the combine.
+        fc_u64 run, lo, hi, own_lo, own_hi;
+        const fc_u32 active = layout_scan(a, 0u, sh, run, lo, hi, own_lo, own_hi);
+        epoch += 1u;
+        if (fc_block_id() == 0 && t == 0) fc_st_volatile_u64(flags + FC_EP_FLAG_EPOCH, epoch);
+        if (fc_block_id() == 0 && t < FC_MAX_RANKS) {
+            const fc_u32 n = active == 0 ? 0u : count_of(sh.scan[0][active - 1u], sh.scan[1][active - 1u], t);
+            fc_store(fc_ptr<fc_i32>(a.send_counts) + t, t < world ? (fc_i32)n : 0); // read back by this thread
+        }
+    }
+    const Warps w = grid_warps();
     const fc_i32* idx = fc_ptr<fc_i32>(a.topk_idx);
     const fc_u32* weights = fc_ptr<fc_u32>(a.topk_weights); // f32 bits, passed through
     const fc_u64 scale_bytes = (fc_u64)a.scale_cols * 4u;
-    const fc_u64 pieces = fc_ep::pieces_of(a.row_bytes);
+    const fc_u64 pieces = pieces_of(a.row_bytes);
     const fc_u64 units = (fc_u64)a.num_tokens * pieces;
+    const bool vec = ((a.x | a.row_bytes) & 15u) == 0;
     for (fc_u64 u = w.id; u < units; u += w.count) {
         const fc_u32 tok = (fc_u32)(u / pieces);
         const fc_u64 piece = u % pieces;
-        for (fc_u32 r = 0; r < world; ++r) {
-            const fc_i32 slot = fc_load(slots + (fc_u64)tok * FC_MAX_RANKS + r);
+        const Slots sl = LAYOUT ? chunk_slots(sh, tok, world) : load_slots(a, tok);
+        if (LAYOUT && piece == 0 && w.lane == 0) store_slots(a, tok, sl);
+        const fc_u64 at = piece * piece_bytes();
+        const char* src = fc_ptr<const char>(a.x) + (fc_u64)tok * a.row_bytes;
+        fc_vec16 v[FC_DEVAPI_UNROLL];
+        const fc_u64 vecs = vec ? ((a.row_bytes - at < piece_bytes() ? a.row_bytes - at : piece_bytes()) / 16u) : 0u;
+#pragma unroll
+        for (int k = 0; k < FC_DEVAPI_UNROLL; ++k) {
+            const fc_u64 i = (fc_u64)k * fc_warp_size() + w.lane;
+            if (i < vecs) v[k] = fc_load16(src + at + i * 16u);
+        }
+#pragma unroll
+        for (fc_u32 r = 0; r < FC_MAX_RANKS; ++r) {
+            if (r >= world) continue;
+            const fc_i32 slot = slot_at(sl, r);
             if (slot < 0) continue;
             const fc_u64 row = (fc_u64)me * a.max_tokens + (fc_u32)slot;
-            fc_ep::put_piece(ctx, r, fc_ptr<char>(a.recv_x) + row * a.row_bytes,
-                             fc_ptr<const char>(a.x) + (fc_u64)tok * a.row_bytes, a.row_bytes, piece);
+            char* dst = fc_ptr<char>(a.recv_x) + row * a.row_bytes;
+            if (vec) {
+                char* far = fc_remote_ptr(ctx, r, dst);
+#pragma unroll
+                for (int k = 0; k < FC_DEVAPI_UNROLL; ++k) {
+                    const fc_u64 i = (fc_u64)k * fc_warp_size() + w.lane;
+                    if (i < vecs) fc_store16(far + at + i * 16u, v[k]);
+                }
+            } else {
+                put_piece(ctx, r, dst, src, a.row_bytes, piece);
+            }
             if (piece != 0) continue;
             if (a.payload == FC_EP_PAYLOAD_FP8)
                 fc_put_warp(ctx, r, fc_ptr<char>(a.recv_scales) + row * scale_bytes,
@@ -217,26 +421,273 @@ FC_HEAP_KERNEL(fc_ep_dispatch, FcEpArgs) {
             if (w.lane == 0) fc_store(fc_remote_ptr(ctx, r, fc_ptr<fc_i32>(a.recv_src) + row), (fc_i32)tok);
         }
     }
-    const fc_u32 t = fc_thread_id();
     if (fc_block_id() == 0 && t < world)
         fc_store(fc_remote_ptr(ctx, t, fc_ptr<fc_i32>(a.recv_counts) + me), fc_load(fc_ptr<fc_i32>(a.send_counts) + t));
     fc_barrier();
-    if (t < world) fc_signal_add(ctx, t, flags + FC_EP_FLAG_DISPATCH + me, 1u);
+    block_signal(a, FC_EP_FLAG_DISPATCH, 1u);
     if (fc_block_id() == 0 && t < world)
-        fc_ep::wait_ge(ctx, flags + FC_EP_FLAG_DISPATCH + t, epoch * fc_grid_blocks(), t);
+        wait_ge(ctx, flags + FC_EP_FLAG_DISPATCH + t, epoch * fc_grid_blocks(), t);
 }
 
-// Combine, first kernel: a warp per piece of a received row sends the expert
-// output back to the row's source, into the source's inbox for this rank at
-// the token's own index; each block adds 1 to every rank's combine flag for this
-// rank (after a block barrier: the release covers the block's puts), and block
-// 0 waits until every rank's flag reaches epoch * grid. Only block 0 waits, so
-// no kernel here needs its blocks resident together.
+} // namespace fc_ep
+
+FC_HEAP_KERNEL(fc_ep_dispatch, FcEpArgs) { fc_ep::dispatch<false>(a); }
+// The dispatch with its own layout, for up to FC_EP_LAYOUT_RUN tokens a
+// thread (one chunk): no layout kernel before it (3.7 to 4.4 us up to 128
+// tokens on 2x H100, session 10).
+FC_HEAP_KERNEL(fc_ep_dispatch_layout, FcEpArgs) { fc_ep::dispatch<true>(a); }
+
+// Combine. Each expert rank sends every received row back to its source,
+// into the source's inbox for that rank at the token's own index; the source
+// sums each token's rows over the ranks it went to, in rank order, in f32
+// (the first term as it is), rounded to bf16 once; 0 for a token that went
+// nowhere. The inbox holds Lamport packs (lamport.cuh): it is all 0xff
+// between calls.
+//
+// fc_ep_combine_ll, when rows and tensors allow 16-byte packs (the usual
+// case), is the whole combine in one kernel: rows travel as Lamport packs, so
+// a block reduces as soon as the packs it reads have arrived, with no flag
+// round trip and no second launch between the puts and the sum; a token's row
+// at this rank is read from expert_out where it lies, never copied. Its
+// blocks wait for each other's rows, so they must be resident together: the
+// host caps the grid at the multiprocessors, and a block puts all its rows
+// before it waits for any. Otherwise fc_ep_combine puts plain rows (this
+// rank's own too), block 0 waits for every rank's flag, and
+// fc_ep_combine_reduce, next on the stream, sums them and gives the packs
+// back to the inbox.
+//
+// Both end as the dispatch does: the putters add to every rank's combine flag
+// for this rank after their puts (each putting warp 1, after a warp
+// barrier; each block of the plain kernel as many, after a block barrier),
+// and block 0 waits until every rank's flag reaches epoch * grid * putting
+// warps a block, so when a
+// combine ends every rank has put all its rows, and read its dispatch regions
+// for the last time before the next dispatch writes them.
+
+namespace fc_ep {
+
+// The combine's warps in two roles, so that the sums run while the puts do:
+// the first half of each block's warps put rows, the second half sum (a
+// block of one warp does both, in turn). Ids and counts span the grid.
+struct Roles {
+    bool put, sum;
+    fc_u32 lane, put_id, put_count, sum_id, sum_count;
+};
+// Putting warps per block: each adds 1 to every rank's combine flag, so a
+// combine adds grid * this to each.
+FC_DEVICE fc_u32 put_warps_per_block() {
+    const fc_u32 ws = fc_warp_size();
+    const fc_u32 per_block = (fc_block_threads() + ws - 1u) / ws;
+    return per_block >= 2u ? per_block / 2u : per_block;
+}
+FC_DEVICE Roles combine_roles() {
+    const fc_u32 ws = fc_warp_size();
+    const fc_u32 per_block = (fc_block_threads() + ws - 1u) / ws;
+    const fc_u32 np = put_warps_per_block();
+    const fc_u32 ns = per_block >= 2u ? per_block - np : per_block;
+    const fc_u32 wib = fc_thread_id() / ws;
+    Roles r;
+    r.lane = fc_lane_id();
+    r.put = per_block < 2u || wib < np;
+    r.sum = per_block < 2u || wib >= np;
+    r.put_id = fc_block_id() * np + (r.put ? wib : 0u);
+    r.put_count = fc_grid_blocks() * np;
+    r.sum_id = fc_block_id() * ns + (per_block < 2u ? wib : (r.sum ? wib - np : 0u));
+    r.sum_count = fc_grid_blocks() * ns;
+    return r;
+}
+
+// Block 0's first warp, last: wait until every rank's combine flag for us
+// reaches epoch * grid * put_warps_per_block().
+FC_DEVICE void combine_wait(const FcEpArgs& a) {
+    const FcDevCtx& ctx = a.ctx;
+    const fc_u32 t = fc_thread_id();
+    if (fc_block_id() != 0 || t >= ctx.world) return;
+    fc_u64* flags = flag_words(a);
+    const fc_u64 epoch = fc_ld_volatile_u64(flags + FC_EP_FLAG_EPOCH);
+    wait_ge(ctx, flags + FC_EP_FLAG_COMBINE + t, epoch * fc_grid_blocks() * put_warps_per_block(), t);
+}
+
+// The ranks token t's rows come back from (its slots' bits).
+FC_DEVICE fc_u32 sent_mask(const Slots& sl, fc_u32 world) {
+    fc_u32 mask = 0;
+#pragma unroll
+    for (fc_u32 r = 0; r < FC_MAX_RANKS; ++r)
+        if (r < world && slot_at(sl, r) >= 0) mask |= 1u << r;
+    return mask;
+}
+
+// Add a pack's eight bf16 to acc (the first term as it is).
+FC_DEVICE void add_pack(float (&acc)[8], const fc_vec16& v, bool first) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float lo, hi;
+        fc_unpack_bf16x2(v.w[k], lo, hi);
+        acc[2 * k] = first ? lo : fc_fadd(acc[2 * k], lo);
+        acc[2 * k + 1] = first ? hi : fc_fadd(acc[2 * k + 1], hi);
+    }
+}
+// 16 bytes at p, 16-byte aligned (`aligned`) or only 2-byte aligned (a
+// tensor view at an odd element): the one-kernel combine serves both, so
+// the kind of combine never depends on a rank's own pointers.
+FC_DEVICE fc_vec16 load16_any(const char* p, bool aligned) {
+    if (aligned) return fc_load16(p);
+    fc_vec16 v;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const fc_u16* h = reinterpret_cast<const fc_u16*>(p + 4 * k);
+        v.w[k] = (fc_u32)fc_load(h) | ((fc_u32)fc_load(h + 1) << 16);
+    }
+    return v;
+}
+FC_DEVICE void store16_any(char* p, const fc_vec16& v, bool aligned) {
+    if (aligned) {
+        fc_store16(p, v);
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        fc_u16* h = reinterpret_cast<fc_u16*>(p + 4 * k);
+        fc_store(h, (fc_u16)(v.w[k] & 0xFFFFu));
+        fc_store(h + 1, (fc_u16)(v.w[k] >> 16));
+    }
+}
+
+FC_DEVICE fc_vec16 round_pack(const float (&acc)[8], bool none) {
+    fc_vec16 o;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o.w[k] = none ? 0u : fc_pack_bf16x2(acc[2 * k], acc[2 * k + 1]);
+    return o;
+}
+
+} // namespace fc_ep
+
+// 16-byte packs a lane of a summing warp takes per unit (each rank's loads
+// of a unit are issued together).
+#define FC_EP_SUM_PACKS 4
+
+FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
+    const FcDevCtx& ctx = a.ctx;
+    const fc_u32 me = ctx.rank, world = ctx.world;
+    const fc_ep::Roles w = fc_ep::combine_roles();
+    const fc_u64 row_bytes = (fc_u64)a.hidden * 2u;
+    const char* expert = fc_ptr<const char>(a.x);
+    const bool x16 = (a.x & 15u) == 0, out16 = (a.out & 15u) == 0;
+    char* inbox = fc_ptr<char>(a.inbox);
+    const fc_u64 rank_stride = (fc_u64)a.max_tokens * row_bytes;
+
+    if (w.put) {
+        // A warp per 2 KiB piece of a row received from another source (this
+        // rank's own rows stay where they are); the token's index and the
+        // piece are loaded together. Plain 16-byte stores, as the dispatch's:
+        // each 32-bit element is single-copy atomic, which is all a Lamport
+        // reader needs (it checks every 16-bit half).
+        const fc_i32* counts = fc_ptr<fc_i32>(a.recv_counts);
+        const fc_i32* src = fc_ptr<fc_i32>(a.recv_src);
+        const fc_u64 pieces = fc_ep::pieces_of(row_bytes);
+        for (fc_u32 s = 0; s < world; ++s) {
+            if (s == me) continue;
+            const fc_i32 n = fc_load(counts + s);
+            const fc_u64 units = n > 0 ? (fc_u64)n * pieces : 0u;
+            for (fc_u64 u = w.put_id; u < units; u += w.put_count) {
+                const fc_u64 row = (fc_u64)s * a.max_tokens + u / pieces;
+                const fc_u64 at = (u % pieces) * fc_ep::piece_bytes();
+                const fc_u64 vecs = (row_bytes - at < fc_ep::piece_bytes() ? row_bytes - at : fc_ep::piece_bytes()) / 16u;
+                const fc_i32 tok = fc_load(src + row);
+                fc_vec16 v[FC_DEVAPI_UNROLL];
+#pragma unroll
+                for (int k = 0; k < FC_DEVAPI_UNROLL; ++k) {
+                    const fc_u64 i = (fc_u64)k * fc_warp_size() + w.lane;
+                    if (i < vecs) v[k] = fc_ep::load16_any(expert + row * row_bytes + at + i * 16u, x16);
+                }
+                if (tok < 0 || (fc_u32)tok >= a.max_tokens) continue; // never: the source wrote it
+                char* far = fc_remote_ptr(ctx, s, inbox + (fc_u64)me * rank_stride + (fc_u32)tok * row_bytes + at);
+#pragma unroll
+                for (int k = 0; k < FC_DEVAPI_UNROLL; ++k) {
+                    const fc_u64 i = (fc_u64)k * fc_warp_size() + w.lane;
+                    if (i < vecs) fc_store16(far + i * 16u, lamport_send_pack(v[k]));
+                }
+            }
+        }
+        // The warp's puts, then its signals (the warp barrier makes lane r's
+        // release cover every lane's puts). The block's last putting warp
+        // signalling for the block, through a local count, was tried: the
+        // combine then took 100 to 300 us now and then (2x H100, session
+        // 10), with the count at device or at system scope.
+        fc_warp_sync();
+        if (w.lane < world) fc_signal_add(ctx, w.lane, fc_ep::flag_words(a) + FC_EP_FLAG_COMBINE + me, 1u);
+    }
+
+    if (w.sum) {
+        // A warp per FC_EP_SUM_PACKS * 512 bytes of a token's row: per rank
+        // in rank order, every pack of the unit loaded at once (rank me's
+        // from expert_out), then only the packs not there yet polled, with
+        // the deadline (FC_EP_PRESPIN looks first, then fc_detail's clock
+        // and error word). A warp that gives up skips its later units.
+        const fc_u64 step = (fc_u64)fc_warp_size() * 16u;
+        const fc_u64 piece = step * FC_EP_SUM_PACKS;
+        const fc_u64 pieces = (row_bytes + piece - 1u) / piece;
+        const fc_u64 units = (fc_u64)a.num_tokens * pieces;
+        bool failed = false;
+        for (fc_u64 u = w.sum_id; u < units && !failed; u += w.sum_count) {
+            const fc_u32 tok = (fc_u32)(u / pieces);
+            const fc_u64 c0 = (u % pieces) * piece + (fc_u64)w.lane * 16u;
+            const fc_ep::Slots sl = fc_ep::load_slots(a, tok);
+            const fc_u32 mask = fc_ep::sent_mask(sl, world);
+            float acc[FC_EP_SUM_PACKS][8];
+            bool first = true;
+#pragma unroll 1
+            for (fc_u32 r = 0; r < world && !failed; ++r) {
+                if (!((mask >> r) & 1u)) continue;
+                fc_vec16 v[FC_EP_SUM_PACKS];
+                fc_u32 pending = 0;
+                const char* rows = r == me ? expert + ((fc_u64)me * a.max_tokens + (fc_u32)fc_ep::slot_at(sl, r)) * row_bytes
+                                           : inbox + (fc_u64)r * rank_stride + (fc_u64)tok * row_bytes;
+#pragma unroll
+                for (int k = 0; k < FC_EP_SUM_PACKS; ++k) {
+                    const fc_u64 c = c0 + (fc_u64)k * step;
+                    if (c >= row_bytes) continue;
+                    if (r == me) {
+                        v[k] = fc_ep::load16_any(rows + c, x16);
+                    } else if (!lamport_load(rows + c, v[k])) {
+                        pending |= 1u << k;
+                    }
+                }
+                fc_detail::Spin spin;
+                for (fc_u32 i = 0; pending != 0; ++i) {
+                    if (i == FC_EP_PRESPIN) spin = fc_detail::spin_start();
+                    if (i >= FC_EP_PRESPIN && fc_detail::give_up(ctx, spin, fc_detail::rank_bit(r))) {
+                        failed = true;
+                        break;
+                    }
+#pragma unroll
+                    for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
+                        if (((pending >> k) & 1u) && lamport_load(rows + c0 + (fc_u64)k * step, v[k])) pending &= ~(1u << k);
+                }
+#pragma unroll
+                for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
+                    if (c0 + (fc_u64)k * step < row_bytes) fc_ep::add_pack(acc[k], v[k], first);
+                first = false;
+            }
+            if (failed) break;
+#pragma unroll
+            for (int k = 0; k < FC_EP_SUM_PACKS; ++k) {
+                const fc_u64 c = c0 + (fc_u64)k * step;
+                if (c >= row_bytes) continue;
+                fc_ep::store16_any(fc_ptr<char>(a.out) + (fc_u64)tok * row_bytes + c, fc_ep::round_pack(acc[k], first), out16);
+                for (fc_u32 r = 0; r < world; ++r)
+                    if (r != me && ((mask >> r) & 1u)) lamport_clear(inbox + (fc_u64)r * rank_stride + (fc_u64)tok * row_bytes + c);
+            }
+        }
+    }
+    fc_ep::combine_wait(a);
+}
+
+// The plain combine's puts (see above): a warp per piece of a received row,
+// this rank's own rows included.
 FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
     const FcDevCtx& ctx = a.ctx;
     const fc_u32 me = ctx.rank, world = ctx.world;
-    fc_u64* flags = fc_ep::flag_words(a);
-    const fc_u64 epoch = fc_ld_volatile_u64(flags + FC_EP_FLAG_EPOCH);
     const fc_ep::Warps w = fc_ep::grid_warps();
     const fc_u64 row_bytes = (fc_u64)a.hidden * 2u;
     const fc_i32* counts = fc_ptr<fc_i32>(a.recv_counts);
@@ -253,29 +704,23 @@ FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
                              fc_ptr<const char>(a.x) + row * row_bytes, row_bytes, u % pieces);
         }
     }
+    // The block's puts, then its signals: put_warps_per_block() each, as
+    // the one-kernel combine's warps add, so the two kinds may alternate.
     fc_barrier();
-    const fc_u32 t = fc_thread_id();
-    if (t < world) fc_signal_add(ctx, t, flags + FC_EP_FLAG_COMBINE + me, 1u);
-    if (fc_block_id() == 0 && t < world)
-        fc_ep::wait_ge(ctx, flags + FC_EP_FLAG_COMBINE + t, epoch * fc_grid_blocks(), t);
+    fc_ep::block_signal(a, FC_EP_FLAG_COMBINE, fc_ep::put_warps_per_block());
+    fc_ep::combine_wait(a);
 }
 
-// Combine, second kernel (after the first on the stream, so every rank's rows
-// are in the inbox): each token's rows summed over the ranks it was sent to,
-// in rank order, in f32 (the first term as it is), rounded to bf16 once; 0 for
-// a token that went nowhere. The unit of work is one warp-wide piece of one
-// token's row (32 lanes x 16 bytes), spread over every warp of the grid: with
-// a warp per token, one token's 14 KiB row took a single warp 28 dependent
-// load rounds (17 us on H200 for a one-token batch).
+// The plain combine's sums (see above): a warp per warp-wide piece of a
+// token's row (16 bytes a lane when rows and tensors allow, else one bf16),
+// every rank's piece loaded at once, with the slots; the inbox rows read are
+// filled with 0xff again.
 FC_HEAP_KERNEL(fc_ep_combine_reduce, FcEpArgs) {
     const fc_u32 world = a.ctx.world;
     const fc_ep::Warps w = fc_ep::grid_warps();
     const fc_u64 row_bytes = (fc_u64)a.hidden * 2u;
-    const fc_i32* slots = fc_ptr<fc_i32>(a.slots);
-    const char* inbox = fc_ptr<const char>(a.inbox);
+    char* inbox = fc_ptr<char>(a.inbox);
     const fc_u64 rank_stride = (fc_u64)a.max_tokens * row_bytes;
-    // 16-byte vectors (eight bf16) when every row and the output allow them,
-    // else one bf16 a lane.
     const bool vec = ((a.out | a.inbox | row_bytes) & 15u) == 0;
     const fc_u64 lane_bytes = vec ? 16u : 2u;
     const fc_u64 piece = (fc_u64)fc_warp_size() * lane_bytes;
@@ -285,42 +730,34 @@ FC_HEAP_KERNEL(fc_ep_combine_reduce, FcEpArgs) {
         const fc_u32 tok = (fc_u32)(u / pieces);
         const fc_u64 c = (u % pieces) * piece + (fc_u64)w.lane * lane_bytes;
         if (c >= row_bytes) continue;
-        fc_u32 mask = 0;
-        for (fc_u32 r = 0; r < world; ++r)
-            if (fc_load(slots + (fc_u64)tok * FC_MAX_RANKS + r) >= 0) mask |= 1u << r;
-        const char* rows = inbox + (fc_u64)tok * row_bytes + c;
+        const fc_u32 mask = fc_ep::sent_mask(fc_ep::load_slots(a, tok), world);
+        char* rows = inbox + (fc_u64)tok * row_bytes + c;
         char* out = fc_ptr<char>(a.out) + (fc_u64)tok * row_bytes + c;
         if (vec) {
-            // Every rank's piece loaded at once, with the slots above (the
-            // inbox holds a row per rank, stale where the token went
-            // elsewhere; the mask skips those), so a unit pays one load
-            // latency, not one for the slots and another for the rows.
             fc_vec16 v[FC_MAX_RANKS];
 #pragma unroll
-            for (int r = 0; r < (int)FC_MAX_RANKS; ++r)
-                if ((fc_u32)r < world) v[r] = fc_load16(rows + (fc_u64)r * rank_stride);
+            for (fc_u32 r = 0; r < FC_MAX_RANKS; ++r)
+                if ((mask >> r) & 1u) v[r] = fc_load16(rows + (fc_u64)r * rank_stride);
             float acc[8];
             bool first = true;
 #pragma unroll
-            for (int r = 0; r < (int)FC_MAX_RANKS; ++r) {
-                if ((fc_u32)r >= world || !((mask >> r) & 1u)) continue;
-                for (int k = 0; k < 4; ++k) {
-                    float lo, hi;
-                    fc_unpack_bf16x2(v[r].w[k], lo, hi);
-                    acc[2 * k] = first ? lo : fc_fadd(acc[2 * k], lo);
-                    acc[2 * k + 1] = first ? hi : fc_fadd(acc[2 * k + 1], hi);
-                }
+            for (fc_u32 r = 0; r < FC_MAX_RANKS; ++r) {
+                if (!((mask >> r) & 1u)) continue;
+                fc_ep::add_pack(acc, v[r], first);
                 first = false;
             }
-            fc_vec16 o;
-            for (int k = 0; k < 4; ++k) o.w[k] = first ? 0u : fc_pack_bf16x2(acc[2 * k], acc[2 * k + 1]);
-            fc_store16(out, o);
+            fc_store16(out, fc_ep::round_pack(acc, first));
+#pragma unroll
+            for (fc_u32 r = 0; r < FC_MAX_RANKS; ++r)
+                if ((mask >> r) & 1u) lamport_clear(rows + (fc_u64)r * rank_stride);
         } else {
             float acc = 0.0f;
             bool first = true;
             for (fc_u32 r = 0; r < world; ++r) {
                 if (!((mask >> r) & 1u)) continue;
-                const float v = fc_bf16_to_f32(fc_load(reinterpret_cast<const fc_u16*>(rows + r * rank_stride)));
+                fc_u16* at = reinterpret_cast<fc_u16*>(rows + r * rank_stride);
+                const float v = fc_bf16_to_f32(fc_load(at));
+                fc_store(at, (fc_u16)FC_LAMPORT_EMPTY);
                 acc = first ? v : fc_fadd(acc, v);
                 first = false;
             }

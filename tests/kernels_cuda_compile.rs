@@ -570,11 +570,14 @@ fn kernel_names_are_unique_and_well_formed() {
 // ---------------------------------------------------------------------------
 // The device API (kernels-cuda/device_api.cuh) and the kernels written on it.
 
-/// EP's two other kernels, one compile each as for `fc_ep_dispatch`. Only
-/// this check looks for them; the HIP one looks for `fc_ep_dispatch` alone.
-const EP_ENTRY_POINTS: [DeviceApiSource; 2] = [
+/// EP's other kernels, one compile each as for `fc_ep_dispatch`. Only this
+/// check looks for them; the HIP one looks for `fc_ep_dispatch` alone.
+const EP_ENTRY_POINTS: [DeviceApiSource; 5] = [
     DeviceApiSource::new("ep_layout", EP_KERNELS, "fc_ep_layout"),
-    DeviceApiSource::new("ep_combine", EP_KERNELS, "fc_ep_combine_reduce"),
+    DeviceApiSource::new("ep_dispatch_layout", EP_KERNELS, "fc_ep_dispatch_layout"),
+    DeviceApiSource::new("ep_combine_ll", EP_KERNELS, "fc_ep_combine_ll"),
+    DeviceApiSource::new("ep_combine", EP_KERNELS, "fc_ep_combine"),
+    DeviceApiSource::new("ep_combine_reduce", EP_KERNELS, "fc_ep_combine_reduce"),
 ];
 
 /// Compiles every source on the device API for `arch`: each must compile,

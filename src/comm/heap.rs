@@ -192,6 +192,15 @@ impl<D: Device> Communicator<D> {
         })
     }
 
+    /// Set `len` bytes of `buf` at `offset` to `value`, ordered on the
+    /// communicator's stream.
+    pub fn heap_fill(&self, buf: &HeapBuffer, offset: usize, len: usize, value: u8) -> Result<()> {
+        crate::device::check_range("heap_fill", buf.bytes, offset, len)?;
+        self.with_heap_own(buf, |dev, own, stream| {
+            dev.memset(own, buf.offset + offset, len, value, stream)
+        })
+    }
+
     /// Wait for the communicator's stream, then copy `buf[offset..]` into `out`.
     pub fn heap_read(&self, buf: &HeapBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
         crate::device::check_range("heap_read", buf.bytes, offset, out.len())?;

@@ -83,10 +83,14 @@ pub struct CommOptions {
     /// `DIRECT_MIN_REDUCE_TO_BYTES`), always on the host.
     pub direct_min_bytes: Option<usize>,
     /// Blocks of the EP dispatch and combine kernels on GPUs
-    /// (`FERROCOMM_EP_BLOCKS`, 1 to 128; every rank must set the same: a
-    /// rank waits for every block of each peer). `None`:
-    /// [`crate::ep::EP_GPU_BLOCKS`].
+    /// (`FERROCOMM_EP_BLOCKS`, 1 to 128, at most the GPU's
+    /// multiprocessors). `None`: [`crate::ep::EP_GPU_BLOCKS`].
     pub ep_blocks: Option<u32>,
+    /// The EP combine as two kernels with a flag wait between them even
+    /// where rows allow the one-kernel Lamport combine
+    /// (`FERROCOMM_EP_PLAIN_COMBINE=1`; every rank alike). For comparison;
+    /// off by default.
+    pub ep_plain_combine: bool,
 }
 
 impl Default for CommOptions {
@@ -106,6 +110,7 @@ impl Default for CommOptions {
             coll_ll_bytes: None,
             direct_min_bytes: None,
             ep_blocks: None,
+            ep_plain_combine: false,
         }
     }
 }
@@ -194,6 +199,9 @@ impl CommOptions {
                     "FERROCOMM_EP_BLOCKS={v:?} is not a block count from 1 to {max}"
                 ))
             })?);
+        }
+        if let Some(v) = env_var("FERROCOMM_EP_PLAIN_COMBINE") {
+            o.ep_plain_combine = switch("FERROCOMM_EP_PLAIN_COMBINE", &v)?;
         }
         if let Some(v) = env_var("FERROCOMM_QUICK_REDUCE") {
             o.quantization = v.parse()?;

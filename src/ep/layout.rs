@@ -17,7 +17,8 @@
 //! recv_weights  f32 [world][max][topk]        router weights, 0 where the id is -1
 //! recv_src      i32 [world][max]              the token's index at its source
 //! inbox         bf16 [world][max][hidden]     combine: rows sent back by each expert rank,
-//!                                             at the token's own index
+//!                                             at the token's own index, as Lamport packs
+//!                                             (all 0xff between calls)
 //! slots         i32 [max][MAX_RANKS]          (local) token t's row at rank r, -1: not sent
 //! ```
 
@@ -60,6 +61,8 @@ pub struct EpLayout {
     pub recv_weights: usize,
     pub recv_src: usize,
     pub inbox: usize,
+    /// Bytes of the inbox region.
+    pub inbox_bytes: usize,
     pub slots: usize,
     /// Bytes of the whole allocation.
     pub total: usize,
@@ -103,7 +106,8 @@ impl EpLayout {
         let recv_idx = region(cfg.topk.checked_mul(4).and_then(per_row))?;
         let recv_weights = region(cfg.topk.checked_mul(4).and_then(per_row))?;
         let recv_src = region(per_row(4))?;
-        let inbox = region(cfg.hidden.checked_mul(2).and_then(per_row))?;
+        let inbox_bytes = cfg.hidden.checked_mul(2).and_then(per_row).ok_or_else(err)?;
+        let inbox = region(Some(inbox_bytes))?;
         let slots = region(cfg.max_tokens_per_rank.checked_mul(4 * MAX_RANKS))?;
         Ok(EpLayout {
             world,
@@ -121,6 +125,7 @@ impl EpLayout {
             recv_weights,
             recv_src,
             inbox,
+            inbox_bytes,
             slots,
             total: at,
         })

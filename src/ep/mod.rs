@@ -12,7 +12,8 @@
 //! the same padded layout; [`EpBuffer::combine`] sends each row back to its
 //! source and sums a token's rows over the ranks it went to, in rank order,
 //! in f32, rounded to bf16 once (deterministic, bitwise equal to
-//! [`reference`]).
+//! [`reference`] for every finite input; on GPUs a NaN sums to the one
+//! canonical NaN).
 //!
 //! Top-k ids below 0 mean "no expert"; ids at or past `num_experts` are
 //! ignored (a token whose ids are all such goes nowhere and combines to 0).
@@ -43,7 +44,7 @@ pub use layout::{EpLayout, SCALE_BLOCK};
 /// The EP kernels' module (`kernels-cuda/ep.cu`).
 pub const EP_MODULE_NAME: &str = "ep";
 
-/// Prelude + device API + the EP kernels, per vendor (the HIP text shares
+/// Prelude + device API + Lamport packs + the EP kernels, per vendor (the HIP text shares
 /// the body, as every module does).
 pub const EP_MODULE: ModuleSource = ModuleSource::raw(
     EP_MODULE_NAME,
@@ -52,6 +53,8 @@ pub const EP_MODULE: ModuleSource = ModuleSource::raw(
         "\n",
         include_str!("../../kernels-cuda/device_api.cuh"),
         "\n",
+        include_str!("../../kernels-cuda/lamport.cuh"),
+        "\n",
         include_str!("../../kernels-cuda/ep.cu")
     ),
     concat!(
@@ -59,23 +62,28 @@ pub const EP_MODULE: ModuleSource = ModuleSource::raw(
         "\n",
         include_str!("../../kernels-cuda/device_api.cuh"),
         "\n",
+        include_str!("../../kernels-cuda/lamport.cuh"),
+        "\n",
         include_str!("../../kernels-cuda/ep.cu")
     ),
 );
 
 /// Every kernel of [`EP_MODULE`].
-pub const EP_KERNELS: [&str; 4] = [
+pub const EP_KERNELS: [&str; 6] = [
     "fc_ep_layout",
     "fc_ep_dispatch",
+    "fc_ep_dispatch_layout",
+    "fc_ep_combine_ll",
     "fc_ep_combine",
     "fc_ep_combine_reduce",
 ];
 
 /// Blocks of the dispatch and combine kernels on GPUs
-/// (`CommOptions::ep_blocks` overrides it). Every rank must use the same
-/// grid (a rank waits for `epoch * grid` signals from each peer), so it is
-/// fixed. Only block 0 of a kernel waits, so the blocks need not be
-/// resident together.
+/// (`CommOptions::ep_blocks` overrides it), at most the GPU's
+/// multiprocessors: the one-kernel combine's blocks wait for each other's
+/// rows, so they must be resident together. Every rank must use the same
+/// grid (a rank waits for `epoch * grid` signals from each peer), so the
+/// ranks of one buffer need GPUs of one model.
 ///
 /// Measured on 2x H200, `FERROCOMM_EP_BLOCKS=b ferrocomm-bench --ep --graph`
 /// (bench/2026-11-23-h200x2/run14-session6, c and d), dispatch + combine us
@@ -83,6 +91,11 @@ pub const EP_KERNELS: [&str; 4] = [
 /// 64: 556 / 477, 128 (the most a launch takes): 491 / 410; to 1024 tokens
 /// 64 and 128 are level, and the grid changes nothing below 512 tokens.
 pub const EP_GPU_BLOCKS: u32 = 128;
+
+/// Tokens a thread of the layout takes (`FC_EP_LAYOUT_RUN`): up to this
+/// many a block thread, the dispatch kernel finds its own layout
+/// (`fc_ep_dispatch_layout`, one launch); above, `fc_ep_layout` runs first.
+const LAYOUT_RUN: usize = 8;
 
 /// What the dispatched rows carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -242,8 +255,10 @@ impl<D: Device> EpBuffer<D> {
                 inner.device.prepare(module, &EP_KERNELS)
             })??;
             // A reused heap range holds its last user's bytes: the counters
-            // start at zero, on every rank, before any peer may signal.
+            // start at zero and the inbox empty (Lamport packs, all 0xff), on
+            // every rank, before any peer may signal or put.
             comm.heap_write(&heap, layout.flags, &[0u8; layout::FLAGS_BYTES])?;
+            comm.heap_fill(&heap, layout.inbox, layout.inbox_bytes, 0xff)?;
             inner.device.synchronize(&inner.stream)?;
             let key = inner.next_key("ep");
             store_barrier(inner.store.as_ref(), &key, inner.rank, world, inner.opts.timeout)
@@ -309,6 +324,15 @@ impl<D: Device> EpBuffer<D> {
             recv_src_index: view(l.recv_src, rows, DType::I32)?,
             recv_counts: view(l.recv_counts, l.world, DType::I32)?,
         })
+    }
+
+    /// Bytes of the inbox that are not 0xff, read after the stream's work
+    /// (the inbox is empty between calls: each combine gives back every pack
+    /// it read). For the conformance suite.
+    pub(crate) fn inbox_stray_bytes(&self) -> Result<usize> {
+        let mut inbox = vec![0u8; self.layout.inbox_bytes];
+        self.comm.heap_read(self.heap()?, self.layout.inbox, &mut inbox)?;
+        Ok(inbox.iter().filter(|&&b| b != 0xff).count())
     }
 
     /// Send each of the first `num_tokens` tokens (rows of `x`, and for fp8
@@ -381,14 +405,15 @@ impl<D: Device> EpBuffer<D> {
             block: self.block(),
         };
         let grid = self.grid();
+        let own_layout = num_tokens <= LAYOUT_RUN * one.block as usize;
         let work = self.comm.submit(call, "ep dispatch", |s| {
             let module = crate::comm::heap_module(s.res, &s.inner.device, &EP_MODULE)?;
-            s.inner
-                .device
-                .launch_raw(module, "fc_ep_layout", one, bytes_of(&args), s.stream)?;
-            s.inner
-                .device
-                .launch_raw(module, "fc_ep_dispatch", grid, bytes_of(&args), s.stream)
+            let dev = &s.inner.device;
+            if own_layout {
+                return dev.launch_raw(module, "fc_ep_dispatch_layout", grid, bytes_of(&args), s.stream);
+            }
+            dev.launch_raw(module, "fc_ep_layout", one, bytes_of(&args), s.stream)?;
+            dev.launch_raw(module, "fc_ep_dispatch", grid, bytes_of(&args), s.stream)
         })?;
         *phase = Phase::Dispatched { num_tokens };
         Ok((work, self.received()?))
@@ -426,14 +451,18 @@ impl<D: Device> EpBuffer<D> {
         args.out = out.ptr();
         args.num_tokens = num_tokens as u32;
         let grid = self.grid();
+        // Lamport packs need whole 16-byte packs per row; else the plain
+        // two-kernel combine. Never a rank's own pointers: every rank must
+        // take the same kind (a one-kernel combine reads its inbox as packs).
+        let packs = cfg.hidden % 8 == 0 && !self.comm.inner.opts.ep_plain_combine;
         let work = self.comm.submit(call, "ep combine", |s| {
             let module = crate::comm::heap_module(s.res, &s.inner.device, &EP_MODULE)?;
-            s.inner
-                .device
-                .launch_raw(module, "fc_ep_combine", grid, bytes_of(&args), s.stream)?;
-            s.inner
-                .device
-                .launch_raw(module, "fc_ep_combine_reduce", grid, bytes_of(&args), s.stream)
+            let dev = &s.inner.device;
+            if packs {
+                return dev.launch_raw(module, "fc_ep_combine_ll", grid, bytes_of(&args), s.stream);
+            }
+            dev.launch_raw(module, "fc_ep_combine", grid, bytes_of(&args), s.stream)?;
+            dev.launch_raw(module, "fc_ep_combine_reduce", grid, bytes_of(&args), s.stream)
         })?;
         *phase = Phase::Idle;
         Ok(work)
@@ -458,9 +487,13 @@ impl<D: Device> EpBuffer<D> {
 
     /// The dispatch / combine grid: the host twins run as one block.
     fn grid(&self) -> LaunchConfig {
-        let grid = match self.comm.inner.device.facts().backend {
+        let facts = self.comm.inner.device.facts();
+        let grid = match facts.backend {
             BackendKind::Host => 1,
-            _ => self.comm.inner.opts.ep_blocks.unwrap_or(EP_GPU_BLOCKS),
+            _ => {
+                let asked = self.comm.inner.opts.ep_blocks.unwrap_or(EP_GPU_BLOCKS);
+                asked.min(facts.multiprocessors.max(1))
+            }
         };
         LaunchConfig {
             grid,

@@ -15,9 +15,11 @@ use crate::heap::Cmp;
 type Twin = unsafe fn(&[u8]);
 
 /// `(name, twin)` of every kernel of the EP module.
-pub const TWINS: [(&str, Twin); 4] = [
+pub const TWINS: [(&str, Twin); 6] = [
     ("fc_ep_layout", layout),
     ("fc_ep_dispatch", dispatch),
+    ("fc_ep_dispatch_layout", dispatch_layout),
+    ("fc_ep_combine_ll", combine_ll),
     ("fc_ep_combine", combine),
     ("fc_ep_combine_reduce", combine_reduce),
 ];
@@ -227,8 +229,36 @@ unsafe fn combine(args: &[u8]) {
     }
 }
 
+/// The dispatch that finds its own layout: the layout, then the dispatch.
+///
+/// # Safety
+/// As [`layout`].
+unsafe fn dispatch_layout(args: &[u8]) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        layout(args);
+        dispatch(args);
+    }
+}
+
+/// The one-kernel combine. On GPUs its rows travel as Lamport packs and a
+/// token's row at this rank is read where it lies; the twin keeps the plain
+/// combine's data flow (puts, the flag wait, then the sums), which gives the
+/// same results and leaves the inbox as empty.
+///
+/// # Safety
+/// As [`layout`].
+unsafe fn combine_ll(args: &[u8]) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        combine(args);
+        combine_reduce(args);
+    }
+}
+
 /// Sum each token's rows from the inbox over the ranks it went to, in rank
-/// order (after [`combine`] on the stream).
+/// order (after [`combine`] on the stream), and fill the rows read with 0xff
+/// again (the inbox is empty between calls, as the kernels keep it).
 ///
 /// # Safety
 /// As [`layout`].
@@ -249,8 +279,12 @@ unsafe fn combine_reduce(args: &[u8]) {
             }
             let row = a.inbox.offset((r * max + t) * rb);
             for (c, v) in acc.iter_mut().enumerate() {
-                // SAFETY: inside the inbox region.
-                let x = bf16::from_bits(unsafe { load::<u16>(row.offset(2 * c)) }).to_f32();
+                // SAFETY: inside the inbox region, this rank's own.
+                let x = unsafe {
+                    let x = bf16::from_bits(load::<u16>(row.offset(2 * c))).to_f32();
+                    store(row.offset(2 * c), u16::MAX);
+                    x
+                };
                 *v = if first { x } else { *v + x };
             }
             first = false;

@@ -164,8 +164,9 @@ impl<D: Device> Bufs<D> {
             scales: a(max * scale_cols(cfg) * 4)?,
             idx: a(max * cfg.topk * 4)?,
             weights: a(max * cfg.topk * 4)?,
-            expert: a(world * max * h * 2)?,
-            out: a(max * h * 2)?,
+            // One element more: a round views them from an odd element.
+            expert: a(world * max * h * 2 + 2)?,
+            out: a(max * h * 2 + 2)?,
             scratch: a(world * max * h * 2)?,
         })
     }
@@ -197,17 +198,19 @@ impl<D: Device> Bufs<D> {
         ))
     }
 
-    fn expert_tensor(&self, comm: &Communicator<D>, cfg: &EpConfig) -> Result<Tensor> {
+    /// The experts' output and the combine's output, from element `shift`
+    /// of their buffers (1: only 2-byte aligned).
+    fn expert_tensor(&self, comm: &Communicator<D>, cfg: &EpConfig, shift: usize) -> Result<Tensor> {
         Tensor::view(
             &self.expert,
             DType::BF16,
-            0,
+            2 * shift,
             comm.size() * cfg.max_tokens_per_rank * cfg.hidden,
         )
     }
 
-    fn out_tensor(&self, cfg: &EpConfig) -> Result<Tensor> {
-        Tensor::view(&self.out, DType::BF16, 0, cfg.max_tokens_per_rank * cfg.hidden)
+    fn out_tensor(&self, cfg: &EpConfig, shift: usize) -> Result<Tensor> {
+        Tensor::view(&self.out, DType::BF16, 2 * shift, cfg.max_tokens_per_rank * cfg.hidden)
     }
 
     /// `t`'s bytes, through the scratch buffer (heap views have no buffer
@@ -336,16 +339,30 @@ fn tokens_for(cfg: &EpConfig, round: usize, rank: usize) -> usize {
     [0, 1, (max / 2) | 1, max][(round + rank) % 4]
 }
 
-/// One dispatch + combine of every rank's inputs for `seed`, eager, checked.
+/// One round of the suite: its name, the inputs' seed, the tokens each rank
+/// sends, and the element this rank's expert output and combine output start
+/// at (1: only 2-byte aligned).
+struct Round<'a> {
+    case: String,
+    seed: u64,
+    tokens: &'a dyn Fn(usize) -> usize,
+    shift: usize,
+}
+
+/// One dispatch + combine of every rank's inputs for the round, eager, checked.
 fn round_trip<D: Device>(
     comm: &Communicator<D>,
     c: &mut Checker,
     ep: &EpBuffer<D>,
     bufs: &Bufs<D>,
-    case: &str,
-    seed: u64,
-    tokens: &dyn Fn(usize) -> usize,
+    round: Round<'_>,
 ) -> Result<()> {
+    let Round {
+        case,
+        seed,
+        tokens,
+        shift,
+    } = round;
     let (rank, world) = (comm.rank(), comm.size());
     let cfg = *ep.config();
     let inputs: Vec<RankInput> = (0..world).map(|r| make_input(&cfg, seed, r, tokens(r))).collect();
@@ -358,16 +375,30 @@ fn round_trip<D: Device>(
     let want = reference::dispatch(&cfg, world, rank, &inputs);
     check_received(c, &format!("{case} dispatch"), &got, &want);
     // Experts on what arrived; the reference runs them on what should have.
-    comm.write(&bufs.expert, 0, &u16_bytes(&expert_out(&cfg, world, &got)))?;
+    comm.write(&bufs.expert, 2 * shift, &u16_bytes(&expert_out(&cfg, world, &got)))?;
     let all_out: Vec<Vec<u16>> = (0..world)
         .map(|r| expert_out(&cfg, world, &reference::dispatch(&cfg, world, r, &inputs)))
         .collect();
-    ep.combine(bufs.expert_tensor(comm, &cfg)?, bufs.out_tensor(&cfg)?, &call)?
-        .wait(None)?;
+    ep.combine(
+        bufs.expert_tensor(comm, &cfg, shift)?,
+        bufs.out_tensor(&cfg, shift)?,
+        &call,
+    )?
+    .wait(None)?;
     let mut got_out = vec![0u8; tokens(rank) * cfg.hidden * 2];
-    comm.read(&bufs.out, 0, &mut got_out)?;
+    comm.read(&bufs.out, 2 * shift, &mut got_out)?;
     let want_out = reference::combine(&cfg, world, rank, &inputs, &all_out);
     c.check_bytes(&format!("{case} combine"), &got_out, &u16_bytes(&want_out));
+    check_inbox_empty(c, ep, &format!("{case} combine"))
+}
+
+/// The inbox is all 0xff again after a combine (its Lamport packs were all
+/// given back): else the next combine would take stale packs for rows.
+fn check_inbox_empty<D: Device>(c: &mut Checker, ep: &EpBuffer<D>, case: &str) -> Result<()> {
+    let stray = ep.inbox_stray_bytes()?;
+    c.check(case, stray == 0, || {
+        format!("{stray} inbox bytes left that are not 0xff")
+    });
     Ok(())
 }
 
@@ -388,7 +419,7 @@ fn graphs<D: Device>(
     let dev = comm.device();
     let tokens = |r: usize| tokens_for(&cfg, 2, r).max(1);
     let (x, scales, idx, w) = bufs.tensors(&cfg)?;
-    let (expert, out_t) = (bufs.expert_tensor(comm, &cfg)?, bufs.out_tensor(&cfg)?);
+    let (expert, out_t) = (bufs.expert_tensor(comm, &cfg, 0)?, bufs.out_tensor(&cfg, 0)?);
     // The eager rounds before loaded every EP kernel the captures launch.
     let stream = dev.create_stream()?;
     let on = Call::on(&stream);
@@ -428,6 +459,7 @@ fn graphs<D: Device>(
             &got_out,
             &u16_bytes(&want_out),
         );
+        check_inbox_empty(c, ep, &format!("{case} graph replay {replay}"))?;
     }
     drop((g_dispatch, g_combine));
     if cfg.payload != EpPayload::Bf16 {
@@ -475,7 +507,7 @@ fn graphs<D: Device>(
 fn bad_inputs<D: Device>(comm: &Communicator<D>, c: &mut Checker, ep: &EpBuffer<D>, bufs: &Bufs<D>) -> Result<()> {
     let cfg = *ep.config();
     let (x, scales, idx, w) = bufs.tensors(&cfg)?;
-    let (expert, out) = (bufs.expert_tensor(comm, &cfg)?, bufs.out_tensor(&cfg)?);
+    let (expert, out) = (bufs.expert_tensor(comm, &cfg, 0)?, bufs.out_tensor(&cfg, 0)?);
     let call = Call::new();
     let max = cfg.max_tokens_per_rank;
     let n = max.min(3);
@@ -643,15 +675,48 @@ fn ep_suite<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &SuiteCon
         let bufs = Bufs::new(comm, &ep_cfg)?;
         for round in 0..4 {
             let seed = cfg.seed ^ (k as u64) << 32 ^ round as u64;
-            round_trip(comm, &mut c, &ep, &bufs, &format!("{case} round {round}"), seed, &|r| {
-                tokens_for(&ep_cfg, round, r)
-            })?;
+            let tokens = |r| tokens_for(&ep_cfg, round, r);
+            let case = format!("{case} round {round}");
+            round_trip(
+                comm,
+                &mut c,
+                &ep,
+                &bufs,
+                Round {
+                    case,
+                    seed,
+                    tokens: &tokens,
+                    shift: 0,
+                },
+            )?;
         }
-        // Every rank sends nothing; then every rank sends its maximum.
-        round_trip(comm, &mut c, &ep, &bufs, &format!("{case} all empty"), 0x11, &|_| 0)?;
-        round_trip(comm, &mut c, &ep, &bufs, &format!("{case} all full"), 0x12, &|_| {
-            ep_cfg.max_tokens_per_rank
-        })?;
+        // Every rank sends nothing; then every rank sends its maximum; then
+        // odd ranks combine from and into tensors at an odd element (only
+        // 2-byte aligned), so ranks' pointers differ in alignment.
+        let (none, full) = (|_| 0, |_| ep_cfg.max_tokens_per_rank);
+        let rounds = [
+            Round {
+                case: format!("{case} all empty"),
+                seed: 0x11,
+                tokens: &none,
+                shift: 0,
+            },
+            Round {
+                case: format!("{case} all full"),
+                seed: 0x12,
+                tokens: &full,
+                shift: 0,
+            },
+            Round {
+                case: format!("{case} odd ranks unaligned"),
+                seed: 0x13,
+                tokens: &full,
+                shift: rank % 2,
+            },
+        ];
+        for round in rounds {
+            round_trip(comm, &mut c, &ep, &bufs, round)?;
+        }
         graphs(comm, &mut c, &ep, &bufs, &case, cfg)?;
         bad_inputs(comm, &mut c, &ep, &bufs)?;
         ep.free()?;
