@@ -203,13 +203,6 @@ FC_DEVICE fc_u32 run_count(fc_u64 run, fc_u32 r) {
 }
 
 // Packed counts: rank r's 16 bits at 16 * (r % 4) of lo for r < 4, of hi above.
-FC_DEVICE void count_bits(fc_u32 mask, fc_u64& lo, fc_u64& hi) {
-#pragma unroll
-    for (fc_u32 r = 0; r < 4u; ++r) {
-        lo += (fc_u64)((mask >> r) & 1u) << (16u * r);
-        hi += (fc_u64)((mask >> (r + 4u)) & 1u) << (16u * r);
-    }
-}
 FC_DEVICE fc_u32 count_of(fc_u64 lo, fc_u64 hi, fc_u32 r) {
     return (fc_u32)((r < 4u ? lo : hi) >> (16u * (r & 3u))) & 0xFFFFu;
 }

@@ -717,26 +717,18 @@ static void run(Session& g) {
     for (auto& t : ranks) t.join();
 }
 
-static int compare16(const std::string& where, const char* what, const fc_u16* got, const std::vector<fc_u16>& want,
-                     size_t hidden) {
+// got against want, element for element; the first difference and the count
+// are printed (hex, two digits a byte of the element).
+template <class E>
+static int compare(const std::string& where, const char* what, const E* got, const std::vector<E>& want,
+                   size_t hidden) {
     size_t bad = 0, first = 0;
     for (size_t i = 0; i < want.size(); ++i)
         if (got[i] != want[i] && bad++ == 0) first = i;
     if (bad)
-        std::printf("FAIL %s: %s element %zu (row %zu col %zu): got 0x%04x want 0x%04x (%zu of %zu differ)\n",
-                    where.c_str(), what, first, first / hidden, first % hidden, got[first], want[first], bad,
-                    want.size());
-    return bad ? 1 : 0;
-}
-static int compare8(const std::string& where, const char* what, const fc_u8* got, const std::vector<fc_u8>& want,
-                    size_t hidden) {
-    size_t bad = 0, first = 0;
-    for (size_t i = 0; i < want.size(); ++i)
-        if (got[i] != want[i] && bad++ == 0) first = i;
-    if (bad)
-        std::printf("FAIL %s: %s element %zu (row %zu col %zu): got 0x%02x want 0x%02x (%zu of %zu differ)\n",
-                    where.c_str(), what, first, first / hidden, first % hidden, got[first], want[first], bad,
-                    want.size());
+        std::printf("FAIL %s: %s element %zu (row %zu col %zu): got 0x%0*x want 0x%0*x (%zu of %zu differ)\n",
+                    where.c_str(), what, first, first / hidden, first % hidden, (int)(2 * sizeof(E)),
+                    (unsigned)got[first], (int)(2 * sizeof(E)), (unsigned)want[first], bad, want.size());
     return bad ? 1 : 0;
 }
 
@@ -756,16 +748,16 @@ static int verify(const Session& g) {
                 ++b;
             }
             const Buf& res = s.res_in_place ? d.resid_in : d.resid_out;
-            b += compare16(where, "residual_out", u16(res), d.want.res, s.hidden);
-            if (!s.res_in_place) b += compare16(where, "residual_in (an input)", u16(d.resid_in), d.resid0, s.hidden);
-            if (s.ar_out) b += compare16(where, "allreduce_out", u16(s.ar_in_place ? d.input : d.ar_out), d.want.ar,
+            b += compare(where, "residual_out", u16(res), d.want.res, s.hidden);
+            if (!s.res_in_place) b += compare(where, "residual_in (an input)", u16(d.resid_in), d.resid0, s.hidden);
+            if (s.ar_out) b += compare(where, "allreduce_out", u16(s.ar_in_place ? d.input : d.ar_out), d.want.ar,
                                          s.hidden);
-            if (!s.ar_in_place) b += compare16(where, "input", u16(d.input), d.in0, s.hidden);
+            if (!s.ar_in_place) b += compare(where, "input", u16(d.input), d.in0, s.hidden);
             if (s.pat != FU_PAT_RES) {
-                b += compare16(where, "weight (an input)", u16(d.weight), d.weight0, s.hidden);
-                if (s.norm_out) b += compare16(where, "norm_out", u16(d.norm_out), d.want.norm, s.hidden);
+                b += compare(where, "weight (an input)", u16(d.weight), d.weight0, s.hidden);
+                if (s.norm_out) b += compare(where, "norm_out", u16(d.norm_out), d.want.norm, s.hidden);
             }
-            if (s.pat >= FU_PAT_RMS_FP8) b += compare8(where, "quant_out", d.quant_out.data, d.want.quant, s.hidden);
+            if (s.pat >= FU_PAT_RMS_FP8) b += compare(where, "quant_out", d.quant_out.data, d.want.quant, s.hidden);
             if (s.pat == FU_PAT_RMS_FP8 && std::memcmp(d.scale.data, &s.static_scale, 4) != 0) {
                 std::printf("FAIL %s: the static scale (an input) changed\n", where.c_str());
                 ++b;
