@@ -45,7 +45,7 @@ fn flag(a: &EpArgs, word: usize) -> DevicePtr {
     a.flags.offset(8 * word)
 }
 
-/// The ranks token `t` goes to (the kernels' `dest_mask`).
+/// The ranks token `t` goes to (one token of the kernels' `chunk_masks`).
 ///
 /// # Safety
 /// `a.topk_idx` holds `num_tokens * topk` i32.
