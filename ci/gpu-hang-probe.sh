@@ -8,8 +8,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(cd "${1:-.carry/bin}" && pwd)"
 BUDGET="${2:-300}"
-shift 2 || true
-FILTERS=("${@:-cuda_threads::}")
+# Shift what was given of the two (a lone BIN_DIR must not become a filter).
+shift $(($# < 2 ? $# : 2))
+# An empty FILTER ("") is libtest's "every test"; none at all is the default.
+FILTERS=("${@-cuda_threads::}")
 OUTDIR="${OUT:-./gpu-logs}"
 mkdir -p "$OUTDIR"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
