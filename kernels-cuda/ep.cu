@@ -346,20 +346,24 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
     fc_u64* flags = flag_words(a);
     fc_u64 epoch = fc_ld_volatile_u64(flags + FC_EP_FLAG_EPOCH);
     const fc_u32 t = fc_thread_id();
+    // Block 0's thread t < world: the rows this rank sends rank t.
+    const bool counter = fc_block_id() == 0 && t < world;
+    fc_i32 sends = 0;
+    if (!LAYOUT && counter) sends = fc_load(fc_ptr<const fc_i32>(a.send_counts) + t);
     if (LAYOUT) {
         // This kernel's own layout (one chunk): every block scans every
         // token; block 0 bumps the epoch (after all its threads read it:
-        // the scan's barriers) and stores the counts; the warp of a token's
+        // the scan's barriers) and keeps the counts; the warp of a token's
         // piece 0 stores its slots, for the combine.
         fc_u64 run, lo, hi, own_lo, own_hi;
         const fc_u32 active = layout_scan(a, 0u, sh, run, lo, hi, own_lo, own_hi);
         epoch += 1u;
         if (fc_block_id() == 0 && t == 0) fc_st_volatile_u64(flags + FC_EP_FLAG_EPOCH, epoch);
-        if (fc_block_id() == 0 && t < FC_MAX_RANKS) {
-            const fc_u32 n = active == 0 ? 0u : count_of(sh.scan[0][active - 1u], sh.scan[1][active - 1u], t);
-            fc_store(fc_ptr<fc_i32>(a.send_counts) + t, t < world ? (fc_i32)n : 0); // read back by this thread
-        }
+        if (counter && active != 0) sends = (fc_i32)count_of(sh.scan[0][active - 1u], sh.scan[1][active - 1u], t);
+        if (fc_block_id() == 0 && t < FC_MAX_RANKS) fc_store(fc_ptr<fc_i32>(a.send_counts) + t, sends); // for the caller
     }
+    // The counts go out first (the signal below covers them).
+    if (counter) fc_store(fc_remote_ptr(ctx, t, fc_ptr<fc_i32>(a.recv_counts) + me), sends);
     const Warps w = grid_warps();
     const fc_i32* idx = fc_ptr<fc_i32>(a.topk_idx);
     const fc_u32* weights = fc_ptr<fc_u32>(a.topk_weights); // f32 bits, passed through
@@ -381,6 +385,22 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
             const fc_u64 i = (fc_u64)k * fc_warp_size() + w.lane;
             if (i < vecs) v[k] = fc_load16(src + at + i * 16u);
         }
+        // Piece 0's warp: the token's first warp-wide run of ids and
+        // weights, and its fp8 scales, loaded once with the piece, not
+        // again for each destination.
+        fc_i32 e0 = -1;
+        fc_u32 w0 = 0;
+        fc_vec16 sc = {};
+        const bool sc16 = a.payload == FC_EP_PAYLOAD_FP8 && ((a.scales | scale_bytes) & 15u) == 0 &&
+                          scale_bytes <= 16u * fc_warp_size();
+        if (piece == 0) {
+            if (w.lane < a.topk) {
+                e0 = fc_load(idx + (fc_u64)tok * a.topk + w.lane);
+                w0 = fc_load(weights + (fc_u64)tok * a.topk + w.lane);
+            }
+            if (sc16 && w.lane * 16u < scale_bytes)
+                sc = fc_load16(fc_ptr<const char>(a.scales) + (fc_u64)tok * scale_bytes + w.lane * 16u);
+        }
 #pragma unroll
         for (fc_u32 r = 0; r < FC_MAX_RANKS; ++r) {
             if (r >= world) continue;
@@ -399,14 +419,19 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
                 put_piece(ctx, r, dst, src, a.row_bytes, piece);
             }
             if (piece != 0) continue;
-            if (a.payload == FC_EP_PAYLOAD_FP8)
+            if (sc16) {
+                if (w.lane * 16u < scale_bytes)
+                    fc_store16(fc_remote_ptr(ctx, r, fc_ptr<char>(a.recv_scales) + row * scale_bytes + w.lane * 16u), sc);
+            } else if (a.payload == FC_EP_PAYLOAD_FP8) {
                 fc_put_warp(ctx, r, fc_ptr<char>(a.recv_scales) + row * scale_bytes,
                             fc_ptr<const char>(a.scales) + (fc_u64)tok * scale_bytes, scale_bytes);
+            }
             // The ids as rank r sees them: its own experts' local ids, -1 elsewhere.
             for (fc_u32 k = w.lane; k < a.topk; k += fc_warp_size()) {
-                const fc_i32 e = fc_load(idx + (fc_u64)tok * a.topk + k);
+                const bool first_run = k == w.lane;
+                const fc_i32 e = first_run ? e0 : fc_load(idx + (fc_u64)tok * a.topk + k);
                 const bool mine = e >= 0 && (fc_u32)e < a.num_experts && (fc_u32)e / per_rank == r;
-                const fc_u32 wbits = fc_load(weights + (fc_u64)tok * a.topk + k);
+                const fc_u32 wbits = first_run ? w0 : fc_load(weights + (fc_u64)tok * a.topk + k);
                 fc_store(fc_remote_ptr(ctx, r, fc_ptr<fc_i32>(a.recv_idx) + row * a.topk + k),
                          mine ? (fc_i32)((fc_u32)e - r * per_rank) : -1);
                 fc_store(fc_remote_ptr(ctx, r, fc_ptr<fc_u32>(a.recv_weights) + row * a.topk + k), mine ? wbits : 0u);
@@ -414,8 +439,6 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
             if (w.lane == 0) fc_store(fc_remote_ptr(ctx, r, fc_ptr<fc_i32>(a.recv_src) + row), (fc_i32)tok);
         }
     }
-    if (fc_block_id() == 0 && t < world)
-        fc_store(fc_remote_ptr(ctx, t, fc_ptr<fc_i32>(a.recv_counts) + me), fc_load(fc_ptr<fc_i32>(a.send_counts) + t));
     fc_barrier();
     block_signal(a, FC_EP_FLAG_DISPATCH, 1u);
     if (fc_block_id() == 0 && t < world)
@@ -443,31 +466,42 @@ FC_HEAP_KERNEL(fc_ep_dispatch_layout, FcEpArgs) { fc_ep::dispatch<true>(a); }
 // round trip and no second launch between the puts and the sum; a token's row
 // at this rank is read from expert_out where it lies, never copied. Its
 // blocks wait for each other's rows, so they must be resident together: the
-// host caps the grid at the multiprocessors, and a block puts all its rows
-// before it waits for any. Otherwise fc_ep_combine puts plain rows (this
+// host caps the grid at the multiprocessors, and putting blocks never wait
+// for rows. Otherwise fc_ep_combine puts plain rows (this
 // rank's own too), block 0 waits for every rank's flag, and
 // fc_ep_combine_reduce, next on the stream, sums them and gives the packs
 // back to the inbox.
 //
-// Both end as the dispatch does: the putters add to every rank's combine flag
-// for this rank after their puts (each putting warp 1, after a warp
-// barrier; each block of the plain kernel as many, after a block barrier),
-// and block 0 waits until every rank's flag reaches epoch * grid * putting
-// warps a block, so when a
+// Both end as the dispatch does: after a block barrier, each block adds
+// P = put_warps_per_block() to every rank's combine flag for this rank, and
+// block 0 waits until every rank's flag reaches epoch * grid * P, so when a
 // combine ends every rank has put all its rows, and read its dispatch regions
 // for the last time before the next dispatch writes them.
 
 namespace fc_ep {
 
-// The combine's warps in two roles, so that the sums run while the puts do:
-// the first half of each block's warps put rows, the second half sum (a
-// block of one warp does both, in turn). Ids and counts span the grid.
+// The combine's blocks in two roles, so that the sums run while the puts do:
+// the first FC_EP_PUT_EIGHTHS eighths of the grid put rows, the rest sum (a
+// grid of one block does both, in turn). Whole blocks, not half of each
+// block's warps (session 10): a putting warp's stores to a peer drain at the
+// link's pace, and a summing warp's loads on the same multiprocessor queued
+// behind them, so at 4096 tokens the sums ended ~100 us after the puts (2x
+// H200, session 11's phase stamps). Ids and counts span the role's blocks.
+// Eighths of the grid that put: fewer putting blocks still keep the link
+// busy, and more summing blocks keep up with it. 2x H200, us a dispatch +
+// combine at 4096 tokens a rank, bf16 / fp8 (session 11, calls g and h, one
+// job each): 5/8 418.32 / 333.39, 4/8 370.46 / 296.84, 3/8 363.22 / 291.26
+// and 363.02 / 289.79, 2/8 355.35 / 284.64; below 512 tokens all level.
+#ifndef FC_EP_PUT_EIGHTHS
+#define FC_EP_PUT_EIGHTHS 2u
+#endif
 struct Roles {
     bool put, sum;
     fc_u32 lane, put_id, put_count, sum_id, sum_count;
 };
-// Putting warps per block: each adds 1 to every rank's combine flag, so a
-// combine adds grid * this to each.
+// What each block adds to every rank's combine flag (both kinds of combine
+// add the same, so they may alternate): half its warps, the putting warps a
+// block had while the warps of each block split the roles (session 10).
 FC_DEVICE fc_u32 put_warps_per_block() {
     const fc_u32 ws = fc_warp_size();
     const fc_u32 per_block = (fc_block_threads() + ws - 1u) / ws;
@@ -476,17 +510,18 @@ FC_DEVICE fc_u32 put_warps_per_block() {
 FC_DEVICE Roles combine_roles() {
     const fc_u32 ws = fc_warp_size();
     const fc_u32 per_block = (fc_block_threads() + ws - 1u) / ws;
-    const fc_u32 np = put_warps_per_block();
-    const fc_u32 ns = per_block >= 2u ? per_block - np : per_block;
     const fc_u32 wib = fc_thread_id() / ws;
+    const fc_u32 g = fc_grid_blocks(), b = fc_block_id();
+    fc_u32 gp = g * FC_EP_PUT_EIGHTHS / 8u; // putting blocks: at least one, and one left to sum
+    gp = g < 2u ? g : gp < 1u ? 1u : gp > g - 1u ? g - 1u : gp;
     Roles r;
     r.lane = fc_lane_id();
-    r.put = per_block < 2u || wib < np;
-    r.sum = per_block < 2u || wib >= np;
-    r.put_id = fc_block_id() * np + (r.put ? wib : 0u);
-    r.put_count = fc_grid_blocks() * np;
-    r.sum_id = fc_block_id() * ns + (per_block < 2u ? wib : (r.sum ? wib - np : 0u));
-    r.sum_count = fc_grid_blocks() * ns;
+    r.put = g < 2u || b < gp;
+    r.sum = g < 2u || b >= gp;
+    r.put_id = (r.put ? b : 0u) * per_block + wib;
+    r.put_count = gp * per_block;
+    r.sum_id = (g < 2u ? b : (r.sum ? b - gp : 0u)) * per_block + wib;
+    r.sum_count = (g < 2u ? g : g - gp) * per_block;
     return r;
 }
 
@@ -602,13 +637,6 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
                 }
             }
         }
-        // The warp's puts, then its signals (the warp barrier makes lane r's
-        // release cover every lane's puts). The block's last putting warp
-        // signalling for the block, through a local count, was tried: the
-        // combine then took 100 to 300 us now and then (2x H100, session
-        // 10), with the count at device or at system scope.
-        fc_warp_sync();
-        if (w.lane < world) fc_signal_add(ctx, w.lane, fc_ep::flag_words(a) + FC_EP_FLAG_COMBINE + me, 1u);
     }
 
     if (w.sum) {
@@ -622,32 +650,60 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
         const fc_u64 pieces = (row_bytes + piece - 1u) / piece;
         const fc_u64 units = (fc_u64)a.num_tokens * pieces;
         bool failed = false;
+        // A unit's slots are loaded one unit ahead.
+        fc_ep::Slots sl_next;
+        if (w.sum_id < units) sl_next = fc_ep::load_slots(a, (fc_u32)(w.sum_id / pieces));
         for (fc_u64 u = w.sum_id; u < units && !failed; u += w.sum_count) {
             const fc_u32 tok = (fc_u32)(u / pieces);
             const fc_u64 c0 = (u % pieces) * piece + (fc_u64)w.lane * 16u;
-            const fc_ep::Slots sl = fc_ep::load_slots(a, tok);
+            const fc_ep::Slots sl = sl_next;
+            if (u + w.sum_count < units) sl_next = fc_ep::load_slots(a, (fc_u32)((u + w.sum_count) / pieces));
             const fc_u32 mask = fc_ep::sent_mask(sl, world);
+            // This rank's own packs and the first other rank's first look
+            // are issued together, before the sum in rank order takes them
+            // (at world 2, every load of the unit at once).
+            fc_u32 other = world; // the lowest rank of the mask but this one
+#pragma unroll
+            for (fc_u32 r = FC_MAX_RANKS; r-- > 0;)
+                if (r != me && ((mask >> r) & 1u)) other = r;
+            fc_vec16 own[FC_EP_SUM_PACKS], pre[FC_EP_SUM_PACKS];
+            fc_u32 pre_pending = 0;
+            if ((mask >> me) & 1u) {
+                const char* rows = expert + ((fc_u64)me * a.max_tokens + (fc_u32)fc_ep::slot_at(sl, me)) * row_bytes;
+#pragma unroll
+                for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
+                    if (c0 + (fc_u64)k * step < row_bytes) own[k] = fc_ep::load16_any(rows + c0 + (fc_u64)k * step, x16);
+            }
+            if (other < world) {
+                const char* rows = inbox + (fc_u64)other * rank_stride + (fc_u64)tok * row_bytes;
+#pragma unroll
+                for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
+                    if (c0 + (fc_u64)k * step < row_bytes && !lamport_load(rows + c0 + (fc_u64)k * step, pre[k]))
+                        pre_pending |= 1u << k;
+            }
             float acc[FC_EP_SUM_PACKS][8];
             bool first = true;
 #pragma unroll 1
             for (fc_u32 r = 0; r < world && !failed; ++r) {
                 if (!((mask >> r) & 1u)) continue;
-                fc_vec16 v[FC_EP_SUM_PACKS];
-                fc_u32 pending = 0;
-                const char* rows = r == me ? expert + ((fc_u64)me * a.max_tokens + (fc_u32)fc_ep::slot_at(sl, r)) * row_bytes
-                                           : inbox + (fc_u64)r * rank_stride + (fc_u64)tok * row_bytes;
+                if (r == me) {
 #pragma unroll
-                for (int k = 0; k < FC_EP_SUM_PACKS; ++k) {
-                    const fc_u64 c = c0 + (fc_u64)k * step;
-                    if (c >= row_bytes) continue;
-                    if (r == me) {
-                        v[k] = fc_ep::load16_any(rows + c, x16);
-                    } else if (!lamport_load(rows + c, v[k])) {
-                        pending |= 1u << k;
-                    }
+                    for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
+                        if (c0 + (fc_u64)k * step < row_bytes) fc_ep::add_pack(acc[k], own[k], first);
+                    first = false;
+                    continue;
+                }
+                // `pre` holds the first other rank's look; later ranks reuse it.
+                const char* rows = inbox + (fc_u64)r * rank_stride + (fc_u64)tok * row_bytes;
+                if (r != other) {
+                    pre_pending = 0;
+#pragma unroll
+                    for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
+                        if (c0 + (fc_u64)k * step < row_bytes && !lamport_load(rows + c0 + (fc_u64)k * step, pre[k]))
+                            pre_pending |= 1u << k;
                 }
                 fc_detail::Spin spin;
-                for (fc_u32 i = 0; pending != 0; ++i) {
+                for (fc_u32 i = 0; pre_pending != 0; ++i) {
                     if (i == FC_EP_PRESPIN) spin = fc_detail::spin_start();
                     if (i >= FC_EP_PRESPIN && fc_detail::give_up(ctx, spin, fc_detail::rank_bit(r))) {
                         failed = true;
@@ -655,11 +711,12 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
                     }
 #pragma unroll
                     for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
-                        if (((pending >> k) & 1u) && lamport_load(rows + c0 + (fc_u64)k * step, v[k])) pending &= ~(1u << k);
+                        if (((pre_pending >> k) & 1u) && lamport_load(rows + c0 + (fc_u64)k * step, pre[k]))
+                            pre_pending &= ~(1u << k);
                 }
 #pragma unroll
                 for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
-                    if (c0 + (fc_u64)k * step < row_bytes) fc_ep::add_pack(acc[k], v[k], first);
+                    if (c0 + (fc_u64)k * step < row_bytes) fc_ep::add_pack(acc[k], pre[k], first);
                 first = false;
             }
             if (failed) break;
@@ -673,6 +730,16 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
             }
         }
     }
+    // The block's puts and sums, then its signals, as many as the plain
+    // combine adds, so the two kinds may alternate. A signal per putting
+    // warp right after its puts (session 10) cost more than it gained: at 1
+    // token the 1024 warps' atomics on each rank's one flag word took ~4 us
+    // (2x H200, session 11's phase stamps), and at 4096 tokens the sums end
+    // ~100 us after the puts anyway. A block's last putting warp signalling
+    // through a local count made the combine take 100-300 us now and then
+    // (2x H100, session 10).
+    fc_barrier();
+    fc_ep::block_signal(a, FC_EP_FLAG_COMBINE, fc_ep::put_warps_per_block());
     fc_ep::combine_wait(a);
 }
 
