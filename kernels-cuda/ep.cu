@@ -734,8 +734,8 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
     // combine adds, so the two kinds may alternate. A signal per putting
     // warp right after its puts (session 10) cost more than it gained: at 1
     // token the 1024 warps' atomics on each rank's one flag word took ~4 us
-    // (2x H200, session 11's phase stamps), and at 4096 tokens the sums end
-    // ~100 us after the puts anyway. A block's last putting warp signalling
+    // (2x H200, session 11's phase stamps), and the kernel ends after its
+    // sums anyway. A block's last putting warp signalling
     // through a local count made the combine take 100-300 us now and then
     // (2x H100, session 10).
     fc_barrier();
