@@ -25,6 +25,8 @@
 #define FC_EP_FLAG_DISPATCH 0u                  // [s]: blocks of source s's dispatches that landed here
 #define FC_EP_FLAG_COMBINE FC_MAX_RANKS         // [r]: blocks of rank r's combines that landed here
 #define FC_EP_FLAG_EPOCH (2u * FC_MAX_RANKS)    // this rank's dispatches so far (local)
+#define FC_EP_FLAG_SEEN (2u * FC_MAX_RANKS + 1u) // [s]: recv_counts[s] as the last dispatch saw it (local)
+#define FC_EP_FLAG_PLAIN (3u * FC_MAX_RANKS + 1u) // this rank's plain (two-kernel) combines so far (local)
 
 struct FcEpArgs {
     FcDevCtx ctx;
@@ -72,6 +74,16 @@ FC_DEVICE Warps grid_warps() {
 }
 
 FC_DEVICE fc_u64* flag_words(const FcEpArgs& a) { return fc_ptr<fc_u64>(a.flags); }
+
+// Every EP kernel's first step. The host launches them as programmatic
+// dependents where it can (LaunchConfig::dependent): the stream's next
+// kernel may be scheduled at once, and this one waits for the previous to
+// end before it touches memory, so the ~1.3 us between two kernels of a
+// graph (2x H200, session 11) overlap with the previous kernel's end.
+FC_DEVICE void begin() {
+    fc_grid_dep_launch();
+    fc_grid_dep_wait();
+}
 
 // A block is done putting: every thread of it made its puts before a block
 // barrier; thread r < world then adds v to rank r's flag word `word` + this
@@ -283,6 +295,7 @@ FC_DEVICE void store_slots(const FcEpArgs& a, fc_u32 tok, const Slots& s) {
 } // namespace fc_ep
 
 FC_HEAP_KERNEL(fc_ep_layout, FcEpArgs) {
+    fc_ep::begin();
     __shared__ fc_ep::LayoutShared sh;
     __shared__ fc_u32 base[FC_MAX_RANKS];
     const fc_u32 t = fc_thread_id(), nt = fc_block_threads();
@@ -441,17 +454,29 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
     }
     fc_barrier();
     block_signal(a, FC_EP_FLAG_DISPATCH, 1u);
-    if (fc_block_id() == 0 && t < world)
-        wait_ge(ctx, flags + FC_EP_FLAG_DISPATCH + t, epoch * fc_grid_blocks(), t);
+    if (fc_block_id() == 0 && t < world) {
+        const bool landed = wait_ge(ctx, flags + FC_EP_FLAG_DISPATCH + t, epoch * fc_grid_blocks(), t);
+        // The combine counts rows from this copy, never from recv_counts:
+        // a combine ends without waiting for its peers, so a source's next
+        // dispatch may rewrite recv_counts while this rank's combine runs.
+        const fc_i32 n = landed ? fc_load(fc_ptr<const fc_i32>(a.recv_counts) + t) : 0;
+        fc_st_volatile_u64(flags + FC_EP_FLAG_SEEN + t, n > 0 ? (fc_u64)n : 0u);
+    }
 }
 
 } // namespace fc_ep
 
-FC_HEAP_KERNEL(fc_ep_dispatch, FcEpArgs) { fc_ep::dispatch<false>(a); }
+FC_HEAP_KERNEL(fc_ep_dispatch, FcEpArgs) {
+    fc_ep::begin();
+    fc_ep::dispatch<false>(a);
+}
 // The dispatch with its own layout, for up to FC_EP_LAYOUT_RUN tokens a
 // thread (one chunk): no layout kernel before it (3.7 to 4.4 us up to 128
 // tokens on 2x H100, session 10).
-FC_HEAP_KERNEL(fc_ep_dispatch_layout, FcEpArgs) { fc_ep::dispatch<true>(a); }
+FC_HEAP_KERNEL(fc_ep_dispatch_layout, FcEpArgs) {
+    fc_ep::begin();
+    fc_ep::dispatch<true>(a);
+}
 
 // Combine. Each expert rank sends every received row back to its source,
 // into the source's inbox for that rank at the token's own index; the source
@@ -472,11 +497,21 @@ FC_HEAP_KERNEL(fc_ep_dispatch_layout, FcEpArgs) { fc_ep::dispatch<true>(a); }
 // fc_ep_combine_reduce, next on the stream, sums them and gives the packs
 // back to the inbox.
 //
-// Both end as the dispatch does: after a block barrier, each block adds
-// P = put_warps_per_block() to every rank's combine flag for this rank, and
-// block 0 waits until every rank's flag reaches epoch * grid * P, so when a
-// combine ends every rank has put all its rows, and read its dispatch regions
-// for the last time before the next dispatch writes them.
+// The one-kernel combine ends when its sums do: no flag, no wait. A rank's
+// sums need every pack its peers send it, and a peer loads what it sends
+// (expert_out's rows, recv_src) before the pack leaves, so once a rank's
+// combine ends its peers have read all they will of the regions its next
+// dispatch writes; the row counts they combine from are their own copies
+// (FC_EP_FLAG_SEEN, taken by the dispatch), which no peer writes. A rank's
+// next combine puts into a peer's inbox only after that peer's next
+// dispatch, which follows its sums that emptied the inbox. Session 11's
+// phase stamps put the flag round trip that ended this kernel at ~3 us of a
+// 26 us dispatch + combine at 128 tokens (2x H200).
+//
+// The plain combine ends as the dispatch does: after a block barrier, each
+// block adds 1 to every rank's combine flag for this rank, and block 0
+// waits until every rank's flag reaches (plain combines so far) * grid, so
+// fc_ep_combine_reduce, next on the stream, finds every row in the inbox.
 
 namespace fc_ep {
 
@@ -499,14 +534,6 @@ struct Roles {
     bool put, sum;
     fc_u32 lane, put_id, put_count, sum_id, sum_count;
 };
-// What each block adds to every rank's combine flag (both kinds of combine
-// add the same, so they may alternate): half its warps, the putting warps a
-// block had while the warps of each block split the roles (session 10).
-FC_DEVICE fc_u32 put_warps_per_block() {
-    const fc_u32 ws = fc_warp_size();
-    const fc_u32 per_block = (fc_block_threads() + ws - 1u) / ws;
-    return per_block >= 2u ? per_block / 2u : per_block;
-}
 FC_DEVICE Roles combine_roles() {
     const fc_u32 ws = fc_warp_size();
     const fc_u32 per_block = (fc_block_threads() + ws - 1u) / ws;
@@ -525,16 +552,24 @@ FC_DEVICE Roles combine_roles() {
     return r;
 }
 
-// Block 0's first warp, last: wait until every rank's combine flag for us
-// reaches epoch * grid * put_warps_per_block().
-FC_DEVICE void combine_wait(const FcEpArgs& a) {
+// The plain combine's end, every thread of every block: block barrier,
+// signal, and block 0 waits until every rank's combine flag for us reaches
+// (plain combines so far, this one included) * grid, then counts this one.
+FC_DEVICE void plain_combine_end(const FcEpArgs& a) {
+    fc_barrier();
+    block_signal(a, FC_EP_FLAG_COMBINE, 1u);
+    if (fc_block_id() != 0) return;
     const FcDevCtx& ctx = a.ctx;
     const fc_u32 t = fc_thread_id();
-    if (fc_block_id() != 0 || t >= ctx.world) return;
     fc_u64* flags = flag_words(a);
-    const fc_u64 epoch = fc_ld_volatile_u64(flags + FC_EP_FLAG_EPOCH);
-    wait_ge(ctx, flags + FC_EP_FLAG_COMBINE + t, epoch * fc_grid_blocks() * put_warps_per_block(), t);
+    const fc_u64 n = fc_ld_volatile_u64(flags + FC_EP_FLAG_PLAIN) + 1u;
+    if (t < ctx.world) wait_ge(ctx, flags + FC_EP_FLAG_COMBINE + t, n * fc_grid_blocks(), t);
+    fc_barrier(); // every thread has read the count before it changes
+    if (t == 0) fc_st_volatile_u64(flags + FC_EP_FLAG_PLAIN, n);
 }
+
+// Rows received from source s by the last dispatch (its copy, see above).
+FC_DEVICE fc_u64 seen_rows(const FcEpArgs& a, fc_u32 s) { return fc_ld_volatile_u64(flag_words(a) + FC_EP_FLAG_SEEN + s); }
 
 // The ranks token t's rows come back from (its slots' bits).
 FC_DEVICE fc_u32 sent_mask(const Slots& sl, fc_u32 world) {
@@ -595,6 +630,7 @@ FC_DEVICE fc_vec16 round_pack(const float (&acc)[8], bool none) {
 #define FC_EP_SUM_PACKS 4
 
 FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
+    fc_ep::begin();
     const FcDevCtx& ctx = a.ctx;
     const fc_u32 me = ctx.rank, world = ctx.world;
     const fc_ep::Roles w = fc_ep::combine_roles();
@@ -610,13 +646,11 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
         // piece are loaded together. Plain 16-byte stores, as the dispatch's:
         // each 32-bit element is single-copy atomic, which is all a Lamport
         // reader needs (it checks every 16-bit half).
-        const fc_i32* counts = fc_ptr<fc_i32>(a.recv_counts);
         const fc_i32* src = fc_ptr<fc_i32>(a.recv_src);
         const fc_u64 pieces = fc_ep::pieces_of(row_bytes);
         for (fc_u32 s = 0; s < world; ++s) {
             if (s == me) continue;
-            const fc_i32 n = fc_load(counts + s);
-            const fc_u64 units = n > 0 ? (fc_u64)n * pieces : 0u;
+            const fc_u64 units = fc_ep::seen_rows(a, s) * pieces;
             for (fc_u64 u = w.put_id; u < units; u += w.put_count) {
                 const fc_u64 row = (fc_u64)s * a.max_tokens + u / pieces;
                 const fc_u64 at = (u % pieces) * fc_ep::piece_bytes();
@@ -730,32 +764,22 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
             }
         }
     }
-    // The block's puts and sums, then its signals, as many as the plain
-    // combine adds, so the two kinds may alternate. A signal per putting
-    // warp right after its puts (session 10) cost more than it gained: at 1
-    // token the 1024 warps' atomics on each rank's one flag word took ~4 us
-    // (2x H200, session 11's phase stamps), and the kernel ends after its
-    // sums anyway. A block's last putting warp signalling
-    // through a local count made the combine take 100-300 us now and then
-    // (2x H100, session 10).
-    fc_barrier();
-    fc_ep::block_signal(a, FC_EP_FLAG_COMBINE, fc_ep::put_warps_per_block());
-    fc_ep::combine_wait(a);
+    // No signal and no wait: see "The one-kernel combine ends when its sums
+    // do" above.
 }
 
 // The plain combine's puts (see above): a warp per piece of a received row,
 // this rank's own rows included.
 FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
+    fc_ep::begin();
     const FcDevCtx& ctx = a.ctx;
     const fc_u32 me = ctx.rank, world = ctx.world;
     const fc_ep::Warps w = fc_ep::grid_warps();
     const fc_u64 row_bytes = (fc_u64)a.hidden * 2u;
-    const fc_i32* counts = fc_ptr<fc_i32>(a.recv_counts);
     const fc_i32* src = fc_ptr<fc_i32>(a.recv_src);
     const fc_u64 pieces = fc_ep::pieces_of(row_bytes);
     for (fc_u32 s = 0; s < world; ++s) {
-        const fc_i32 n = fc_load(counts + s);
-        const fc_u64 units = n > 0 ? (fc_u64)n * pieces : 0u;
+        const fc_u64 units = fc_ep::seen_rows(a, s) * pieces;
         for (fc_u64 u = w.id; u < units; u += w.count) {
             const fc_u64 row = (fc_u64)s * a.max_tokens + u / pieces;
             const fc_i32 tok = fc_load(src + row);
@@ -764,11 +788,7 @@ FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
                              fc_ptr<const char>(a.x) + row * row_bytes, row_bytes, u % pieces);
         }
     }
-    // The block's puts, then its signals: put_warps_per_block() each, as
-    // the one-kernel combine's warps add, so the two kinds may alternate.
-    fc_barrier();
-    fc_ep::block_signal(a, FC_EP_FLAG_COMBINE, fc_ep::put_warps_per_block());
-    fc_ep::combine_wait(a);
+    fc_ep::plain_combine_end(a);
 }
 
 // The plain combine's sums (see above): a warp per warp-wide piece of a
@@ -776,6 +796,7 @@ FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
 // every rank's piece loaded at once, with the slots; the inbox rows read are
 // filled with 0xff again.
 FC_HEAP_KERNEL(fc_ep_combine_reduce, FcEpArgs) {
+    fc_ep::begin();
     const fc_u32 world = a.ctx.world;
     const fc_ep::Warps w = fc_ep::grid_warps();
     const fc_u64 row_bytes = (fc_u64)a.hidden * 2u;

@@ -125,6 +125,23 @@ FC_DEVICE void fc_barrier() { __syncthreads(); }
 // Barrier that also returns whether any thread of the block passed `pred != 0`.
 FC_DEVICE bool fc_barrier_or(bool pred) { return __syncthreads_or(pred ? 1 : 0) != 0; }
 
+// Programmatic dependent launch (sm_90 and up; no-ops below, and on HIP).
+// A kernel launched with LaunchConfig::dependent may start while the
+// stream's previous kernel still runs: fc_grid_dep_wait() returns once that
+// kernel has ended and its writes are visible, so it goes before the first
+// memory access. fc_grid_dep_launch() lets the stream's next (dependent)
+// kernel be scheduled once every block of this one has run it or exited.
+FC_DEVICE void fc_grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+FC_DEVICE void fc_grid_dep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------
 // Addresses.
 template <class T>

@@ -198,6 +198,11 @@ FC_DEVICE bool fc_barrier_or(bool pred) {
     return __hip_atomic_load(&fc_barrier_or_word, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP) != 0u;
 }
 
+// Programmatic dependent launch is CUDA's (prelude.cuh); HIP launches every
+// kernel after the previous one ends, so both are no-ops.
+FC_DEVICE void fc_grid_dep_wait() {}
+FC_DEVICE void fc_grid_dep_launch() {}
+
 // ---------------------------------------------------------------------------
 // Addresses. Integers from the params become generic (flat) pointers; the
 // loads and stores below cast them to the global address space.

@@ -90,6 +90,7 @@ pub(super) const DRIVER_SYMBOLS: &[&str] = &[
     "cuModuleGetFunction",
     "cuFuncLoad",
     "cuLaunchKernel",
+    "cuLaunchKernelEx",
 ];
 
 /// NVRTC entry points this backend needs.

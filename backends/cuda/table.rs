@@ -599,6 +599,11 @@ impl Driver for Cuda {
         s: RawStream,
     ) -> Result<()> {
         let func = f.0 as usize as sys::CUfunction;
+        if c.dependent {
+            // SAFETY: as below; the attribute array lives across the call,
+            // which reads it before returning.
+            return unsafe { launch_dependent(func, c, args, s) };
+        }
         // SAFETY: the caller's contract (function, arguments, module and stream).
         let r = unsafe {
             sys::cuLaunchKernel(
@@ -617,4 +622,39 @@ impl Driver for Cuda {
         };
         check("cuLaunchKernel", r)
     }
+}
+
+/// `cuLaunchKernelEx` with programmatic stream serialization allowed: the
+/// kernel may start before the stream's previous kernel ends (see
+/// [`LaunchConfig::dependent`]). The caller (the backend) asks for it only on
+/// compute capability 9.0 and up.
+///
+/// # Safety
+/// As `Driver::launch`'s (backends/gpu/vendor.rs).
+unsafe fn launch_dependent(
+    func: sys::CUfunction,
+    c: LaunchConfig,
+    args: &mut [*mut c_void; 1],
+    s: RawStream,
+) -> Result<()> {
+    // SAFETY: a plain C struct and union; all zeros is a valid value of each.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: c.grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: c.block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream(s),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: the caller's contract (function, arguments, module and
+    // stream); `config` and `attr` outlive the call.
+    let r = unsafe { sys::cuLaunchKernelEx(&config, func, args.as_mut_ptr(), null_mut()) };
+    check("cuLaunchKernelEx", r)
 }

@@ -657,7 +657,7 @@ mod tests {
             .collect()
     }
 
-    const CFG: LaunchConfig = LaunchConfig { grid: 1, block: 64 };
+    const CFG: LaunchConfig = LaunchConfig::new(1, 64);
 
     #[test]
     fn modules_load_in_the_background_and_a_captured_launch_waits() {

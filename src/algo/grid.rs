@@ -161,22 +161,16 @@ impl GridTable {
     pub fn grid(&self, kind: KernelKind, bytes: usize) -> LaunchConfig {
         if self.host {
             // A host kernel is one "block": the protocol with gridDim = 1.
-            return LaunchConfig { grid: 1, block: 1 };
+            return LaunchConfig::new(1, 1);
         }
         let rule = self.rule(kind);
         if bytes <= rule.solo_bytes {
-            return LaunchConfig {
-                grid: 1,
-                block: BLOCK_THREADS,
-            };
+            return LaunchConfig::new(1, BLOCK_THREADS);
         }
         let blocks = bytes
             .div_ceil(rule.bytes_per_block)
             .clamp(1, rule.max_blocks.min(self.cap) as usize) as u32;
-        LaunchConfig {
-            grid: blocks,
-            block: BLOCK_THREADS,
-        }
+        LaunchConfig::new(blocks, BLOCK_THREADS)
     }
 }
 
@@ -210,9 +204,6 @@ mod tests {
         let small = GridTable::new(&facts(BackendKind::Cuda, 78)).unwrap();
         assert_eq!(small.grid(KernelKind::TwoShot, 1 << 30).grid, 78);
         let host = GridTable::new(&facts(BackendKind::Host, 2)).unwrap();
-        assert_eq!(
-            host.grid(KernelKind::TwoShot, 1 << 30),
-            LaunchConfig { grid: 1, block: 1 }
-        );
+        assert_eq!(host.grid(KernelKind::TwoShot, 1 << 30), LaunchConfig::new(1, 1));
     }
 }

@@ -91,6 +91,11 @@ pub struct CommOptions {
     /// (`FERROCOMM_EP_PLAIN_COMBINE=1`; every rank alike). For comparison;
     /// off by default.
     pub ep_plain_combine: bool,
+    /// Launch the EP kernels as programmatic dependents of the stream's
+    /// previous kernel, so that their blocks start while it ends (CUDA,
+    /// compute capability 9.0 and up; `FERROCOMM_EP_DEPENDENT_LAUNCH=0`
+    /// turns it off, for comparison). On by default.
+    pub ep_dependent_launch: bool,
 }
 
 impl Default for CommOptions {
@@ -111,6 +116,7 @@ impl Default for CommOptions {
             direct_min_bytes: None,
             ep_blocks: None,
             ep_plain_combine: false,
+            ep_dependent_launch: true,
         }
     }
 }
@@ -202,6 +208,9 @@ impl CommOptions {
         }
         if let Some(v) = env_var("FERROCOMM_EP_PLAIN_COMBINE") {
             o.ep_plain_combine = switch("FERROCOMM_EP_PLAIN_COMBINE", &v)?;
+        }
+        if let Some(v) = env_var("FERROCOMM_EP_DEPENDENT_LAUNCH") {
+            o.ep_dependent_launch = switch("FERROCOMM_EP_DEPENDENT_LAUNCH", &v)?;
         }
         if let Some(v) = env_var("FERROCOMM_QUICK_REDUCE") {
             o.quantization = v.parse()?;

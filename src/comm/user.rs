@@ -111,7 +111,7 @@ impl<D: Device> Communicator<D> {
                 module.name
             )));
         }
-        let config = LaunchConfig { grid, block };
+        let config = LaunchConfig::new(grid, block);
         self.submit(call, "user kernel", |s| {
             s.inner
                 .device

@@ -290,7 +290,7 @@ impl<D: Device> Window<D> {
         };
         self.comm.submit(call, kernel, |s| {
             let module = super::heap::heap_module(s.res, &s.inner.device, &WINDOWS)?;
-            let one = LaunchConfig { grid: 1, block: 32 };
+            let one = LaunchConfig::new(1, 32);
             s.inner
                 .device
                 .launch_raw(module, kernel, one, bytes_of(&args), s.stream)

@@ -7,8 +7,10 @@
 //! allow them.
 //!
 //! ```text
-//! flags         u64 [3 * MAX_RANKS]           [s] dispatch flag of source s, [8 + r] combine
-//!                                             flag of rank r, [16] this rank's epoch (local)
+//! flags         u64 [3 * MAX_RANKS + 2]       [s] dispatch flag of source s, [8 + r] combine
+//!                                             flag of rank r, [16] this rank's epoch, [17 + s]
+//!                                             recv_counts[s] as the last dispatch saw it, [25]
+//!                                             plain combines so far (all from 16 on local)
 //! recv_counts   i32 [MAX_RANKS]               rows received from each source
 //! send_counts   i32 [MAX_RANKS]               (local) tokens this rank sends to each rank
 //! recv_x        [world][max][row_bytes]       bf16 or fp8 rows, by source, in source order
@@ -38,8 +40,16 @@ pub(crate) const FLAG_DISPATCH: usize = 0;
 pub(crate) const FLAG_COMBINE: usize = MAX_RANKS;
 /// Flag words: this rank's dispatch count (its epoch), local.
 pub(crate) const FLAG_EPOCH: usize = 2 * MAX_RANKS;
+/// Flag words: `recv_counts[s]` as this rank's last dispatch saw it once
+/// every source had signalled (`FLAG_SEEN + s`), local. The combine counts
+/// rows from it: it ends without waiting for its peers, so a source's next
+/// dispatch may rewrite `recv_counts` while it runs.
+pub(crate) const FLAG_SEEN: usize = FLAG_EPOCH + 1;
+/// Flag words: this rank's plain (two-kernel) combines so far, local; the
+/// target of their flag waits.
+pub(crate) const FLAG_PLAIN: usize = FLAG_SEEN + MAX_RANKS;
 /// Bytes of the flag words.
-pub(crate) const FLAGS_BYTES: usize = 8 * (FLAG_EPOCH + 1);
+pub(crate) const FLAGS_BYTES: usize = 8 * (FLAG_PLAIN + 1);
 
 /// Byte offsets of the regions (see the module docs) and the sizes they derive from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

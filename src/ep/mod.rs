@@ -400,11 +400,8 @@ impl<D: Device> EpBuffer<D> {
         args.topk_weights = topk_weights.ptr();
         args.num_tokens = num_tokens as u32;
         debug_assert_eq!(args.row_bytes as usize, row_bytes);
-        let one = LaunchConfig {
-            grid: 1,
-            block: self.block(),
-        };
         let grid = self.grid();
+        let one = LaunchConfig { grid: 1, ..grid };
         let own_layout = num_tokens <= LAYOUT_RUN * one.block as usize;
         let work = self.comm.submit(call, "ep dispatch", |s| {
             let module = crate::comm::heap_module(s.res, &s.inner.device, &EP_MODULE)?;
@@ -485,7 +482,10 @@ impl<D: Device> EpBuffer<D> {
         }
     }
 
-    /// The dispatch / combine grid: the host twins run as one block.
+    /// The dispatch / combine grid: the host twins run as one block. Every
+    /// EP kernel waits for the stream's previous kernel first thing
+    /// (`fc_grid_dep_wait`), so on CUDA sm_90 and up they launch as its
+    /// programmatic dependents.
     fn grid(&self) -> LaunchConfig {
         let facts = self.comm.inner.device.facts();
         let grid = match facts.backend {
@@ -495,9 +495,12 @@ impl<D: Device> EpBuffer<D> {
                 asked.min(facts.multiprocessors.max(1))
             }
         };
+        let sm = facts.arch.strip_prefix("sm_").and_then(|v| v.parse::<u32>().ok());
         LaunchConfig {
-            grid,
-            block: self.block(),
+            dependent: facts.backend == BackendKind::Cuda
+                && sm.is_some_and(|v| v >= 90)
+                && self.comm.inner.opts.ep_dependent_launch,
+            ..LaunchConfig::new(grid, self.block())
         }
     }
 

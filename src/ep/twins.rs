@@ -5,7 +5,7 @@
 
 use half::bf16;
 
-use super::layout::{FLAG_COMBINE, FLAG_DISPATCH, FLAG_EPOCH};
+use super::layout::{FLAG_COMBINE, FLAG_DISPATCH, FLAG_EPOCH, FLAG_PLAIN, FLAG_SEEN};
 use super::{EpArgs, PAYLOAD_FP8};
 use crate::backends::host::heap_kernels::args_of;
 use crate::device::{DevicePtr, MAX_RANKS};
@@ -95,7 +95,7 @@ unsafe fn layout(args: &[u8]) {
 
 /// Put every token's row (scales, ids, weights, index) into each
 /// destination's region for this source, the counts, signal, then wait for
-/// every source of this epoch.
+/// every source of this epoch and keep its count (the combine's copy).
 ///
 /// # Safety
 /// As [`layout`].
@@ -181,13 +181,22 @@ unsafe fn dispatch(args: &[u8]) {
     }
     for s in 0..world {
         // A deadline or a failed communicator: the error words say so; the
-        // later waits give up at once.
-        a.ctx.wait_until(flag(&a, FLAG_DISPATCH + s), Cmp::Ge, epoch * GRID, s);
+        // later waits give up at once, and the combine sends nothing back.
+        let landed = a.ctx.wait_until(flag(&a, FLAG_DISPATCH + s), Cmp::Ge, epoch * GRID, s);
+        // SAFETY: recv_counts holds MAX_RANKS i32, written by the sources
+        // before the signals just awaited.
+        let n: i32 = if landed {
+            unsafe { load(a.recv_counts.offset(4 * s)) }
+        } else {
+            0
+        };
+        // SAFETY: a flag word of this rank, which only its own stream writes.
+        unsafe { store(flag(&a, FLAG_SEEN + s), n.max(0) as u64) };
     }
 }
 
-/// Send received rows back to their sources, signal, wait for every rank of
-/// this epoch.
+/// Send received rows back to their sources, signal, wait for every rank's
+/// plain combine so far.
 ///
 /// # Safety
 /// As [`layout`].
@@ -197,12 +206,11 @@ unsafe fn combine(args: &[u8]) {
     let (me, world) = (a.ctx.rank as usize, a.ctx.world as usize);
     let (max, h) = (a.max_tokens as usize, a.hidden as usize);
     let rb = 2 * h;
-    let epoch = a.ctx.atomic_fetch(me, flag(&a, FLAG_EPOCH));
+    let plain = a.ctx.atomic_add(me, flag(&a, FLAG_PLAIN), 1) + 1;
     for s in 0..world {
-        // SAFETY: recv_counts holds MAX_RANKS i32, written by the sources
-        // before the dispatch's signals this rank waited for.
-        let n: i32 = unsafe { load(a.recv_counts.offset(4 * s)) };
-        for i in 0..n.max(0) as usize {
+        // SAFETY: a flag word of this rank: the dispatch's copy of recv_counts.
+        let n: u64 = unsafe { load(flag(&a, FLAG_SEEN + s)) };
+        for i in 0..n as usize {
             let row = s * max + i;
             // SAFETY: recv_src holds world * max i32.
             let tok: i32 = unsafe { load(a.recv_src.offset(4 * row)) };
@@ -225,7 +233,7 @@ unsafe fn combine(args: &[u8]) {
         a.ctx.signal_add(r, flag(&a, FLAG_COMBINE + me), 1);
     }
     for r in 0..world {
-        a.ctx.wait_until(flag(&a, FLAG_COMBINE + r), Cmp::Ge, epoch * GRID, r);
+        a.ctx.wait_until(flag(&a, FLAG_COMBINE + r), Cmp::Ge, plain * GRID, r);
     }
 }
 

@@ -332,7 +332,7 @@ pub fn modules_compile_once_and_launch_checks_its_arguments<D: Device>(g: &Gpu<D
         count: n as u64,
         ..Default::default()
     };
-    let cfg = LaunchConfig { grid: 2, block: 512 };
+    let cfg = LaunchConfig::new(2, 512);
     dev.launch(&m2, "fill", cfg, &params, &s).unwrap();
     let mut got = vec![0u8; n * 4];
     dev.copy_to_host(&out, 0, &mut got, &s).unwrap();
@@ -343,12 +343,12 @@ pub fn modules_compile_once_and_launch_checks_its_arguments<D: Device>(g: &Gpu<D
         dev.launch(&m, "nope", cfg, &params, &s),
         Err(Error::InvalidArgument(_))
     ));
-    let too_big = LaunchConfig { grid: 1, block: 1024 };
+    let too_big = LaunchConfig::new(1, 1024);
     assert!(matches!(
         dev.launch(&m, "fill", too_big, &params, &s),
         Err(Error::InvalidArgument(_))
     ));
-    let too_many = LaunchConfig { grid: 129, block: 512 };
+    let too_many = LaunchConfig::new(129, 512);
     assert!(matches!(
         dev.launch(&m, "fill", too_many, &params, &s),
         Err(Error::InvalidArgument(_))
@@ -697,7 +697,7 @@ pub fn first_launch_inside_a_capture_waits_for_its_kernel<D: Device>(g: &Gpu<D>)
         count: n as u64,
         ..Default::default()
     };
-    let cfg = LaunchConfig { grid: 2, block: 512 };
+    let cfg = LaunchConfig::new(2, 512);
     dev.begin_capture(&s).unwrap();
     let launched = dev.launch(&m, "fc_lazy_e", cfg, &params, &s);
     let broken = dev.launch(&m, "fc_lazy_broken", cfg, &params, &s);

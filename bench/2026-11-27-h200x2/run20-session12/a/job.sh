@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Session 12 device job a: EP tests (world 2) on the combine without its end wait + dependent launches;
+# the EP bench: session 11's kernels (base), the new ones twice, and the new ones without dependent launches.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 FERROCOMM_REQUIRE_GPU=1 FERROCOMM_TEST_FULL=1
+export FERROCOMM_WORKER_EXE=$PWD/.carry/bin/ferrocomm-worker LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} FERROCOMM_CACHE_DIR=/tmp/ferrocomm-kcache
+mkdir -p /tmp/ferrocomm-kcache && cp -r .carry/kcache/. /tmp/ferrocomm-kcache/ && chmod -R go-rwx /tmp/ferrocomm-kcache
+nvidia-smi -L > $OUT/gpus.txt
+(time timeout 240 .carry/bin/ep_cuda --include-ignored --test-threads=1 --skip ep_world_3 --skip ep_world_4 --skip ep_world_8) > $OUT/ep_cuda.log 2>&1; echo "rc=$?" >> $OUT/ep_cuda.log; tail -5 $OUT/ep_cuda.log
+A="--backend cuda --world 2 --ep --graph --iters 20 --warmup 5"
+run() { # name, binary, env...
+  local n=$1 b=$2; shift 2
+  env "$@" timeout 150 .carry/bin/$b $A > $OUT/$n.log 2>&1; echo "rc=$?" >> $OUT/$n.log; echo "== $n"; grep -v autotune $OUT/$n.log | grep -v "^#"
+}
+run base ferrocomm-bench-base X=1
+run new ferrocomm-bench X=1
+run new-nodep ferrocomm-bench FERROCOMM_EP_DEPENDENT_LAUNCH=0
+run new-again ferrocomm-bench X=1
+run base-again ferrocomm-bench-base X=1
