@@ -153,29 +153,59 @@ FC_DEVICE fc_i32 slot_at(const Slots& s, fc_u32 r) {
 //    (neighbouring threads load neighbouring ids), every id loaded before
 //    one is used, into a byte per token in shared memory;
 // 2. each thread takes RUN tokens in a row: their bytes in one 8-byte
-//    shared load, and their counts per rank;
-// 3. one block-wide inclusive scan over the threads' counts (four ranks'
-//    16-bit counts packed per u64, two words for eight ranks);
+//    shared load, and their counts per rank (four ranks' 16-bit counts
+//    packed per u64, two words for eight ranks);
+// 3. one block-wide inclusive scan over the threads' counts: shuffles
+//    within each warp, then, past one warp's threads (256 tokens), the
+//    warps' totals scanned by the first warp;
 // 4. each thread writes its tokens' slots.
 // One thread per token with a scan per 512 tokens took 41 us at 4096 tokens
 // on H200; a thread walking its 8 tokens' ids one by one, 10.6 us at 8
-// tokens on H100 (a chain of shared-memory read-modify-writes).
+// tokens on H100 (a chain of shared-memory read-modify-writes). A scan
+// through shared memory, two barriers a step, left 2.4 us from a 128-token
+// dispatch's start to its first put (2x H200, session 12).
 #define FC_EP_LAYOUT_RUN 8u // tokens per thread: a run's bytes are one u64
 
 namespace fc_ep {
 
+// Expert ids to ranks, e / per_rank, as a multiply by the rounded-up
+// reciprocal and one correction (exact for every id below 2^31), not a
+// division: a u32 division is ~20 dependent instructions, and a layout thread
+// takes 64 ids in a row (a lane taking 8 tokens spent ~5 us on its divisions,
+// 2x H200, session 12).
+struct ExpertRanks {
+    fc_u32 num, per_rank;
+    fc_u64 recip;
+};
+FC_DEVICE ExpertRanks expert_ranks(const FcEpArgs& a) {
+    ExpertRanks x;
+    x.num = a.num_experts;
+    x.per_rank = a.num_experts / a.ctx.world;
+    x.recip = x.per_rank == 0 ? 0u : ((1ull << 32) + x.per_rank - 1u) / x.per_rank;
+    return x;
+}
+
 // The destination bit of one top-k id: rank e / per_rank; none for ids below
 // 0 or at or past num_experts.
-FC_DEVICE fc_u32 dest_bit(fc_i32 e, fc_u32 num_experts, fc_u32 per_rank) {
-    return e >= 0 && (fc_u32)e < num_experts ? 1u << ((fc_u32)e / per_rank) : 0u;
+FC_DEVICE fc_u32 dest_bit(fc_i32 e, const ExpertRanks& x) {
+    if (e < 0 || (fc_u32)e >= x.num) return 0u;
+    fc_u32 r = (fc_u32)(((fc_u64)(fc_u32)e * x.recip) >> 32); // e / per_rank or one more
+    if (r * x.per_rank > (fc_u32)e) --r;
+    return 1u << r;
 }
 
 // Step 1 for tokens chunk + i * nt + t (i < RUN): byte i * nt + t of masks.
+// Neighbouring threads take neighbouring tokens, so a small batch's ids are
+// a load a thread: a lane taking 8 tokens in a row spent ~2.7 us more at 8
+// tokens (2x H200, session 12).
 FC_DEVICE void chunk_masks(const FcEpArgs& a, fc_u32 chunk, fc_u8* masks) {
     const fc_u32 t = fc_thread_id(), nt = fc_block_threads();
-    const fc_u32 per_rank = a.num_experts / a.ctx.world;
+    const ExpertRanks x = expert_ranks(a);
     const fc_i32* idx = fc_ptr<const fc_i32>(a.topk_idx);
-    // Top-4 and top-8 rows of ids are one or two 16-byte vectors.
+    // Top-4 and top-8 rows of ids are one or two 16-byte vectors. (Loading
+    // the last token's ids in place of those past the end, to skip the
+    // branches, sent every block's threads to one L2 line: 5.7 us at 1 token,
+    // 2x H200, session 12.)
     if ((a.topk == 4u || a.topk == 8u) && (a.topk_idx & 15u) == 0) {
         fc_vec16 v[FC_EP_LAYOUT_RUN][2];
 #pragma unroll
@@ -192,8 +222,8 @@ FC_DEVICE void chunk_masks(const FcEpArgs& a, fc_u32 chunk, fc_u8* masks) {
             if (tok < a.num_tokens) {
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
-                    m |= dest_bit((fc_i32)v[i][0].w[k], a.num_experts, per_rank);
-                    if (a.topk == 8u) m |= dest_bit((fc_i32)v[i][1].w[k], a.num_experts, per_rank);
+                    m |= dest_bit((fc_i32)v[i][0].w[k], x);
+                    if (a.topk == 8u) m |= dest_bit((fc_i32)v[i][1].w[k], x);
                 }
             }
             masks[i * nt + t] = (fc_u8)m;
@@ -203,10 +233,20 @@ FC_DEVICE void chunk_masks(const FcEpArgs& a, fc_u32 chunk, fc_u8* masks) {
             const fc_u32 tok = chunk + i * nt + t;
             fc_u32 m = 0;
             for (fc_u32 k = 0; tok < a.num_tokens && k < a.topk; ++k)
-                m |= dest_bit(fc_load(idx + (fc_u64)tok * a.topk + k), a.num_experts, per_rank);
+                m |= dest_bit(fc_load(idx + (fc_u64)tok * a.topk + k), x);
             masks[i * nt + t] = (fc_u8)m;
         }
     }
+}
+
+// Inclusive sum over lanes 0..lane of the warp. Every lane must call it.
+FC_DEVICE fc_u64 warp_scan(fc_u64 v) {
+    const fc_u32 lane = fc_lane_id();
+    for (fc_u32 off = 1; off < fc_warp_size(); off <<= 1) {
+        const fc_u64 lo = fc_shfl_up((fc_u32)v, off), hi = fc_shfl_up((fc_u32)(v >> 32), off);
+        if (lane >= off) v += lo | (hi << 32);
+    }
+    return v;
 }
 
 // Tokens of a run (a byte each) that go to rank r.
@@ -225,8 +265,9 @@ namespace fc_ep {
 
 // The layout's shared memory.
 struct LayoutShared {
-    fc_u64 scan[2][FC_MAX_BLOCK_THREADS]; // steps 2-3: per thread, inclusive packed counts
+    fc_u64 scan[2][FC_MAX_BLOCK_THREADS]; // per thread, inclusive packed counts
     fc_u64 runs[FC_MAX_BLOCK_THREADS];    // step 1: a byte per token of the chunk
+    fc_u64 warps[2][FC_MAX_BLOCK_THREADS / 32u]; // per warp, packed counts of the warps before it
 };
 
 // Steps 1-3 for the chunk at `chunk`. Returns the threads that hold its
@@ -234,37 +275,46 @@ struct LayoutShared {
 // `own_lo`/`own_hi` its own. Every thread of the block calls it.
 FC_DEVICE fc_u32 layout_scan(const FcEpArgs& a, fc_u32 chunk, LayoutShared& sh, fc_u64& run, fc_u64& lo, fc_u64& hi,
                              fc_u64& own_lo, fc_u64& own_hi) {
-    const fc_u32 t = fc_thread_id(), nt = fc_block_threads();
-    chunk_masks(a, chunk, reinterpret_cast<fc_u8*>(sh.runs));
-    fc_barrier();
+    const fc_u32 t = fc_thread_id(), nt = fc_block_threads(), ws = fc_warp_size();
     const fc_u32 left = a.num_tokens - chunk;
     const fc_u32 active = left >= FC_EP_LAYOUT_RUN * nt ? nt : (left + FC_EP_LAYOUT_RUN - 1u) / FC_EP_LAYOUT_RUN;
+    chunk_masks(a, chunk, reinterpret_cast<fc_u8*>(sh.runs));
+    fc_barrier();
     run = t < active ? sh.runs[t] : 0u;
-    lo = 0;
-    hi = 0;
+    own_lo = 0;
+    own_hi = 0;
 #pragma unroll
     for (fc_u32 r = 0; r < 4u; ++r) {
-        lo |= (fc_u64)run_count(run, r) << (16u * r);
-        hi |= (fc_u64)run_count(run, r + 4u) << (16u * r);
+        own_lo |= (fc_u64)run_count(run, r) << (16u * r);
+        own_hi |= (fc_u64)run_count(run, r + 4u) << (16u * r);
     }
-    own_lo = lo;
-    own_hi = hi;
-    sh.scan[0][t] = lo;
-    sh.scan[1][t] = hi;
-    fc_barrier();
-    for (fc_u32 off = 1; off < active; off <<= 1) {
-        fc_u64 plo = 0, phi = 0;
-        if (t >= off) {
-            plo = sh.scan[0][t - off];
-            phi = sh.scan[1][t - off];
+    lo = warp_scan(own_lo);
+    hi = warp_scan(own_hi);
+    if (active > ws) {
+        // The warps' totals, scanned by the first warp, then added in.
+        const fc_u32 warp = t / ws, warps = (nt + ws - 1u) / ws;
+        if (fc_lane_id() == ws - 1u) {
+            sh.warps[0][warp] = lo;
+            sh.warps[1][warp] = hi;
         }
         fc_barrier();
-        lo += plo;
-        hi += phi;
+        if (warp == 0) {
+            const fc_u64 wlo = t < warps ? sh.warps[0][t] : 0u, whi = t < warps ? sh.warps[1][t] : 0u;
+            const fc_u64 slo = warp_scan(wlo), shi = warp_scan(whi);
+            if (t < warps) {
+                sh.warps[0][t] = slo - wlo;
+                sh.warps[1][t] = shi - whi;
+            }
+        }
+        fc_barrier();
+        lo += sh.warps[0][warp];
+        hi += sh.warps[1][warp];
+    }
+    if (t < active) {
         sh.scan[0][t] = lo;
         sh.scan[1][t] = hi;
-        fc_barrier();
     }
+    fc_barrier();
     return active;
 }
 
@@ -443,7 +493,8 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
             for (fc_u32 k = w.lane; k < a.topk; k += fc_warp_size()) {
                 const bool first_run = k == w.lane;
                 const fc_i32 e = first_run ? e0 : fc_load(idx + (fc_u64)tok * a.topk + k);
-                const bool mine = e >= 0 && (fc_u32)e < a.num_experts && (fc_u32)e / per_rank == r;
+                const bool mine = e >= 0 && (fc_u32)e < a.num_experts && (fc_u32)e >= r * per_rank &&
+                                  (fc_u32)e < (r + 1u) * per_rank;
                 const fc_u32 wbits = first_run ? w0 : fc_load(weights + (fc_u64)tok * a.topk + k);
                 fc_store(fc_remote_ptr(ctx, r, fc_ptr<fc_i32>(a.recv_idx) + row * a.topk + k),
                          mine ? (fc_i32)((fc_u32)e - r * per_rank) : -1);

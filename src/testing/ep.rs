@@ -305,7 +305,9 @@ fn check_received(c: &mut Checker, case: &str, got: &Received, want: &Received) 
 }
 
 /// The cases every world runs: unaligned bf16 rows (200 bytes), fp8 with two
-/// scales a row, and 16-byte-aligned bf16 rows with top-8.
+/// scales a row, 16-byte-aligned bf16 rows with top-8, and 16-byte rows with
+/// top-4 at up to 4200 tokens, so the GPU layout scans across warps (more
+/// than 256 tokens) and in two chunks (more than 4096: the layout kernel).
 fn cases(world: usize) -> Vec<EpConfig> {
     vec![
         EpConfig {
@@ -327,6 +329,13 @@ fn cases(world: usize) -> Vec<EpConfig> {
             max_tokens_per_rank: 64,
             num_experts: 8 * world,
             topk: 8,
+            payload: EpPayload::Bf16,
+        },
+        EpConfig {
+            hidden: 8,
+            max_tokens_per_rank: 4200,
+            num_experts: 4 * world,
+            topk: 4,
             payload: EpPayload::Bf16,
         },
     ]
