@@ -434,6 +434,9 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
     const fc_u64 pieces = pieces_of(a.row_bytes);
     const fc_u64 units = (fc_u64)a.num_tokens * pieces;
     const bool vec = ((a.x | a.row_bytes) & 15u) == 0;
+    // fp8 scales a warp moves in one 16-byte unit a lane.
+    const bool sc16 =
+        a.payload == FC_EP_PAYLOAD_FP8 && ((a.scales | scale_bytes) & 15u) == 0 && scale_bytes <= 16u * fc_warp_size();
     for (fc_u64 u = w.id; u < units; u += w.count) {
         const fc_u32 tok = (fc_u32)(u / pieces);
         const fc_u64 piece = u % pieces;
@@ -454,8 +457,6 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
         fc_i32 e0 = -1;
         fc_u32 w0 = 0;
         fc_vec16 sc = {};
-        const bool sc16 = a.payload == FC_EP_PAYLOAD_FP8 && ((a.scales | scale_bytes) & 15u) == 0 &&
-                          scale_bytes <= 16u * fc_warp_size();
         if (piece == 0) {
             if (w.lane < a.topk) {
                 e0 = fc_load(idx + (fc_u64)tok * a.topk + w.lane);
@@ -667,6 +668,20 @@ FC_DEVICE void store16_any(char* p, const fc_vec16& v, bool aligned) {
     }
 }
 
+// 16-byte packs a lane of a summing warp takes per unit (each rank's loads
+// of a unit are issued together).
+#define FC_EP_SUM_PACKS 4
+
+// Look at the Lamport packs k of `pending` (pack k at rows + k * step) and
+// take those that have arrived into v[k]; the bits of those still missing.
+// One look is all the loads of a unit at once: the first look, then polls.
+FC_DEVICE fc_u32 take_packs(const char* rows, fc_u64 step, fc_vec16 (&v)[FC_EP_SUM_PACKS], fc_u32 pending) {
+#pragma unroll
+    for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
+        if (((pending >> k) & 1u) && lamport_load(rows + (fc_u64)k * step, v[k])) pending &= ~(1u << k);
+    return pending;
+}
+
 FC_DEVICE fc_vec16 round_pack(const float (&acc)[8], bool none) {
     fc_vec16 o;
 #pragma unroll
@@ -675,10 +690,6 @@ FC_DEVICE fc_vec16 round_pack(const float (&acc)[8], bool none) {
 }
 
 } // namespace fc_ep
-
-// 16-byte packs a lane of a summing warp takes per unit (each rank's loads
-// of a unit are issued together).
-#define FC_EP_SUM_PACKS 4
 
 FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
     fc_ep::begin();
@@ -751,21 +762,21 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
 #pragma unroll
             for (fc_u32 r = FC_MAX_RANKS; r-- > 0;)
                 if (r != me && ((mask >> r) & 1u)) other = r;
+            fc_u32 packs = 0; // the unit's packs inside the row
+#pragma unroll
+            for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
+                if (c0 + (fc_u64)k * step < row_bytes) packs |= 1u << k;
             fc_vec16 own[FC_EP_SUM_PACKS], pre[FC_EP_SUM_PACKS];
             fc_u32 pre_pending = 0;
             if ((mask >> me) & 1u) {
                 const char* rows = expert + ((fc_u64)me * a.max_tokens + (fc_u32)fc_ep::slot_at(sl, me)) * row_bytes;
 #pragma unroll
                 for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
-                    if (c0 + (fc_u64)k * step < row_bytes) own[k] = fc_ep::load16_any(rows + c0 + (fc_u64)k * step, x16);
+                    if ((packs >> k) & 1u) own[k] = fc_ep::load16_any(rows + c0 + (fc_u64)k * step, x16);
             }
-            if (other < world) {
-                const char* rows = inbox + (fc_u64)other * rank_stride + (fc_u64)tok * row_bytes;
-#pragma unroll
-                for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
-                    if (c0 + (fc_u64)k * step < row_bytes && !lamport_load(rows + c0 + (fc_u64)k * step, pre[k]))
-                        pre_pending |= 1u << k;
-            }
+            if (other < world)
+                pre_pending = fc_ep::take_packs(inbox + (fc_u64)other * rank_stride + (fc_u64)tok * row_bytes + c0, step,
+                                                pre, packs);
             float acc[FC_EP_SUM_PACKS][8];
             bool first = true;
 #pragma unroll 1
@@ -774,19 +785,13 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
                 if (r == me) {
 #pragma unroll
                     for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
-                        if (c0 + (fc_u64)k * step < row_bytes) fc_ep::add_pack(acc[k], own[k], first);
+                        if ((packs >> k) & 1u) fc_ep::add_pack(acc[k], own[k], first);
                     first = false;
                     continue;
                 }
                 // `pre` holds the first other rank's look; later ranks reuse it.
-                const char* rows = inbox + (fc_u64)r * rank_stride + (fc_u64)tok * row_bytes;
-                if (r != other) {
-                    pre_pending = 0;
-#pragma unroll
-                    for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
-                        if (c0 + (fc_u64)k * step < row_bytes && !lamport_load(rows + c0 + (fc_u64)k * step, pre[k]))
-                            pre_pending |= 1u << k;
-                }
+                const char* rows = inbox + (fc_u64)r * rank_stride + (fc_u64)tok * row_bytes + c0;
+                if (r != other) pre_pending = fc_ep::take_packs(rows, step, pre, packs);
                 fc_detail::Spin spin;
                 for (fc_u32 i = 0; pre_pending != 0; ++i) {
                     if (i == FC_EP_PRESPIN) spin = fc_detail::spin_start();
@@ -794,14 +799,11 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
                         failed = true;
                         break;
                     }
-#pragma unroll
-                    for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
-                        if (((pre_pending >> k) & 1u) && lamport_load(rows + c0 + (fc_u64)k * step, pre[k]))
-                            pre_pending &= ~(1u << k);
+                    pre_pending = fc_ep::take_packs(rows, step, pre, pre_pending);
                 }
 #pragma unroll
                 for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
-                    if (c0 + (fc_u64)k * step < row_bytes) fc_ep::add_pack(acc[k], pre[k], first);
+                    if ((packs >> k) & 1u) fc_ep::add_pack(acc[k], pre[k], first);
                 first = false;
             }
             if (failed) break;
