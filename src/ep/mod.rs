@@ -340,7 +340,9 @@ impl<D: Device> EpBuffer<D> {
     /// (`topk_idx`, i32 `[num_tokens, topk]`, with `topk_weights`, f32).
     /// Collective: every rank dispatches, each with its own `num_tokens`
     /// (at most `max_tokens_per_rank`). Queued on the call's stream; the
-    /// stream's next work sees every rank's rows. Bad input is an
+    /// stream's next work sees every rank's rows, which hold until this
+    /// rank's combine (once its rows have reached a peer, that peer's next
+    /// dispatch may write them). Bad input is an
     /// [`Error::InvalidArgument`] before anything is queued; a peer that
     /// never dispatches makes [`Work::wait`] fail with a timeout naming it.
     pub fn dispatch(
