@@ -568,7 +568,7 @@ FC_HEAP_KERNEL(fc_ep_dispatch_layout, FcEpArgs) {
 namespace fc_ep {
 
 // The combine's blocks in two roles, so that the sums run while the puts do:
-// the first FC_EP_PUT_EIGHTHS eighths of the grid put rows, the rest sum (a
+// the first put_eighths() eighths of the grid put rows, the rest sum (a
 // grid of one block does both, in turn). Whole blocks, not half of each
 // block's warps (session 10): a putting warp's stores to a peer drain at the
 // link's pace, and a summing warp's loads on the same multiprocessor queued
@@ -579,19 +579,31 @@ namespace fc_ep {
 // combine at 4096 tokens a rank, bf16 / fp8 (session 11, calls g and h, one
 // job each): 5/8 418.32 / 333.39, 4/8 370.46 / 296.84, 3/8 363.22 / 291.26
 // and 363.02 / 289.79, 2/8 355.35 / 284.64; below 512 tokens all level.
+// From world 4 and 512 tokens a rank, one eighth: each rank puts to three
+// peers and more at once, and one eighth of the grid still fills its links.
+// 4x H200, world 4, 1/8 against 2/8, two runs each (session 12, call i):
+// 4096 tokens 1419.56 / 1421.98 against 1520.86 / 1521.81 bf16, 1202.88 /
+// 1202.45 against 1315.40 / 1312.77 fp8; 512 tokens 178.21 / 178.59
+// against 182.22 / 181.39; 128 tokens 54.86 / 54.71 against 52.44 / 52.73.
+// At world 2 one eighth lost (4096 tokens 365.69 against ~354).
+// The roles are this rank's own affair (nothing counts blocks), so they may
+// follow its own token count.
 #ifndef FC_EP_PUT_EIGHTHS
 #define FC_EP_PUT_EIGHTHS 2u
 #endif
+FC_DEVICE fc_u32 put_eighths(fc_u32 world, fc_u32 num_tokens) {
+    return world >= 4u && num_tokens >= 512u ? 1u : FC_EP_PUT_EIGHTHS;
+}
 struct Roles {
     bool put, sum;
     fc_u32 lane, put_id, put_count, sum_id, sum_count;
 };
-FC_DEVICE Roles combine_roles() {
+FC_DEVICE Roles combine_roles(const FcEpArgs& a) {
     const fc_u32 ws = fc_warp_size();
     const fc_u32 per_block = (fc_block_threads() + ws - 1u) / ws;
     const fc_u32 wib = fc_thread_id() / ws;
     const fc_u32 g = fc_grid_blocks(), b = fc_block_id();
-    fc_u32 gp = g * FC_EP_PUT_EIGHTHS / 8u; // putting blocks: at least one, and one left to sum
+    fc_u32 gp = g * put_eighths(a.ctx.world, a.num_tokens) / 8u; // putting blocks: at least one, and one left to sum
     gp = g < 2u ? g : gp < 1u ? 1u : gp > g - 1u ? g - 1u : gp;
     Roles r;
     r.lane = fc_lane_id();
@@ -695,7 +707,7 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
     fc_ep::begin();
     const FcDevCtx& ctx = a.ctx;
     const fc_u32 me = ctx.rank, world = ctx.world;
-    const fc_ep::Roles w = fc_ep::combine_roles();
+    const fc_ep::Roles w = fc_ep::combine_roles(a);
     const fc_u64 row_bytes = (fc_u64)a.hidden * 2u;
     const char* expert = fc_ptr<const char>(a.x);
     const bool x16 = (a.x & 15u) == 0, out16 = (a.out & 15u) == 0;
