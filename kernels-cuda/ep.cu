@@ -78,8 +78,9 @@ FC_DEVICE fc_u64* flag_words(const FcEpArgs& a) { return fc_ptr<fc_u64>(a.flags)
 // Every EP kernel's first step. The host launches them as programmatic
 // dependents where it can (LaunchConfig::dependent): the stream's next
 // kernel may be scheduled at once, and this one waits for the previous to
-// end before it touches memory, so the ~1.3 us between two kernels of a
-// graph (2x H200, session 11) overlap with the previous kernel's end.
+// end before it touches memory. The gap from a kernel's last block to the
+// next one's first went from ~1.3 to ~0.7 us, ~1-1.4 us a dispatch + combine
+// up to 128 tokens (2x H200, session 12).
 FC_DEVICE void begin() {
     fc_grid_dep_launch();
     fc_grid_dep_wait();
