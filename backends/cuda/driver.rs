@@ -335,6 +335,10 @@ pub struct Context {
     raw: sys::CUcontext,
     pub(super) dev: sys::CUdevice,
     pub(super) ordinal: usize,
+    /// The device takes programmatic dependent launches (compute capability
+    /// 9.0 and up): decided once here, so a launch asking for one where the
+    /// device cannot is a plain launch (see `LaunchConfig::dependent`).
+    pub(super) programmatic: bool,
 }
 
 // SAFETY: a CUcontext is a driver handle usable from any thread (the driver is
@@ -344,14 +348,20 @@ unsafe impl Send for Context {}
 unsafe impl Sync for Context {}
 
 impl Context {
-    /// Retain `dev`'s primary context.
-    pub(super) fn retain(dev: sys::CUdevice, ordinal: usize) -> Result<Arc<Context>> {
+    /// Retain `dev`'s primary context; `programmatic`: the device takes
+    /// programmatic dependent launches.
+    pub(super) fn retain(dev: sys::CUdevice, ordinal: usize, programmatic: bool) -> Result<Arc<Context>> {
         let mut raw: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: valid out-pointer; `dev` came from cuDeviceGet.
         check("cuDevicePrimaryCtxRetain", unsafe {
             sys::cuDevicePrimaryCtxRetain(&mut raw, dev)
         })?;
-        Ok(Arc::new(Context { raw, dev, ordinal }))
+        Ok(Arc::new(Context {
+            raw,
+            dev,
+            ordinal,
+            programmatic,
+        }))
     }
 
     /// Make this context current on the calling thread.

@@ -179,7 +179,7 @@ impl Driver for Cuda {
         // SAFETY: valid out-pointer and device handle.
         check("cuDeviceTotalMem", unsafe { sys::cuDeviceTotalMem_v2(&mut total, dev) })?;
         Ok(Opened {
-            ctx: Context::retain(dev, ordinal)?,
+            ctx: Context::retain(dev, ordinal, major >= 9)?,
             facts: DeviceFacts {
                 backend: BackendKind::Cuda,
                 ordinal,
@@ -222,7 +222,8 @@ impl Driver for Cuda {
     fn enable_peer_access(ctx: &Context, peer: usize) -> Result<()> {
         // The peer's primary context, retained for the life of the process:
         // releasing it could destroy it and silently end the access.
-        let peer_ctx = Context::retain(cu_device(peer)?, peer)?;
+        // Never launched on: its launch capability does not matter.
+        let peer_ctx = Context::retain(cu_device(peer)?, peer, false)?;
         let raw_peer = peer_ctx.raw();
         std::mem::forget(peer_ctx);
         ctx.bind()?;
@@ -592,14 +593,14 @@ impl Driver for Cuda {
     }
 
     unsafe fn launch(
-        _: &Context,
+        ctx: &Context,
         f: RawFunction,
         c: LaunchConfig,
         args: &mut [*mut c_void; 1],
         s: RawStream,
     ) -> Result<()> {
         let func = f.0 as usize as sys::CUfunction;
-        if c.dependent {
+        if c.dependent && ctx.programmatic {
             // SAFETY: as below; the attribute array lives across the call,
             // which reads it before returning.
             return unsafe { launch_dependent(func, c, args, s) };
@@ -626,8 +627,8 @@ impl Driver for Cuda {
 
 /// `cuLaunchKernelEx` with programmatic stream serialization allowed: the
 /// kernel may start before the stream's previous kernel ends (see
-/// [`LaunchConfig::dependent`]). The caller (the backend) asks for it only on
-/// compute capability 9.0 and up.
+/// [`LaunchConfig::dependent`]), on a device of compute capability 9.0 and
+/// up (`Context::programmatic`).
 ///
 /// # Safety
 /// As `Driver::launch`'s (backends/gpu/vendor.rs).

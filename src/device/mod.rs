@@ -94,11 +94,13 @@ pub struct ExportedHandle {
 pub struct LaunchConfig {
     pub grid: u32,
     pub block: u32,
-    /// Programmatic dependent launch (CUDA, compute capability 9.0 and up:
-    /// callers ask for it only there; HIP ignores it): the kernel's blocks
-    /// may be scheduled before the stream's previous kernel ends, once that
-    /// kernel's blocks have all run `fc_grid_dep_launch()` (or exited), and
-    /// the kernel must run `fc_grid_dep_wait()` before it touches memory.
+    /// Programmatic dependent launch, where the device takes it (CUDA,
+    /// compute capability 9.0 and up; the backend launches plainly
+    /// elsewhere, and HIP and the host ignore it, so a caller may always
+    /// ask): the kernel's blocks may be scheduled before the stream's
+    /// previous kernel ends, once that kernel's blocks have all run
+    /// `fc_grid_dep_launch()` (or exited), and the kernel must run
+    /// `fc_grid_dep_wait()` before it touches memory.
     /// Between two EP kernels of a graph it took the gap from ~1.3 to ~0.7
     /// us (2x H200). A kernel without the wait must not be launched so.
     pub dependent: bool,
