@@ -54,8 +54,11 @@ struct FcEpArgs {
     fc_u32 payload;      // FC_EP_PAYLOAD_*
     fc_u32 row_bytes;    // hidden * 2 (bf16) or hidden (fp8)
     fc_u32 scale_cols;   // hidden / 128 (fp8), else 0
+    fc_u64 rank_recip;   // ceil(2^32 / per_rank), 0 when per_rank is 0 (see ExpertRanks)
+    fc_u32 per_rank;     // num_experts / world
+    fc_u32 pad;
 };
-static_assert(sizeof(FcEpArgs) == 256, "FcEpArgs must match EpArgs in src/ep/mod.rs");
+static_assert(sizeof(FcEpArgs) == 272, "FcEpArgs must match EpArgs in src/ep/mod.rs");
 
 namespace fc_ep {
 
@@ -95,6 +98,25 @@ FC_DEVICE void begin() {
 FC_DEVICE void block_signal(const FcEpArgs& a, fc_u32 word, fc_u64 v) {
     const fc_u32 t = fc_thread_id();
     if (t < a.ctx.world) fc_signal_add(a.ctx, t, flag_words(a) + word + a.ctx.rank, v);
+}
+
+// Work unit u of `pieces` a row: its row and piece. In 32 bits where u fits
+// (always, short of 2^32 units): a u64 division is a long software routine,
+// and every unit's loads wait for it.
+struct Unit {
+    fc_u64 row, piece;
+};
+FC_DEVICE Unit unit_of(fc_u64 u, fc_u64 pieces) {
+    Unit x;
+    if (((u | pieces) >> 32) == 0) {
+        const fc_u32 q = (fc_u32)u / (fc_u32)pieces;
+        x.row = q;
+        x.piece = (fc_u32)u - q * (fc_u32)pieces;
+    } else {
+        x.row = u / pieces;
+        x.piece = u - x.row * pieces;
+    }
+    return x;
 }
 
 // Rows move in pieces of one copy round of a warp (FC_DEVAPI_UNROLL 16-byte
@@ -173,7 +195,9 @@ namespace fc_ep {
 // reciprocal and one correction (exact for every id below 2^31), not a
 // division: a u32 division is ~20 dependent instructions, and a layout thread
 // takes 64 ids in a row (a lane taking 8 tokens spent ~5 us on its divisions,
-// 2x H200, session 12).
+// 2x H200, session 12). The host computes the reciprocal (EpArgs): taken
+// here, its u64 division cost a dispatch + combine ~0.5 us up to 128 tokens
+// (2x H200, session 13).
 struct ExpertRanks {
     fc_u32 num, per_rank;
     fc_u64 recip;
@@ -181,8 +205,8 @@ struct ExpertRanks {
 FC_DEVICE ExpertRanks expert_ranks(const FcEpArgs& a) {
     ExpertRanks x;
     x.num = a.num_experts;
-    x.per_rank = a.num_experts / a.ctx.world;
-    x.recip = x.per_rank == 0 ? 0u : ((1ull << 32) + x.per_rank - 1u) / x.per_rank;
+    x.per_rank = a.per_rank;
+    x.recip = a.rank_recip;
     return x;
 }
 
@@ -406,7 +430,7 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
     __shared__ LayoutShared sh;
     const FcDevCtx& ctx = a.ctx;
     const fc_u32 me = ctx.rank, world = ctx.world;
-    const fc_u32 per_rank = a.num_experts / world;
+    const ExpertRanks xr = expert_ranks(a);
     fc_u64* flags = flag_words(a);
     fc_u64 epoch = fc_ld_volatile_u64(flags + FC_EP_FLAG_EPOCH);
     const fc_u32 t = fc_thread_id();
@@ -439,8 +463,9 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
     const bool sc16 =
         a.payload == FC_EP_PAYLOAD_FP8 && ((a.scales | scale_bytes) & 15u) == 0 && scale_bytes <= 16u * fc_warp_size();
     for (fc_u64 u = w.id; u < units; u += w.count) {
-        const fc_u32 tok = (fc_u32)(u / pieces);
-        const fc_u64 piece = u % pieces;
+        const Unit un = unit_of(u, pieces);
+        const fc_u32 tok = (fc_u32)un.row;
+        const fc_u64 piece = un.piece;
         const Slots sl = LAYOUT ? chunk_slots(sh, tok, world) : load_slots(a, tok);
         if (LAYOUT && piece == 0 && w.lane == 0) store_slots(a, tok, sl);
         const fc_u64 at = piece * piece_bytes();
@@ -495,11 +520,10 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
             for (fc_u32 k = w.lane; k < a.topk; k += fc_warp_size()) {
                 const bool first_run = k == w.lane;
                 const fc_i32 e = first_run ? e0 : fc_load(idx + (fc_u64)tok * a.topk + k);
-                const bool mine = e >= 0 && (fc_u32)e < a.num_experts && (fc_u32)e >= r * per_rank &&
-                                  (fc_u32)e < (r + 1u) * per_rank;
+                const bool mine = dest_bit(e, xr) == 1u << r; // the layout's own test
                 const fc_u32 wbits = first_run ? w0 : fc_load(weights + (fc_u64)tok * a.topk + k);
                 fc_store(fc_remote_ptr(ctx, r, fc_ptr<fc_i32>(a.recv_idx) + row * a.topk + k),
-                         mine ? (fc_i32)((fc_u32)e - r * per_rank) : -1);
+                         mine ? (fc_i32)((fc_u32)e - r * xr.per_rank) : -1);
                 fc_store(fc_remote_ptr(ctx, r, fc_ptr<fc_u32>(a.recv_weights) + row * a.topk + k), mine ? wbits : 0u);
             }
             if (w.lane == 0) fc_store(fc_remote_ptr(ctx, r, fc_ptr<fc_i32>(a.recv_src) + row), (fc_i32)tok);
@@ -727,8 +751,9 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
             if (s == me) continue;
             const fc_u64 units = fc_ep::seen_rows(a, s) * pieces;
             for (fc_u64 u = w.put_id; u < units; u += w.put_count) {
-                const fc_u64 row = (fc_u64)s * a.max_tokens + u / pieces;
-                const fc_u64 at = (u % pieces) * fc_ep::piece_bytes();
+                const fc_ep::Unit un = fc_ep::unit_of(u, pieces);
+                const fc_u64 row = (fc_u64)s * a.max_tokens + un.row;
+                const fc_u64 at = un.piece * fc_ep::piece_bytes();
                 const fc_u64 vecs = (row_bytes - at < fc_ep::piece_bytes() ? row_bytes - at : fc_ep::piece_bytes()) / 16u;
                 const fc_i32 tok = fc_load(src + row);
                 fc_vec16 v[FC_DEVAPI_UNROLL];
@@ -761,12 +786,14 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
         bool failed = false;
         // A unit's slots are loaded one unit ahead.
         fc_ep::Slots sl_next;
-        if (w.sum_id < units) sl_next = fc_ep::load_slots(a, (fc_u32)(w.sum_id / pieces));
+        if (w.sum_id < units) sl_next = fc_ep::load_slots(a, (fc_u32)fc_ep::unit_of(w.sum_id, pieces).row);
         for (fc_u64 u = w.sum_id; u < units && !failed; u += w.sum_count) {
-            const fc_u32 tok = (fc_u32)(u / pieces);
-            const fc_u64 c0 = (u % pieces) * piece + (fc_u64)w.lane * 16u;
+            const fc_ep::Unit un = fc_ep::unit_of(u, pieces);
+            const fc_u32 tok = (fc_u32)un.row;
+            const fc_u64 c0 = un.piece * piece + (fc_u64)w.lane * 16u;
             const fc_ep::Slots sl = sl_next;
-            if (u + w.sum_count < units) sl_next = fc_ep::load_slots(a, (fc_u32)((u + w.sum_count) / pieces));
+            if (u + w.sum_count < units)
+                sl_next = fc_ep::load_slots(a, (fc_u32)fc_ep::unit_of(u + w.sum_count, pieces).row);
             const fc_u32 mask = fc_ep::sent_mask(sl, world);
             // This rank's own packs and the first other rank's first look
             // are issued together, before the sum in rank order takes them
@@ -847,11 +874,12 @@ FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
     for (fc_u32 s = 0; s < world; ++s) {
         const fc_u64 units = fc_ep::seen_rows(a, s) * pieces;
         for (fc_u64 u = w.id; u < units; u += w.count) {
-            const fc_u64 row = (fc_u64)s * a.max_tokens + u / pieces;
+            const fc_ep::Unit un = fc_ep::unit_of(u, pieces);
+            const fc_u64 row = (fc_u64)s * a.max_tokens + un.row;
             const fc_i32 tok = fc_load(src + row);
             if (tok < 0 || (fc_u32)tok >= a.max_tokens) continue; // never: the source wrote it
             fc_ep::put_piece(ctx, s, fc_ptr<char>(a.inbox) + ((fc_u64)me * a.max_tokens + (fc_u32)tok) * row_bytes,
-                             fc_ptr<const char>(a.x) + row * row_bytes, row_bytes, u % pieces);
+                             fc_ptr<const char>(a.x) + row * row_bytes, row_bytes, un.piece);
         }
     }
     fc_ep::plain_combine_end(a);
@@ -874,8 +902,9 @@ FC_HEAP_KERNEL(fc_ep_combine_reduce, FcEpArgs) {
     const fc_u64 pieces = (row_bytes + piece - 1u) / piece;
     const fc_u64 units = (fc_u64)a.num_tokens * pieces;
     for (fc_u64 u = w.id; u < units; u += w.count) {
-        const fc_u32 tok = (fc_u32)(u / pieces);
-        const fc_u64 c = (u % pieces) * piece + (fc_u64)w.lane * lane_bytes;
+        const fc_ep::Unit un = fc_ep::unit_of(u, pieces);
+        const fc_u32 tok = (fc_u32)un.row;
+        const fc_u64 c = un.piece * piece + (fc_u64)w.lane * lane_bytes;
         if (c >= row_bytes) continue;
         const fc_u32 mask = fc_ep::sent_mask(fc_ep::load_slots(a, tok), world);
         char* rows = inbox + (fc_u64)tok * row_bytes + c;

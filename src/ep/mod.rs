@@ -208,9 +208,12 @@ pub(crate) struct EpArgs {
     pub payload: u32,
     pub row_bytes: u32,
     pub scale_cols: u32,
+    pub rank_recip: u64,
+    pub per_rank: u32,
+    pub pad: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<EpArgs>() == 256);
+const _: () = assert!(std::mem::size_of::<EpArgs>() == 272);
 
 /// `FC_EP_PAYLOAD_*`.
 const PAYLOAD_BF16: u32 = 0;
@@ -218,7 +221,7 @@ const PAYLOAD_FP8: u32 = 1;
 
 fn bytes_of(a: &EpArgs) -> &[u8] {
     // SAFETY: a #[repr(C)] struct of integers with no padding (asserted
-    // size: 104 + 15 * 8 + 8 * 4); the slice borrows it.
+    // size: 104 + 16 * 8 + 10 * 4); the slice borrows it.
     unsafe { std::slice::from_raw_parts((a as *const EpArgs).cast::<u8>(), std::mem::size_of::<EpArgs>()) }
 }
 
@@ -486,8 +489,8 @@ impl<D: Device> EpBuffer<D> {
 
     /// The dispatch / combine grid: the host twins run as one block. Every
     /// EP kernel waits for the stream's previous kernel first thing
-    /// (`fc_grid_dep_wait`), so on CUDA sm_90 and up they launch as its
-    /// programmatic dependents.
+    /// (`fc_grid_dep_wait`), so they ask to launch as its programmatic
+    /// dependents (which the backend grants where the device takes them).
     fn grid(&self) -> LaunchConfig {
         let facts = self.comm.inner.device.facts();
         let grid = match facts.backend {
@@ -497,11 +500,8 @@ impl<D: Device> EpBuffer<D> {
                 asked.min(facts.multiprocessors.max(1))
             }
         };
-        let sm = facts.arch.strip_prefix("sm_").and_then(|v| v.parse::<u32>().ok());
         LaunchConfig {
-            dependent: facts.backend == BackendKind::Cuda
-                && sm.is_some_and(|v| v >= 90)
-                && self.comm.inner.opts.ep_dependent_launch,
+            dependent: self.comm.inner.opts.ep_dependent_launch,
             ..LaunchConfig::new(grid, self.block())
         }
     }
@@ -512,6 +512,7 @@ impl<D: Device> EpBuffer<D> {
         ctx.timeout_ns = DevCtx::timeout_ns_of(self.comm.inner.timeout_of(call));
         let l = &self.layout;
         let r = |o: usize| self.region(o);
+        let per_rank = self.experts_per_rank();
         Ok(EpArgs {
             ctx,
             x: DevicePtr::NULL,
@@ -540,7 +541,20 @@ impl<D: Device> EpBuffer<D> {
             },
             row_bytes: l.row_bytes as u32,
             scale_cols: l.scale_cols as u32,
+            rank_recip: rank_recip(per_rank),
+            per_rank: per_rank as u32,
+            pad: 0,
         })
+    }
+}
+
+/// `ceil(2^32 / per_rank)` (0 for 0): with it the kernels map an expert id
+/// `e` to its rank `e / per_rank` by a multiply and one correction
+/// (`ExpertRanks` in kernels-cuda/ep.cu), with no division on the device.
+fn rank_recip(per_rank: usize) -> u64 {
+    match per_rank as u64 {
+        0 => 0,
+        p => (1u64 << 32).div_ceil(p),
     }
 }
 
@@ -557,4 +571,26 @@ fn rows_of(op: &str, what: &str, t: &Tensor, dtype: DType, cols: usize, rows: us
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rank_recip;
+
+    /// The kernels' `dest_bit` rank, from the reciprocal: the multiply, then
+    /// one step down where it overshot. Exact for the ids a rank range holds.
+    #[test]
+    fn the_reciprocal_maps_every_id_to_its_rank() {
+        for per_rank in [1usize, 2, 3, 7, 32, 100, 255, 256, 1000, 65_537] {
+            let recip = rank_recip(per_rank);
+            for e in (0..per_rank as u64 * 9).chain([(1 << 31) - 1]) {
+                let mut r = ((e * recip) >> 32) as u32;
+                if r as u64 * per_rank as u64 > e {
+                    r -= 1;
+                }
+                assert_eq!(r as u64, e / per_rank as u64, "id {e}, {per_rank} experts a rank");
+            }
+        }
+        assert_eq!(rank_recip(0), 0);
+    }
 }
