@@ -45,19 +45,26 @@ fn flag(a: &EpArgs, word: usize) -> DevicePtr {
     a.flags.offset(8 * word)
 }
 
+/// The destination bit of one top-k id (the kernels' `dest_bit`): rank
+/// `e / per_rank`; none for ids below 0 or at or past `num_experts`.
+fn dest_bit(a: &EpArgs, e: i32) -> u32 {
+    if e >= 0 && (e as u32) < a.num_experts {
+        1 << (e as u32 / a.per_rank)
+    } else {
+        0
+    }
+}
+
 /// The ranks token `t` goes to (one token of the kernels' `chunk_masks`).
 ///
 /// # Safety
 /// `a.topk_idx` holds `num_tokens * topk` i32.
 unsafe fn dest_mask(a: &EpArgs, t: usize) -> u32 {
-    let per_rank = a.num_experts / a.ctx.world;
     let mut mask = 0;
     for k in 0..a.topk as usize {
         // SAFETY: inside the caller's topk_idx (t < num_tokens).
         let e: i32 = unsafe { load(a.topk_idx.offset(4 * (t * a.topk as usize + k))) };
-        if e >= 0 && (e as u32) < a.num_experts {
-            mask |= 1 << (e as u32 / per_rank);
-        }
+        mask |= dest_bit(a, e);
     }
     mask
 }
@@ -103,7 +110,6 @@ unsafe fn dispatch(args: &[u8]) {
     // SAFETY: forwarded from the caller.
     let a: EpArgs = unsafe { args_of(args) };
     let (me, world) = (a.ctx.rank as usize, a.ctx.world as usize);
-    let per_rank = a.num_experts / a.ctx.world;
     let epoch = a.ctx.atomic_fetch(me, flag(&a, FLAG_EPOCH));
     let (k, rb) = (a.topk as usize, a.row_bytes as usize);
     let scale_bytes = 4 * a.scale_cols as usize;
@@ -140,9 +146,9 @@ unsafe fn dispatch(args: &[u8]) {
                         load(a.topk_weights.offset(4 * (t * k + j))),
                     )
                 };
-                let mine = e >= 0 && (e as u32) < a.num_experts && e as u32 / per_rank == r as u32;
+                let mine = dest_bit(&a, e) == 1 << r; // the layout's own test, as in the kernel
                 ids[j] = if mine {
-                    (e as u32 - r as u32 * per_rank) as i32
+                    (e as u32 - r as u32 * a.per_rank) as i32
                 } else {
                     -1
                 };
