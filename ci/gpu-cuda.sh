@@ -292,10 +292,8 @@ if [[ " $STEPS " == *" heap "* ]]; then
         not_run "heap suite with ranks as threads (one GPU a rank)" 2
     fi
     # Processes (fds, separate address spaces); shared, they time-slice the GPU.
-    # Autotune off, as in heap_cuda: the suite checks the kinds the library
-    # picks, which a table cached by an earlier bench on the machine overrides.
     hprocs=$((NGPU >= 2 ? NGPU : 2))
-    step heap_torchrun "${share[@]}" env FERROCOMM_AUTOTUNE=0 torchrun --nproc_per_node="$hprocs" --no-python "$BIN/ferrocomm-worker" heap \
+    step heap_torchrun "${share[@]}" torchrun --nproc_per_node="$hprocs" --no-python "$BIN/ferrocomm-worker" heap \
         --backend cuda --timeout-secs 120
     # EP worlds above the GPU count are named, not failed (shared ranks run them all).
     epskip=()
