@@ -22,11 +22,12 @@
 #define FC_EP_PAYLOAD_FP8 1u
 
 // Flag words (u64) at FcEpArgs::flags, see src/ep/layout.rs.
-#define FC_EP_FLAG_DISPATCH 0u                  // [s]: blocks of source s's dispatches that landed here
-#define FC_EP_FLAG_COMBINE FC_MAX_RANKS         // [r]: blocks of rank r's combines that landed here
-#define FC_EP_FLAG_EPOCH (2u * FC_MAX_RANKS)    // this rank's dispatches so far (local)
-#define FC_EP_FLAG_SEEN (2u * FC_MAX_RANKS + 1u) // [s]: recv_counts[s] as the last dispatch saw it (local)
-#define FC_EP_FLAG_PLAIN (3u * FC_MAX_RANKS + 1u) // this rank's plain (two-kernel) combines so far (local)
+#define FC_EP_FLAG_COMBINE 0u                     // [r]: blocks of rank r's plain combines that landed here
+#define FC_EP_FLAG_EPOCH FC_MAX_RANKS             // this rank's dispatches so far (local)
+#define FC_EP_FLAG_SEEN (FC_MAX_RANKS + 1u)       // [s]: recv_counts[s] as the last dispatch saw it (local)
+#define FC_EP_FLAG_PLAIN (2u * FC_MAX_RANKS + 1u) // this rank's plain (two-kernel) combines so far (local)
+#define FC_EP_FLAG_DISPATCH (2u * FC_MAX_RANKS + 2u) // [s * FC_EP_MAX_GRID + b]: block b of source s's last dispatch here
+#define FC_EP_MAX_GRID 128u // the most blocks an EP launch takes (MAX_BLOCKS, src/algo/layout.rs)
 
 struct FcEpArgs {
     FcDevCtx ctx;
@@ -62,16 +63,32 @@ static_assert(sizeof(FcEpArgs) == 272, "FcEpArgs must match EpArgs in src/ep/mod
 
 namespace fc_ep {
 
-// Warp geometry over the grid: every warp takes whole tokens (rows).
+// Warp geometry over the grid. A batch of more units than one block has
+// warps, but no more than the grid has, takes warp ids round the blocks
+// first (warp k of block b is k * blocks + b), so it spreads over every
+// multiprocessor: filling blocks in turn left a 128-token dispatch on 56 of
+// 128 blocks, each to signal after its 16 warps' puts, and a dispatch +
+// combine took ~1.1 us longer (2x H200, session 14). Otherwise a block's
+// warps take neighbouring units:
+// - a larger batch: going round the blocks gave a block the same piece of
+//   every row, so with fp8's half last piece some blocks did half the work
+//   of others (4096 tokens: 288 against 281 us);
+// - a batch within one block's warps stays in block 0 (1 token spread
+//   out: 11.68 against 11.48 us).
+FC_DEVICE fc_u32 warp_id(fc_u32 block, fc_u32 warp_in_block, fc_u32 blocks, fc_u32 per_block, fc_u64 units) {
+    const bool spread = units > per_block && units <= (fc_u64)blocks * per_block;
+    return spread ? warp_in_block * blocks + block : block * per_block + warp_in_block;
+}
 struct Warps {
     fc_u32 lane, id, count;
 };
-FC_DEVICE Warps grid_warps() {
+// For a kernel of `units` units over the whole grid.
+FC_DEVICE Warps grid_warps(fc_u64 units) {
     const fc_u32 ws = fc_warp_size();
     const fc_u32 per_block = (fc_block_threads() + ws - 1u) / ws;
     Warps w;
     w.lane = fc_lane_id();
-    w.id = fc_block_id() * per_block + fc_thread_id() / ws;
+    w.id = warp_id(fc_block_id(), fc_thread_id() / ws, fc_grid_blocks(), per_block, units);
     w.count = fc_grid_blocks() * per_block;
     return w;
 }
@@ -414,10 +431,10 @@ FC_HEAP_KERNEL(fc_ep_layout, FcEpArgs) {
 // rank's region of this source, at the token's slot; the warp of piece 0 also
 // puts the fp8 scales, the top-k ids and weights as the destination sees
 // them, and the token's index. Block 0 also writes the row counts. Each block
-// then adds 1 to every rank's flag for this source (after a block barrier:
-// the release covers the block's puts), and block 0 waits until every
-// source's flag reaches epoch * grid, so the stream's next work sees every
-// row.
+// then sets its flag word for this source at every rank to the epoch (after
+// a block barrier: the release covers the block's puts), and block 0 waits
+// until every source's every block's word reaches the epoch, so the
+// stream's next work sees every row.
 //
 // When the rows allow 16-byte units (the usual case), a warp loads its piece
 // and the token's slots once, together, and stores the piece to every
@@ -452,12 +469,12 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
     }
     // The counts go out first (the signal below covers them).
     if (counter) fc_store(fc_remote_ptr(ctx, t, fc_ptr<fc_i32>(a.recv_counts) + me), sends);
-    const Warps w = grid_warps();
     const fc_i32* idx = fc_ptr<fc_i32>(a.topk_idx);
     const fc_u32* weights = fc_ptr<fc_u32>(a.topk_weights); // f32 bits, passed through
     const fc_u64 scale_bytes = (fc_u64)a.scale_cols * 4u;
     const fc_u64 pieces = pieces_of(a.row_bytes);
     const fc_u64 units = (fc_u64)a.num_tokens * pieces;
+    const Warps w = grid_warps(units);
     const bool vec = ((a.x | a.row_bytes) & 15u) == 0;
     // fp8 scales a warp moves in one 16-byte unit a lane.
     const bool sc16 =
@@ -529,14 +546,30 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
             if (w.lane == 0) fc_store(fc_remote_ptr(ctx, r, fc_ptr<fc_i32>(a.recv_src) + row), (fc_i32)tok);
         }
     }
+    // Each block sets its own word at every rank to the epoch, after a
+    // block barrier (the release covers the block's puts). One word per
+    // source that every block added 1 to took 0.1-0.5 us longer up to 128
+    // tokens (2x H200, session 14): a peer's adds to one word queue at its
+    // L2 behind each other.
     fc_barrier();
-    block_signal(a, FC_EP_FLAG_DISPATCH, 1u);
-    if (fc_block_id() == 0 && t < world) {
-        const bool landed = wait_ge(ctx, flags + FC_EP_FLAG_DISPATCH + t, epoch * fc_grid_blocks(), t);
+    if (t < world) fc_signal_set(ctx, t, flags + FC_EP_FLAG_DISPATCH + me * FC_EP_MAX_GRID + fc_block_id(), epoch);
+    if (fc_block_id() != 0) return;
+    // Block 0 waits for every source's every block, a word a thread, so the
+    // stream's next work sees every row.
+    __shared__ fc_u32 missing[FC_MAX_RANKS]; // 1: a wait on source s failed
+    if (t < FC_MAX_RANKS) missing[t] = 0;
+    fc_barrier();
+    const fc_u32 g = fc_grid_blocks();
+    for (fc_u32 i = t; i < world * g; i += fc_block_threads()) {
+        const fc_u32 s = i / g;
+        if (!wait_ge(ctx, flags + FC_EP_FLAG_DISPATCH + s * FC_EP_MAX_GRID + (i - s * g), epoch, s)) missing[s] = 1;
+    }
+    fc_barrier(); // the acquires above come before every thread's reads below
+    if (t < world) {
         // The combine counts rows from this copy, never from recv_counts:
         // a combine ends without waiting for its peers, so a source's next
         // dispatch may rewrite recv_counts while this rank's combine runs.
-        const fc_i32 n = landed ? fc_load(fc_ptr<const fc_i32>(a.recv_counts) + t) : 0;
+        const fc_i32 n = missing[t] == 0 ? fc_load(fc_ptr<const fc_i32>(a.recv_counts) + t) : 0;
         fc_st_volatile_u64(flags + FC_EP_FLAG_SEEN + t, n > 0 ? (fc_u64)n : 0u);
     }
 }
@@ -634,10 +667,14 @@ FC_DEVICE Roles combine_roles(const FcEpArgs& a) {
     r.lane = fc_lane_id();
     r.put = g < 2u || b < gp;
     r.sum = g < 2u || b >= gp;
-    r.put_id = (r.put ? b : 0u) * per_block + wib;
+    const fc_u32 sum_blocks = g < 2u ? g : g - gp;
+    // Both roles take rows in 2 KiB units; this rank's own token count
+    // stands in for the rows it sends back.
+    const fc_u64 units = (fc_u64)a.num_tokens * pieces_of((fc_u64)a.hidden * 2u);
+    r.put_id = warp_id(r.put ? b : 0u, wib, gp, per_block, units);
     r.put_count = gp * per_block;
-    r.sum_id = (g < 2u ? b : (r.sum ? b - gp : 0u)) * per_block + wib;
-    r.sum_count = (g < 2u ? g : g - gp) * per_block;
+    r.sum_id = warp_id(g < 2u ? b : (r.sum ? b - gp : 0u), wib, sum_blocks, per_block, units);
+    r.sum_count = sum_blocks * per_block;
     return r;
 }
 
@@ -867,10 +904,10 @@ FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
     fc_ep::begin();
     const FcDevCtx& ctx = a.ctx;
     const fc_u32 me = ctx.rank, world = ctx.world;
-    const fc_ep::Warps w = fc_ep::grid_warps();
     const fc_u64 row_bytes = (fc_u64)a.hidden * 2u;
     const fc_i32* src = fc_ptr<fc_i32>(a.recv_src);
     const fc_u64 pieces = fc_ep::pieces_of(row_bytes);
+    const fc_ep::Warps w = fc_ep::grid_warps((fc_u64)a.num_tokens * pieces); // this rank's count stands in for the rows
     for (fc_u32 s = 0; s < world; ++s) {
         const fc_u64 units = fc_ep::seen_rows(a, s) * pieces;
         for (fc_u64 u = w.id; u < units; u += w.count) {
@@ -892,7 +929,6 @@ FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
 FC_HEAP_KERNEL(fc_ep_combine_reduce, FcEpArgs) {
     fc_ep::begin();
     const fc_u32 world = a.ctx.world;
-    const fc_ep::Warps w = fc_ep::grid_warps();
     const fc_u64 row_bytes = (fc_u64)a.hidden * 2u;
     char* inbox = fc_ptr<char>(a.inbox);
     const fc_u64 rank_stride = (fc_u64)a.max_tokens * row_bytes;
@@ -901,6 +937,7 @@ FC_HEAP_KERNEL(fc_ep_combine_reduce, FcEpArgs) {
     const fc_u64 piece = (fc_u64)fc_warp_size() * lane_bytes;
     const fc_u64 pieces = (row_bytes + piece - 1u) / piece;
     const fc_u64 units = (fc_u64)a.num_tokens * pieces;
+    const fc_ep::Warps w = fc_ep::grid_warps(units);
     for (fc_u64 u = w.id; u < units; u += w.count) {
         const fc_ep::Unit un = fc_ep::unit_of(u, pieces);
         const fc_u32 tok = (fc_u32)un.row;

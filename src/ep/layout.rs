@@ -7,10 +7,12 @@
 //! allow them.
 //!
 //! ```text
-//! flags         u64 [3 * MAX_RANKS + 2]       [s] dispatch flag of source s, [8 + r] combine
-//!                                             flag of rank r, [16] this rank's epoch, [17 + s]
-//!                                             recv_counts[s] as the last dispatch saw it, [25]
-//!                                             plain combines so far (all from 16 on local)
+//! flags         u64 [2 * MAX_RANKS + 2 + MAX_RANKS * MAX_BLOCKS]
+//!                                             [r] plain combine flag of rank r, [8] this rank's
+//!                                             epoch, [9 + s] recv_counts[s] as the last
+//!                                             dispatch saw it, [17] plain combines so far (all
+//!                                             local from 8 to 17), [18 + s * 128 + b] block b
+//!                                             of source s's last dispatch (its epoch)
 //! recv_counts   i32 [MAX_RANKS]               rows received from each source
 //! send_counts   i32 [MAX_RANKS]               (local) tokens this rank sends to each rank
 //! recv_x        [world][max][row_bytes]       bf16 or fp8 rows, by source, in source order
@@ -24,6 +26,7 @@
 //! slots         i32 [max][MAX_RANKS]          (local) token t's row at rank r, -1: not sent
 //! ```
 
+use crate::algo::layout::MAX_BLOCKS;
 use crate::device::MAX_RANKS;
 use crate::error::{Error, Result};
 
@@ -34,12 +37,10 @@ pub const REGION_ALIGN: usize = 256;
 /// Channels that share one fp8 scale.
 pub const SCALE_BLOCK: usize = 128;
 
-/// Flag words: `u64` index of source `s`'s dispatch flag is `FLAG_DISPATCH + s`.
-pub(crate) const FLAG_DISPATCH: usize = 0;
-/// Flag words: rank `r`'s combine flag is `FLAG_COMBINE + r`.
-pub(crate) const FLAG_COMBINE: usize = MAX_RANKS;
+/// Flag words: rank `r`'s plain combine flag is `FLAG_COMBINE + r`.
+pub(crate) const FLAG_COMBINE: usize = 0;
 /// Flag words: this rank's dispatch count (its epoch), local.
-pub(crate) const FLAG_EPOCH: usize = 2 * MAX_RANKS;
+pub(crate) const FLAG_EPOCH: usize = MAX_RANKS;
 /// Flag words: `recv_counts[s]` as this rank's last dispatch saw it once
 /// every source had signalled (`FLAG_SEEN + s`), local. The combine counts
 /// rows from it: it ends without waiting for its peers, so a source's next
@@ -48,8 +49,12 @@ pub(crate) const FLAG_SEEN: usize = FLAG_EPOCH + 1;
 /// Flag words: this rank's plain (two-kernel) combines so far, local; the
 /// target of their flag waits.
 pub(crate) const FLAG_PLAIN: usize = FLAG_SEEN + MAX_RANKS;
+/// Flag words: block `b` of source `s`'s last dispatch that landed here, as
+/// that dispatch's epoch, is `FLAG_DISPATCH + s * MAX_BLOCKS + b`: a word a
+/// block, set, not one word a source that every block adds to.
+pub(crate) const FLAG_DISPATCH: usize = FLAG_PLAIN + 1;
 /// Bytes of the flag words.
-pub(crate) const FLAGS_BYTES: usize = 8 * (FLAG_PLAIN + 1);
+pub(crate) const FLAGS_BYTES: usize = 8 * (FLAG_DISPATCH + MAX_RANKS * MAX_BLOCKS);
 
 /// Byte offsets of the regions (see the module docs) and the sizes they derive from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,6 +150,34 @@ impl EpLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kernels' flag-word indices are the ones this module gives.
+    #[test]
+    fn kernel_flag_words_match() {
+        let src = include_str!("../../kernels-cuda/ep.cu");
+        let define = |name: &str| {
+            let line = src
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("{name} is not defined in ep.cu"));
+            line[format!("#define {name} ").len()..]
+                .split("//")
+                .next()
+                .unwrap()
+                .trim()
+                .to_string()
+        };
+        assert_eq!(define("FC_EP_FLAG_COMBINE"), "0u");
+        assert_eq!(define("FC_EP_FLAG_EPOCH"), "FC_MAX_RANKS");
+        assert_eq!(define("FC_EP_FLAG_SEEN"), "(FC_MAX_RANKS + 1u)");
+        assert_eq!(define("FC_EP_FLAG_PLAIN"), "(2u * FC_MAX_RANKS + 1u)");
+        assert_eq!(define("FC_EP_FLAG_DISPATCH"), "(2u * FC_MAX_RANKS + 2u)");
+        assert_eq!(define("FC_EP_MAX_GRID"), format!("{MAX_BLOCKS}u"));
+        assert_eq!(
+            (FLAG_COMBINE, FLAG_EPOCH, FLAG_SEEN, FLAG_PLAIN, FLAG_DISPATCH),
+            (0, MAX_RANKS, MAX_RANKS + 1, 2 * MAX_RANKS + 1, 2 * MAX_RANKS + 2)
+        );
+    }
 
     #[test]
     fn regions_are_aligned_disjoint_and_in_order() {

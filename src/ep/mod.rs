@@ -91,6 +91,8 @@ pub const EP_KERNELS: [&str; 6] = [
 /// 64: 556 / 477, 128 (the most a launch takes): 491 / 410; to 1024 tokens
 /// 64 and 128 are level, and the grid changes nothing below 512 tokens.
 pub const EP_GPU_BLOCKS: u32 = 128;
+// A dispatch block has its own flag word, MAX_BLOCKS a source (layout.rs).
+const _: () = assert!(EP_GPU_BLOCKS as usize <= crate::algo::layout::MAX_BLOCKS);
 
 /// Tokens a thread of the layout takes (`FC_EP_LAYOUT_RUN`): up to this
 /// many a block thread, the dispatch kernel finds its own layout

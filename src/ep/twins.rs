@@ -7,6 +7,7 @@ use half::bf16;
 
 use super::layout::{FLAG_COMBINE, FLAG_DISPATCH, FLAG_EPOCH, FLAG_PLAIN, FLAG_SEEN};
 use super::{EpArgs, PAYLOAD_FP8};
+use crate::algo::layout::MAX_BLOCKS;
 use crate::backends::host::heap_kernels::args_of;
 use crate::device::{DevicePtr, MAX_RANKS};
 use crate::heap::Cmp;
@@ -182,13 +183,16 @@ unsafe fn dispatch(args: &[u8]) {
                 .put(r, a.recv_counts.offset(4 * me), a.send_counts.offset(4 * r), 4)
         };
     }
+    // The one block's word (block 0) for this source, at every rank.
     for r in 0..world {
-        a.ctx.signal_add(r, flag(&a, FLAG_DISPATCH + me), 1);
+        a.ctx.signal_set(r, flag(&a, FLAG_DISPATCH + me * MAX_BLOCKS), epoch);
     }
     for s in 0..world {
         // A deadline or a failed communicator: the error words say so; the
         // later waits give up at once, and the combine sends nothing back.
-        let landed = a.ctx.wait_until(flag(&a, FLAG_DISPATCH + s), Cmp::Ge, epoch * GRID, s);
+        let landed = a
+            .ctx
+            .wait_until(flag(&a, FLAG_DISPATCH + s * MAX_BLOCKS), Cmp::Ge, epoch, s);
         // SAFETY: recv_counts holds MAX_RANKS i32, written by the sources
         // before the signals just awaited.
         let n: i32 = if landed {
