@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Session 14 device job d: spread-small plus block 0 for batches within one block (rule); rule plus a dispatch flag word per (source, block) set to the epoch, no atomics (words). Against 072691d (base).
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 FERROCOMM_REQUIRE_GPU=1 FERROCOMM_TEST_FULL=1
+export FERROCOMM_WORKER_EXE=$PWD/.carry/bin/ferrocomm-worker LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} FERROCOMM_CACHE_DIR=/tmp/ferrocomm-kcache
+mkdir -p /tmp/ferrocomm-kcache && cp -r .carry/kcache/. /tmp/ferrocomm-kcache/ && chmod -R go-rwx /tmp/ferrocomm-kcache
+nvidia-smi -L > $OUT/gpus.txt
+A="--backend cuda --world 2 --ep --graph --iters 20 --warmup 5 --tokens 1,8,32,128,512,4096"
+run() { # name, binary, env...
+  local n=$1 b=$2; shift 2
+  env "$@" timeout 150 .carry/bin/$b $A > $OUT/$n.log 2>&1; echo "rc=$?" >> $OUT/$n.log; echo "== $n"; grep -v autotune $OUT/$n.log | grep -v "^#"
+}
+run base bench-base X=1
+run rule bench-rule X=1
+run words bench-words X=1
+run words-again bench-words X=1
+run rule-again bench-rule X=1
+run base-again bench-base X=1

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Session 14 device job f (4 GPUs): the final kernels (401278a) at worlds 3 and 4: EP conformance, and the world-4 bench against 072691d (base).
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 FERROCOMM_REQUIRE_GPU=1 FERROCOMM_TEST_FULL=1
+export FERROCOMM_WORKER_EXE=$PWD/.carry/bin/ferrocomm-worker LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} FERROCOMM_CACHE_DIR=/tmp/ferrocomm-kcache
+mkdir -p /tmp/ferrocomm-kcache && cp -r .carry/kcache/. /tmp/ferrocomm-kcache/ && chmod -R go-rwx /tmp/ferrocomm-kcache
+nvidia-smi -L > $OUT/gpus.txt; nvidia-smi topo -m > $OUT/topo.txt 2>&1
+timeout 400 .carry/bin/ep_cuda --include-ignored --test-threads=1 --skip ep_world_8 > $OUT/ep_cuda.log 2>&1; echo "rc=$?" >> $OUT/ep_cuda.log; grep "^test \|result" $OUT/ep_cuda.log
+A="--backend cuda --world 4 --ep --graph --iters 20 --warmup 5 --tokens 1,8,32,128,512,4096"
+run() { # name, binary, env...
+  local n=$1 b=$2; shift 2
+  env "$@" timeout 150 .carry/bin/$b $A > $OUT/$n.log 2>&1; echo "rc=$?" >> $OUT/$n.log; echo "== $n"; grep -v autotune $OUT/$n.log | grep -v "^#"
+}
+run base-w4 bench-base X=1
+run final-w4 ferrocomm-bench X=1
+run final-w4-again ferrocomm-bench X=1
+run base-w4-again bench-base X=1
