@@ -82,8 +82,8 @@ pub const EP_KERNELS: [&str; 6] = [
 /// (`CommOptions::ep_blocks` overrides it), at most the GPU's
 /// multiprocessors: the one-kernel combine's blocks wait for each other's
 /// rows, so they must be resident together. Every rank must use the same
-/// grid (a rank waits for `epoch * grid` signals from each peer), so the
-/// ranks of one buffer need GPUs of one model.
+/// grid (a rank's dispatch waits for a flag word from every block of every
+/// peer), so the ranks of one buffer need GPUs of one model.
 ///
 /// Measured on 2x H200, `FERROCOMM_EP_BLOCKS=b ferrocomm-bench --ep --graph`
 /// (bench/2026-11-23-h200x2/run14-session6, c and d), dispatch + combine us
