@@ -556,8 +556,8 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
     // Each block sets its own word at every rank to the epoch, after a
     // block barrier (the release covers the block's puts). One word per
     // source that every block added 1 to took 0.1-0.5 us longer up to 128
-    // tokens (2x H200, session 14): a peer's adds to one word queue at its
-    // L2 behind each other.
+    // tokens (2x H200, session 14), we think because a peer's adds to one
+    // word queue at its L2 behind each other (not measured apart).
     fc_barrier();
     if (t < world) fc_signal_set(ctx, t, flags + FC_EP_FLAG_DISPATCH + me * FC_EP_MAX_GRID + fc_block_id(), epoch);
     if (fc_block_id() != 0) return;
