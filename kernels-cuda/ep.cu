@@ -28,6 +28,10 @@
 #define FC_EP_FLAG_PLAIN (2u * FC_MAX_RANKS + 1u) // this rank's plain (two-kernel) combines so far (local)
 #define FC_EP_FLAG_DISPATCH (2u * FC_MAX_RANKS + 2u) // [s * FC_EP_MAX_GRID + b]: block b of source s's last dispatch here
 #define FC_EP_MAX_GRID 128u // the most blocks an EP launch takes (MAX_BLOCKS, src/algo/layout.rs)
+// A dispatch flag word is epoch << FC_EP_COUNT_BITS | rows: block 0's word
+// carries the rows its source sent here (other blocks' carry 0), so the
+// count arrives with the signal (max_tokens_per_rank < 2^20, EpConfig).
+#define FC_EP_COUNT_BITS 20u
 
 struct FcEpArgs {
     FcDevCtx ctx;
@@ -157,10 +161,16 @@ FC_DEVICE void put_piece(const FcDevCtx& ctx, fc_u32 r, char* dst, const char* s
 #ifndef FC_EP_PRESPIN
 #define FC_EP_PRESPIN 2048
 #endif
-FC_DEVICE bool wait_ge(const FcDevCtx& ctx, const fc_u64* sig, fc_u64 v, fc_u32 peer) {
+FC_DEVICE bool wait_ge(const FcDevCtx& ctx, const fc_u64* sig, fc_u64 v, fc_u32 peer, fc_u64& seen) {
     for (fc_u32 i = 0; i < FC_EP_PRESPIN; ++i)
-        if (fc_ld_acquire_sys_u64(sig) >= v) return true;
-    return fc_wait_until(ctx, sig, FC_CMP_GE, v, peer);
+        if ((seen = fc_ld_acquire_sys_u64(sig)) >= v) return true;
+    if (!fc_wait_until(ctx, sig, FC_CMP_GE, v, peer)) return false;
+    seen = fc_ld_acquire_sys_u64(sig);
+    return true;
+}
+FC_DEVICE bool wait_ge(const FcDevCtx& ctx, const fc_u64* sig, fc_u64 v, fc_u32 peer) {
+    fc_u64 seen;
+    return wait_ge(ctx, sig, v, peer, seen);
 }
 
 // Token t's row at every rank (slots[t], FC_MAX_RANKS i32: 32 bytes, aligned
@@ -430,9 +440,9 @@ FC_HEAP_KERNEL(fc_ep_layout, FcEpArgs) {
 // Dispatch: a warp per piece of a token's row puts it into every destination
 // rank's region of this source, at the token's slot; the warp of piece 0 also
 // puts the fp8 scales, the top-k ids and weights as the destination sees
-// them, and the token's index. Block 0's last warp also writes the row
-// counts. Each block then sets its flag word for this source at every rank
-// to the epoch (after a block barrier: the release covers the block's
+// them, and the token's index. Each block then sets its flag word for this
+// source at every rank to the epoch, block 0's with the rows it sent there
+// (FC_EP_COUNT_BITS; after a block barrier: the release covers the block's
 // puts), and block 0 waits until every source's every block's word reaches
 // the epoch, so the stream's next work sees every row.
 //
@@ -451,17 +461,14 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
     fc_u64* flags = flag_words(a);
     fc_u64 epoch = fc_ld_volatile_u64(flags + FC_EP_FLAG_EPOCH);
     const fc_u32 t = fc_thread_id();
-    // Block 0's last warp keeps the counts: its thread cw + r, the rows this
-    // rank sends rank r. The count's store to a peer holds up the warp that
-    // makes it for ~1-1.5 us (phase stamps, 2x H200, session 14); the last
-    // warp has no unit of a small batch, so no put waits behind it (1 token
-    // 11.02 against 11.44 / 11.50 us from warp 0, and 11.33 against 11.52
-    // in a second job; 128 tokens level).
-    const fc_u32 cw = (fc_block_threads() - 1u) / fc_warp_size() * fc_warp_size();
-    const fc_u32 cr = t - cw; // wraps below cw
-    const bool counter = fc_block_id() == 0 && t >= cw && cr < world;
-    fc_i32 sends = 0;
-    if (!LAYOUT && counter) sends = fc_load(fc_ptr<const fc_i32>(a.send_counts) + cr);
+    // Block 0's thread r < world signals rank r with the rows this rank
+    // sends it (FC_EP_COUNT_BITS): no count travels on its own. A count
+    // stored to a peer before the puts held up the warp that made it for
+    // ~1-1.5 us (phase stamps, 2x H200, session 14), and each receiver read
+    // recv_counts after the signals, one more load at the dispatch's end.
+    const bool counter = fc_block_id() == 0 && t < world;
+    fc_u32 sends = 0;
+    if (!LAYOUT && counter) sends = (fc_u32)fc_load(fc_ptr<const fc_i32>(a.send_counts) + t);
     if (LAYOUT) {
         // This kernel's own layout (one chunk): every block scans every
         // token; block 0 bumps the epoch (after all its threads read it:
@@ -471,11 +478,12 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
         const fc_u32 active = layout_scan(a, 0u, sh, run, lo, hi, own_lo, own_hi);
         epoch += 1u;
         if (fc_block_id() == 0 && t == 0) fc_st_volatile_u64(flags + FC_EP_FLAG_EPOCH, epoch);
-        if (counter && active != 0) sends = (fc_i32)count_of(sh.scan[0][active - 1u], sh.scan[1][active - 1u], cr);
-        if (fc_block_id() == 0 && t >= cw && cr < FC_MAX_RANKS) fc_store(fc_ptr<fc_i32>(a.send_counts) + cr, sends); // for the caller
+        if (fc_block_id() == 0 && t < FC_MAX_RANKS) {
+            const fc_u32 n = active != 0 && t < world ? count_of(sh.scan[0][active - 1u], sh.scan[1][active - 1u], t) : 0u;
+            fc_store(fc_ptr<fc_i32>(a.send_counts) + t, (fc_i32)n); // for the caller
+            sends = n;
+        }
     }
-    // The counts go out first (the signal below covers them).
-    if (counter) fc_store(fc_remote_ptr(ctx, cr, fc_ptr<fc_i32>(a.recv_counts) + me), sends);
     const fc_i32* idx = fc_ptr<fc_i32>(a.topk_idx);
     const fc_u32* weights = fc_ptr<fc_u32>(a.topk_weights); // f32 bits, passed through
     const fc_u64 scale_bytes = (fc_u64)a.scale_cols * 4u;
@@ -559,25 +567,30 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
     // tokens (2x H200, session 14), we think because a peer's adds to one
     // word queue at its L2 behind each other (not measured apart).
     fc_barrier();
-    if (t < world) fc_signal_set(ctx, t, flags + FC_EP_FLAG_DISPATCH + me * FC_EP_MAX_GRID + fc_block_id(), epoch);
+    const fc_u64 mark = epoch << FC_EP_COUNT_BITS;
+    if (t < world)
+        fc_signal_set(ctx, t, flags + FC_EP_FLAG_DISPATCH + me * FC_EP_MAX_GRID + fc_block_id(), counter ? mark | sends : mark);
     if (fc_block_id() != 0) return;
     // Block 0 waits for every source's every block, a word a thread, so the
-    // stream's next work sees every row.
+    // stream's next work sees every row; the thread of a source's block 0
+    // keeps the count its word carries.
     __shared__ fc_u32 missing[FC_MAX_RANKS]; // 1: a wait on source s failed
+    __shared__ fc_u32 rows[FC_MAX_RANKS];
     if (t < FC_MAX_RANKS) missing[t] = 0;
     fc_barrier();
     const fc_u32 g = fc_grid_blocks();
     for (fc_u32 i = t; i < world * g; i += fc_block_threads()) {
         const fc_u32 s = i / g;
-        if (!wait_ge(ctx, flags + FC_EP_FLAG_DISPATCH + s * FC_EP_MAX_GRID + (i - s * g), epoch, s)) missing[s] = 1;
+        fc_u64 seen = 0;
+        if (!wait_ge(ctx, flags + FC_EP_FLAG_DISPATCH + s * FC_EP_MAX_GRID + (i - s * g), mark, s, seen)) missing[s] = 1;
+        if (i == s * g) rows[s] = (fc_u32)(seen & ((1ull << FC_EP_COUNT_BITS) - 1u));
     }
     fc_barrier(); // the acquires above come before every thread's reads below
     if (t < world) {
-        // The combine counts rows from this copy, never from recv_counts:
-        // a combine ends without waiting for its peers, so a source's next
-        // dispatch may rewrite recv_counts while this rank's combine runs.
-        const fc_i32 n = missing[t] == 0 ? fc_load(fc_ptr<const fc_i32>(a.recv_counts) + t) : 0;
-        fc_st_volatile_u64(flags + FC_EP_FLAG_SEEN + t, n > 0 ? (fc_u64)n : 0u);
+        const fc_u32 n = missing[t] == 0 ? rows[t] : 0u;
+        fc_store(fc_ptr<fc_i32>(a.recv_counts) + t, (fc_i32)n); // for the caller
+        // The combine counts rows from this copy (see FC_EP_FLAG_SEEN).
+        fc_st_volatile_u64(flags + FC_EP_FLAG_SEEN + t, n);
     }
 }
 

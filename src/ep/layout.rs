@@ -43,16 +43,21 @@ pub(crate) const FLAG_COMBINE: usize = 0;
 pub(crate) const FLAG_EPOCH: usize = MAX_RANKS;
 /// Flag words: `recv_counts[s]` as this rank's last dispatch saw it once
 /// every source had signalled (`FLAG_SEEN + s`), local. The combine counts
-/// rows from it: it ends without waiting for its peers, so a source's next
-/// dispatch may rewrite `recv_counts` while it runs.
+/// rows from it, not from `recv_counts`, which the caller holds a view of.
 pub(crate) const FLAG_SEEN: usize = FLAG_EPOCH + 1;
 /// Flag words: this rank's plain (two-kernel) combines so far, local; the
 /// target of their flag waits.
 pub(crate) const FLAG_PLAIN: usize = FLAG_SEEN + MAX_RANKS;
-/// Flag words: block `b` of source `s`'s last dispatch that landed here, as
-/// that dispatch's epoch, is `FLAG_DISPATCH + s * MAX_BLOCKS + b`: a word a
-/// block, set, not one word a source that every block adds to.
+/// Flag words: block `b` of source `s`'s last dispatch that landed here is
+/// `FLAG_DISPATCH + s * MAX_BLOCKS + b`: a word a block, set, not one word a
+/// source that every block adds to. Its value is that dispatch's epoch
+/// shifted left by [`COUNT_BITS`]; block 0's also carries, in the low bits,
+/// the rows the source sent this rank.
 pub(crate) const FLAG_DISPATCH: usize = FLAG_PLAIN + 1;
+/// Low bits of a dispatch flag word that hold a row count: rows a source
+/// sends a rank stay below `2^COUNT_BITS` (the config's check), and epochs
+/// below `2^44` (years of back-to-back dispatches).
+pub(crate) const COUNT_BITS: u32 = 20;
 /// Bytes of the flag words.
 pub(crate) const FLAGS_BYTES: usize = 8 * (FLAG_DISPATCH + MAX_RANKS * MAX_BLOCKS);
 
@@ -173,6 +178,7 @@ mod tests {
         assert_eq!(define("FC_EP_FLAG_PLAIN"), "(2u * FC_MAX_RANKS + 1u)");
         assert_eq!(define("FC_EP_FLAG_DISPATCH"), "(2u * FC_MAX_RANKS + 2u)");
         assert_eq!(define("FC_EP_MAX_GRID"), format!("{MAX_BLOCKS}u"));
+        assert_eq!(define("FC_EP_COUNT_BITS"), format!("{COUNT_BITS}u"));
         assert_eq!(
             (FLAG_COMBINE, FLAG_EPOCH, FLAG_SEEN, FLAG_PLAIN, FLAG_DISPATCH),
             (0, MAX_RANKS, MAX_RANKS + 1, 2 * MAX_RANKS + 1, 2 * MAX_RANKS + 2)

@@ -145,6 +145,10 @@ impl EpConfig {
                 self.hidden
             ));
         }
+        // A dispatch's signal carries its row count in COUNT_BITS bits.
+        if self.max_tokens_per_rank >= 1 << layout::COUNT_BITS {
+            return bad(format!("max_tokens_per_rank must stay below 2^{}", layout::COUNT_BITS));
+        }
         // The kernels index rows and ids with 32-bit integers.
         let limit = i32::MAX as usize / 2;
         if self.hidden > limit || self.max_tokens_per_rank > limit || self.num_experts > limit || self.topk > limit {

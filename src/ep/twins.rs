@@ -5,7 +5,7 @@
 
 use half::bf16;
 
-use super::layout::{FLAG_COMBINE, FLAG_DISPATCH, FLAG_EPOCH, FLAG_PLAIN, FLAG_SEEN};
+use super::layout::{COUNT_BITS, FLAG_COMBINE, FLAG_DISPATCH, FLAG_EPOCH, FLAG_PLAIN, FLAG_SEEN};
 use super::{EpArgs, PAYLOAD_FP8};
 use crate::algo::layout::MAX_BLOCKS;
 use crate::backends::host::heap_kernels::args_of;
@@ -176,32 +176,33 @@ unsafe fn dispatch(args: &[u8]) {
             }
         }
     }
+    // The one block's word (block 0) for this source, at every rank, with
+    // the rows sent there.
+    let mark = epoch << COUNT_BITS;
     for r in 0..world {
-        // SAFETY: send_counts holds MAX_RANKS i32; recv_counts likewise at r.
-        unsafe {
-            a.ctx
-                .put(r, a.recv_counts.offset(4 * me), a.send_counts.offset(4 * r), 4)
-        };
-    }
-    // The one block's word (block 0) for this source, at every rank.
-    for r in 0..world {
-        a.ctx.signal_set(r, flag(&a, FLAG_DISPATCH + me * MAX_BLOCKS), epoch);
+        // SAFETY: send_counts holds MAX_RANKS i32, written by layout.
+        let sends: i32 = unsafe { load(a.send_counts.offset(4 * r)) };
+        a.ctx
+            .signal_set(r, flag(&a, FLAG_DISPATCH + me * MAX_BLOCKS), mark | sends.max(0) as u64);
     }
     for s in 0..world {
         // A deadline or a failed communicator: the error words say so; the
         // later waits give up at once, and the combine sends nothing back.
-        let landed = a
-            .ctx
-            .wait_until(flag(&a, FLAG_DISPATCH + s * MAX_BLOCKS), Cmp::Ge, epoch, s);
-        // SAFETY: recv_counts holds MAX_RANKS i32, written by the sources
-        // before the signals just awaited.
-        let n: i32 = if landed {
-            unsafe { load(a.recv_counts.offset(4 * s)) }
+        let word = flag(&a, FLAG_DISPATCH + s * MAX_BLOCKS);
+        let n = if a.ctx.wait_until(word, Cmp::Ge, mark, s) {
+            // SAFETY: a flag word of this rank; its source writes it again
+            // only after this rank's next combine (see the protocol).
+            let seen: u64 = unsafe { load(word) };
+            seen & ((1 << COUNT_BITS) - 1)
         } else {
             0
         };
-        // SAFETY: a flag word of this rank, which only its own stream writes.
-        unsafe { store(flag(&a, FLAG_SEEN + s), n.max(0) as u64) };
+        // SAFETY: recv_counts holds MAX_RANKS i32 and the flag words are
+        // this rank's, which only its own stream writes.
+        unsafe {
+            store(a.recv_counts.offset(4 * s), n as i32);
+            store(flag(&a, FLAG_SEEN + s), n);
+        }
     }
 }
 

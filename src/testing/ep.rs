@@ -642,6 +642,14 @@ fn bad_configs<D: Device>(comm: &Communicator<D>, c: &mut Checker) {
             "not divisible",
         ),
         ("fp8 hidden", EpConfig { hidden: 200, ..good }, "not a multiple"),
+        (
+            "rows past a signal's count",
+            EpConfig {
+                max_tokens_per_rank: 1 << 20,
+                ..good
+            },
+            "below 2^20",
+        ),
     ];
     for (case, cfg, needle) in bad {
         c.check_invalid(case, EpBuffer::new(comm, cfg).map(drop), needle);
@@ -649,7 +657,7 @@ fn bad_configs<D: Device>(comm: &Communicator<D>, c: &mut Checker) {
     // The heap's own error, on every rank.
     let huge = EpConfig {
         hidden: 7168,
-        max_tokens_per_rank: 1 << 20,
+        max_tokens_per_rank: (1 << 20) - 1,
         ..good
     };
     c.check_invalid("heap too small", EpBuffer::new(comm, huge).map(drop), "out of memory");
