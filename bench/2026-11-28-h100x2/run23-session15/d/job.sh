@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Session 15 device job d: on 6619ed0 (cnt), the combine's putting warps' first unit before the row count (comb), and comb with half the combine's grid putting below 512 tokens (cp4). Three rounds, each variant's rounds appended to one log.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 FERROCOMM_REQUIRE_GPU=1 FERROCOMM_TEST_FULL=1
+export FERROCOMM_WORKER_EXE=$PWD/.carry/bin/ferrocomm-worker LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} FERROCOMM_CACHE_DIR=/tmp/ferrocomm-kcache
+mkdir -p /tmp/ferrocomm-kcache && cp -r .carry/kcache/. /tmp/ferrocomm-kcache/ && chmod -R go-rwx /tmp/ferrocomm-kcache
+nvidia-smi -L > $OUT/gpus.txt
+A="--backend cuda --world 2 --ep --graph --iters 20 --warmup 5 --tokens 1,8,32,128,512,4096"
+run() { # name, binary
+  local n=$1 b=$2
+  echo "== round $i" >> $OUT/$n.log
+  timeout 100 .carry/bin/$b $A >> $OUT/$n.log 2>&1; echo "rc=$?" >> $OUT/$n.log
+}
+for i in 1 2 3; do
+  run cnt ferrocomm-bench; run comb bench-comb; run cp4 bench-cp4
+done
+for n in cnt comb cp4; do echo "== $n"; grep " 128 \|rc=" $OUT/$n.log | grep -v "rc=0"; done
