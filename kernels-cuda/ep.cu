@@ -106,17 +106,17 @@ FC_DEVICE fc_u64* flag_words(const FcEpArgs& a) { return fc_ptr<fc_u64>(a.flags)
 // next one's first went from ~1.3 to ~0.7 us, ~1-1.4 us a dispatch + combine
 // up to 128 tokens (2x H200, session 12).
 //
-// Before the wait, thread 0 of each block reads one word of each of the
+// Before the wait, thread 0 of each block reads one byte of each of the
 // inputs the kernel starts with (`first`, `second`; 0: none) and drops it:
 // the previous kernel may still write them, so only the address
 // translation and the line in L2 carry over into the kernel, never
-// a value (a volatile load, which keeps nothing in L1). 2x H100, three
+// a value (a volatile byte load, which keeps nothing in L1). 2x H100, three
 // rounds each (session 15, call f), 128 tokens: bf16 20.78-20.83 against
 // 20.86-20.93 us, fp8 17.92-18.00 against 18.14-18.30; from 512 tokens
 // level. Session 13's prefetches of the regions written at every rank,
 // peers' included, cost 2-4 us.
 FC_DEVICE void touch(fc_u64 p) {
-    if (p != 0) (void)*reinterpret_cast<const volatile fc_u32*>(p);
+    if (p != 0) (void)*reinterpret_cast<const volatile fc_u8*>(p); // a byte: views may start anywhere
 }
 FC_DEVICE void begin(fc_u64 first = 0, fc_u64 second = 0) {
     fc_grid_dep_launch();
