@@ -817,7 +817,7 @@ class Communicator:
         ``num_experts`` over all ranks (a multiple of the world size: expert
         ``e`` lives on rank ``e // (num_experts // size)``), ``hidden``
         channels per token, at most ``max_tokens_per_rank`` tokens per
-        dispatch, ``topk`` experts per token; ``dtype`` of the dispatched
+        dispatch (below ``2**20``), ``topk`` experts per token; ``dtype`` of the dispatched
         rows: bfloat16 or float8_e4m3fn (hidden a multiple of 128, one
         float32 scale per 128 channels), as a name, a torch dtype or
         ``"fp8"``. Combine is bfloat16 either way.

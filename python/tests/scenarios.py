@@ -1194,7 +1194,8 @@ def ep_errors() -> None:
     refused("negative max_tokens_per_rank", lambda: make(max_tokens_per_rank=-1), "negative")
     refused("fp8 rows of a hidden not a multiple of 128", lambda: make(hidden=200, dtype="fp8"), "multiple")
     refused("a float16 payload", lambda: make(dtype=np.float16), "bfloat16 or float8_e4m3fn")
-    refused("more than the heap holds", lambda: make(hidden=7168, max_tokens_per_rank=1 << 20), "out of memory")
+    refused("more rows than a dispatch's signal counts", lambda: make(max_tokens_per_rank=1 << 20), "below 2^20")
+    refused("more than the heap holds", lambda: make(hidden=7168, max_tokens_per_rank=(1 << 20) - 1), "out of memory")
 
     buf = make()
     n = 3

@@ -115,7 +115,8 @@ pub struct EpConfig {
     /// Channels per token.
     pub hidden: usize,
     /// Most tokens a rank dispatches in one call (the receive regions hold
-    /// this many rows per source).
+    /// this many rows per source); below 2^20, the row count a dispatch's
+    /// signal carries.
     pub max_tokens_per_rank: usize,
     /// Experts over all ranks (a multiple of the world).
     pub num_experts: usize,
