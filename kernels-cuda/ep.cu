@@ -585,8 +585,8 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
     // word queue at its L2 behind each other (not measured apart).
     fc_barrier();
     const fc_u64 mark = epoch << FC_EP_COUNT_BITS;
-    if (t < world)
-        fc_signal_set(ctx, t, flags + FC_EP_FLAG_DISPATCH + me * FC_EP_MAX_GRID + fc_block_id(), counter ? mark | sends : mark);
+    if (t < world) // sends is 0 outside block 0
+        fc_signal_set(ctx, t, flags + FC_EP_FLAG_DISPATCH + me * FC_EP_MAX_GRID + fc_block_id(), mark | sends);
     if (fc_block_id() != 0) return;
     // Block 0 waits for every source's every block, a word a thread, so the
     // stream's next work sees every row; the thread of a source's block 0
@@ -802,22 +802,24 @@ FC_DEVICE fc_vec16 round_pack(const float (&acc)[8], bool none) {
 }
 
 // What a combine's putting warp loads for one unit: the token's index at its
-// source s and the piece of its row in expert_out.
+// source s and the piece of its row in expert_out (at byte `at` of the row,
+// `vecs` 16-byte units).
 struct BackLoad {
     fc_vec16 v[FC_DEVAPI_UNROLL];
     fc_i32 tok;
+    fc_u64 at, vecs;
 };
 FC_DEVICE void load_back(const FcEpArgs& a, fc_u32 s, const Unit& un, fc_u64 row_bytes, bool x16, fc_u32 lane,
                          BackLoad& l) {
     const fc_u64 row = (fc_u64)s * a.max_tokens + un.row;
-    const fc_u64 at = un.piece * piece_bytes();
-    const fc_u64 vecs = (row_bytes - at < piece_bytes() ? row_bytes - at : piece_bytes()) / 16u;
-    const char* expert = fc_ptr<const char>(a.x) + row * row_bytes + at;
+    l.at = un.piece * piece_bytes();
+    l.vecs = (row_bytes - l.at < piece_bytes() ? row_bytes - l.at : piece_bytes()) / 16u;
+    const char* expert = fc_ptr<const char>(a.x) + row * row_bytes + l.at;
     l.tok = fc_load(fc_ptr<const fc_i32>(a.recv_src) + row);
 #pragma unroll
     for (int k = 0; k < FC_DEVAPI_UNROLL; ++k) {
         const fc_u64 i = (fc_u64)k * fc_warp_size() + lane;
-        if (i < vecs) l.v[k] = load16_any(expert + i * 16u, x16);
+        if (i < l.vecs) l.v[k] = load16_any(expert + i * 16u, x16);
     }
 }
 
@@ -862,15 +864,13 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
                 const fc_ep::Unit un = fc_ep::unit_of(u, pieces);
                 if (!have) fc_ep::load_back(a, s, un, row_bytes, x16, w.lane, cur);
                 have = false;
-                const fc_u64 at = un.piece * fc_ep::piece_bytes();
-                const fc_u64 vecs = (row_bytes - at < fc_ep::piece_bytes() ? row_bytes - at : fc_ep::piece_bytes()) / 16u;
                 const fc_i32 tok = cur.tok;
                 if (tok >= 0 && (fc_u32)tok < a.max_tokens) { // always: the source wrote it
-                    char* far = fc_remote_ptr(ctx, s, inbox + (fc_u64)me * rank_stride + (fc_u32)tok * row_bytes + at);
+                    char* far = fc_remote_ptr(ctx, s, inbox + (fc_u64)me * rank_stride + (fc_u32)tok * row_bytes + cur.at);
 #pragma unroll
                     for (int k = 0; k < FC_DEVAPI_UNROLL; ++k) {
                         const fc_u64 i = (fc_u64)k * fc_warp_size() + w.lane;
-                        if (i < vecs) fc_store16(far + i * 16u, lamport_send_pack(cur.v[k]));
+                        if (i < cur.vecs) fc_store16(far + i * 16u, lamport_send_pack(cur.v[k]));
                     }
                 }
             }
