@@ -55,7 +55,8 @@ if [ "${PACK_PYTHON:-1}" != 0 ]; then
 fi
 # Precompile the CUDA kernels for sm_90 (H100/H200) with the NVRTC wheel that
 # ci/check-kernels-cuda.sh installs, so the GPU machine skips NVRTC.
-NVRTC="$(find .ci-cache -name 'libnvrtc.so.13' 2>/dev/null | head -n 1)"
+# (A fresh checkout has no .ci-cache: find fails, which must not end the pack.)
+NVRTC="$(find .ci-cache -name 'libnvrtc.so.13' 2>/dev/null | head -n 1 || true)"
 if [[ "$FEATURES" == *cuda* ]] && [ -n "$NVRTC" ]; then
     NVRTC="$(readlink -f "$NVRTC")"
     rm -rf .carry/kcache && mkdir -p .carry/kcache && chmod 700 .carry/kcache
