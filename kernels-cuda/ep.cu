@@ -455,9 +455,14 @@ FC_HEAP_KERNEL(fc_ep_layout, FcEpArgs) {
 }
 
 // Dispatch: a warp per piece of a token's row puts it into every destination
-// rank's region of this source, at the token's slot; the warp of piece 0 also
-// puts the fp8 scales, the top-k ids and weights as the destination sees
-// them, and the token's index. Each block then sets its flag word for this
+// rank's region of this source, at the token's slot; the warp of its last
+// piece also puts the fp8 scales, the top-k ids and weights as the
+// destination sees them, and the token's index (the last piece: an fp8 row
+// of 7168 bytes ends in half a piece, and with a block's warps on
+// neighbouring units, 2048 warps over 4 pieces a row, a warp keeps one piece
+// of every row it takes; the metadata on the first, full piece made those
+// warps the slowest: 4096 tokens, the dispatch alone 100.33-100.38 against
+// 100.81-100.82 us, 2x H200, session 16, call e). Each block then sets its flag word for this
 // source at every rank to the epoch, block 0's with the rows it sent there
 // (FC_EP_COUNT_BITS; after a block barrier: the release covers the block's
 // puts), and block 0 waits until every source's every block's word reaches
@@ -490,7 +495,7 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
         // This kernel's own layout (one chunk): every block scans every
         // token; block 0 bumps the epoch (after all its threads read it:
         // the scan's barriers) and keeps the counts; the warp of a token's
-        // piece 0 stores its slots, for the combine.
+        // last piece stores its slots, for the combine.
         fc_u64 run, lo, hi, own_lo, own_hi;
         const fc_u32 active = layout_scan(a, 0u, sh, run, lo, hi, own_lo, own_hi);
         epoch += 1u;
@@ -516,7 +521,8 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
         const fc_u32 tok = (fc_u32)un.row;
         const fc_u64 piece = un.piece;
         const Slots sl = LAYOUT ? chunk_slots(sh, tok, world) : load_slots(a, tok);
-        if (LAYOUT && piece == 0 && w.lane == 0) store_slots(a, tok, sl);
+        const bool meta = piece == pieces - 1u; // this warp also moves the token's metadata
+        if (LAYOUT && meta && w.lane == 0) store_slots(a, tok, sl);
         const fc_u64 at = piece * piece_bytes();
         const char* src = fc_ptr<const char>(a.x) + (fc_u64)tok * a.row_bytes;
         fc_vec16 v[FC_DEVAPI_UNROLL];
@@ -526,13 +532,13 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
             const fc_u64 i = (fc_u64)k * fc_warp_size() + w.lane;
             if (i < vecs) v[k] = fc_load16(src + at + i * 16u);
         }
-        // Piece 0's warp: the token's first warp-wide run of ids and
+        // The last piece's warp: the token's first warp-wide run of ids and
         // weights, and its fp8 scales, loaded once with the piece, not
         // again for each destination.
         fc_i32 e0 = -1;
         fc_u32 w0 = 0;
         fc_vec16 sc = {};
-        if (piece == 0) {
+        if (meta) {
             if (w.lane < a.topk) {
                 e0 = fc_load(idx + (fc_u64)tok * a.topk + w.lane);
                 w0 = fc_load(weights + (fc_u64)tok * a.topk + w.lane);
@@ -557,7 +563,7 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
             } else {
                 put_piece(ctx, r, dst, src, a.row_bytes, piece);
             }
-            if (piece != 0) continue;
+            if (!meta) continue;
             if (sc16) {
                 if (w.lane * 16u < scale_bytes)
                     fc_store16(fc_remote_ptr(ctx, r, fc_ptr<char>(a.recv_scales) + row * scale_bytes + w.lane * 16u), sc);
