@@ -805,6 +805,44 @@ fn rendezvous_with_three_thread_ranks() {
     }
 }
 
+/// Rank 0 hosts the store: `depart` keeps it until every other rank has
+/// left, so a rank still at work with the store when rank 0 is done (here:
+/// rank 2, which starts a store barrier's cleanup only after the others
+/// have gone) finds it open. No thread barrier holds rank 0 back.
+#[test]
+#[parallel]
+fn rank_zero_departs_after_the_others() {
+    let world = 3;
+    let port = free_port();
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            thread::spawn(move || {
+                let rdv = rendezvous("127.0.0.1", port, rank, world, rank, TOKEN).expect("rendezvous");
+                store_barrier(&*rdv.store, "t/depart", rank, world, 5 * SECOND).expect("barrier");
+                if rank == 2 {
+                    // Still using the store well after rank 0 has finished.
+                    thread::sleep(Duration::from_millis(300));
+                    for i in 0..20 {
+                        rdv.store
+                            .set(&format!("t/late/{i}"), b"x")
+                            .expect("rank 0's store is still open");
+                    }
+                }
+                let start = Instant::now();
+                rdv.depart().expect("depart");
+                rdv.depart().expect("a second depart returns at once");
+                (rank, start.elapsed())
+            })
+        })
+        .collect();
+    for h in handles {
+        let (rank, waited) = h.join().expect("rank thread");
+        if rank == 0 {
+            assert!(waited >= Duration::from_millis(200), "rank 0 left after {waited:?}");
+        }
+    }
+}
+
 #[test]
 #[parallel]
 fn rendezvous_rejects_bad_arguments() {

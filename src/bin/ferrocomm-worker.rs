@@ -101,8 +101,8 @@ struct Job {
     rank: usize,
     world: usize,
     local_rank: usize,
-    /// Keeps the store server alive when this rank hosts it.
-    _rdv: Option<ferrocomm::bootstrap::EnvRendezvous>,
+    /// Keeps the store server alive when this rank hosts it (see `run`).
+    rdv: Option<ferrocomm::bootstrap::EnvRendezvous>,
 }
 
 /// Join the job through a launcher-hosted store, or through torchrun variables.
@@ -119,7 +119,7 @@ fn connect() -> Result<Job> {
             rank,
             world: env_usize("WORLD_SIZE")?,
             local_rank: env_usize("LOCAL_RANK").unwrap_or(rank),
-            _rdv: None,
+            rdv: None,
         });
     }
     let rdv = rendezvous_from_env()?;
@@ -128,7 +128,7 @@ fn connect() -> Result<Job> {
         rank: rdv.rank,
         world: rdv.world,
         local_rank: rdv.local_rank,
-        _rdv: Some(rdv),
+        rdv: Some(rdv),
     })
 }
 
@@ -156,13 +156,22 @@ fn run() -> Result<String> {
     }
     let job = connect()?;
     let (store, rank, world, local) = (job.store.clone(), job.rank, job.world, job.local_rank);
+    let outcome = run_scenario(&args, store, rank, world, local);
+    // Rank 0 hosts the store under an environment rendezvous: it stays
+    // until the others are done with it, whatever the scenario gave.
+    let left = job.rdv.as_ref().map_or(Ok(()), |r| r.depart());
+    let msg = outcome?;
+    left.map(|()| msg)
+}
+
+fn run_scenario(args: &Args, store: Arc<dyn Store>, rank: usize, world: usize, local: usize) -> Result<String> {
     match args.backend.as_str() {
         "host" => scenario(
             ferrocomm::backends::host::HostDevice::new(local)?,
             store,
             rank,
             world,
-            &args,
+            args,
         ),
         #[cfg(feature = "cuda")]
         "cuda" => scenario(
@@ -170,7 +179,7 @@ fn run() -> Result<String> {
             store,
             rank,
             world,
-            &args,
+            args,
         ),
         #[cfg(not(feature = "cuda"))]
         "cuda" => Err(Error::NotCompiled {
@@ -183,7 +192,7 @@ fn run() -> Result<String> {
             store,
             rank,
             world,
-            &args,
+            args,
         ),
         #[cfg(not(feature = "rocm"))]
         "hip" | "rocm" => Err(Error::NotCompiled {

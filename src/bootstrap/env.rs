@@ -18,8 +18,9 @@ use std::fs::File;
 use std::io::Read;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::collect::store_barrier;
 use super::tcp::{TcpStore, TcpStoreConfig, TcpStoreServer};
@@ -58,12 +59,68 @@ pub struct EnvRendezvous {
     pub launcher: Launcher,
     /// Rank 0 owns the server; it lives as long as this value.
     server: Option<TcpStoreServer>,
+    /// How long rank 0's [`EnvRendezvous::depart`] waits for the others.
+    linger: Duration,
+    departed: AtomicBool,
 }
+
+/// The most rank 0's [`EnvRendezvous::depart`] waits for the others.
+pub const DEPART_WAIT_MAX: Duration = Duration::from_secs(60);
+
+/// Where a rank marks that it has left the store (`/<rank>` appended).
+const DEPARTED_KEY: &str = "ferrocomm/departed";
 
 impl EnvRendezvous {
     /// Whether this rank hosts the store server (and must outlive the others' use of it).
     pub fn hosts_server(&self) -> bool {
         self.server.is_some()
+    }
+
+    /// Leave the store, once this rank has made its last request to it (its
+    /// communicators finalized). Every rank but 0 marks that it has left and
+    /// returns at once; rank 0, which hosts the store, waits until every
+    /// other rank has, for up to the rendezvous timeout (at most
+    /// [`DEPART_WAIT_MAX`]), then returns, and the store closes when this
+    /// value drops. Without it a rank still using the store when rank 0
+    /// exits finds it closed: the last rank out of a store barrier deletes
+    /// its keys after the others have gone on (`store closed the
+    /// connection`, seen once in CI). Dropping without departing does not
+    /// wait. A second call returns at once.
+    ///
+    /// Rank 0 returns [`Error::Timeout`] naming the ranks that never left.
+    pub fn depart(&self) -> Result<()> {
+        if self.departed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        if self.server.is_none() {
+            // This rank's last request. Rank 0 may close the store as soon
+            // as it sees the mark, before the answer comes back: nothing is
+            // lost then, so an error here says nothing.
+            let _ = self.store.set(&format!("{DEPARTED_KEY}/{}", self.rank), b"1");
+            return Ok(());
+        }
+        let mut pending: Vec<usize> = (1..self.world).collect();
+        let start = Instant::now();
+        loop {
+            let mut still = Vec::with_capacity(pending.len());
+            for &r in &pending {
+                if !self.store.check(&format!("{DEPARTED_KEY}/{r}"))? {
+                    still.push(r);
+                }
+            }
+            pending = still;
+            if pending.is_empty() {
+                return Ok(());
+            }
+            if start.elapsed() >= self.linger {
+                return Err(Error::Timeout {
+                    what: "every rank to leave rank 0's store (EnvRendezvous::depart) before it closes".into(),
+                    after: self.linger,
+                    missing: pending,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 }
 
@@ -138,6 +195,8 @@ fn rendezvous_with(vars: &EnvVars) -> Result<EnvRendezvous> {
         local_world: vars.local_world,
         launcher: vars.launcher,
         server: joined.server,
+        linger: vars.timeout.min(DEPART_WAIT_MAX),
+        departed: AtomicBool::new(false),
     })
 }
 
@@ -244,6 +303,8 @@ fn rendezvous_inner(
         local_world: None,
         launcher: Launcher::Plain,
         server,
+        linger: timeout.min(DEPART_WAIT_MAX),
+        departed: AtomicBool::new(false),
     })
 }
 
@@ -521,6 +582,50 @@ mod tests {
             let err = parse(&vars).expect_err("must fail").to_string();
             assert!(err.contains(name), "{name}: {err}");
         }
+    }
+
+    #[test]
+    fn a_rank_that_never_departs_is_named() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr")
+            .port();
+        let linger = Duration::from_millis(400);
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let other = std::thread::spawn(move || {
+            let ranks = Ranks {
+                rank: 1,
+                world: 2,
+                local_rank: 1,
+            };
+            let rdv = rendezvous_inner("127.0.0.1", port, None, ranks, b"t", Duration::from_secs(10)).expect("rank 1");
+            // Never departs; keeps its connection until rank 0 is done.
+            let _ = rx.recv();
+            drop(rdv);
+        });
+        let ranks = Ranks {
+            rank: 0,
+            world: 2,
+            local_rank: 0,
+        };
+        let mut rdv = rendezvous_inner("127.0.0.1", port, None, ranks, b"t", Duration::from_secs(10)).expect("rank 0");
+        rdv.linger = linger;
+        let start = Instant::now();
+        match rdv.depart() {
+            Err(Error::Timeout { missing, after, .. }) => {
+                assert_eq!(missing, vec![1]);
+                assert_eq!(after, linger);
+            }
+            other => panic!("expected a timeout naming rank 1, got {other:?}"),
+        }
+        assert!(
+            start.elapsed() >= linger && start.elapsed() < linger * 10,
+            "{:?}",
+            start.elapsed()
+        );
+        tx.send(()).expect("rank 1 waits");
+        other.join().expect("rank 1");
     }
 
     #[test]
