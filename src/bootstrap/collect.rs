@@ -69,6 +69,43 @@ fn leave(store: &dyn Store, prefix: &str, world: usize, extra: &[&str]) -> Resul
     Ok(())
 }
 
+/// Leave a store that rank `host` keeps open: every other rank publishes
+/// its key under `key_prefix` as its last request and returns (an error
+/// there is ignored: the host may close the store as soon as it sees the
+/// key, before the answer comes back); the host waits until every other
+/// rank's key is there, for up to `wait`, else [`Error::Timeout`] naming
+/// the ranks that never left.
+pub(crate) fn store_depart(
+    store: &dyn Store,
+    key_prefix: &str,
+    rank: usize,
+    world: usize,
+    host: usize,
+    wait: Duration,
+) -> Result<()> {
+    check_rank(rank, world)?;
+    if rank != host {
+        let _ = store.set(&rank_key(key_prefix, rank), b"1");
+        return Ok(());
+    }
+    let start = Instant::now();
+    let mut pending: Vec<usize> = (0..world).filter(|&r| r != host).collect();
+    loop {
+        pending = absent(store, key_prefix, pending.into_iter())?;
+        if pending.is_empty() {
+            return Ok(());
+        }
+        if start.elapsed() >= wait {
+            return Err(Error::Timeout {
+                what: format!("every rank to leave the store ('{key_prefix}') before it closes"),
+                after: wait,
+                missing: pending,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// Block until all `world` ranks have called `store_barrier` with `key_prefix`.
 ///
 /// On timeout returns [`Error::Timeout`] whose `missing` lists the ranks that

@@ -20,9 +20,9 @@ use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::collect::store_barrier;
+use super::collect::{store_barrier, store_depart};
 use super::tcp::{TcpStore, TcpStoreConfig, TcpStoreServer};
 use super::torchrun::{self, AgentStoreJob};
 use super::Store;
@@ -92,35 +92,8 @@ impl EnvRendezvous {
         if self.departed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        if self.server.is_none() {
-            // This rank's last request. Rank 0 may close the store as soon
-            // as it sees the mark, before the answer comes back: nothing is
-            // lost then, so an error here says nothing.
-            let _ = self.store.set(&format!("{DEPARTED_KEY}/{}", self.rank), b"1");
-            return Ok(());
-        }
-        let mut pending: Vec<usize> = (1..self.world).collect();
-        let start = Instant::now();
-        loop {
-            let mut still = Vec::with_capacity(pending.len());
-            for &r in &pending {
-                if !self.store.check(&format!("{DEPARTED_KEY}/{r}"))? {
-                    still.push(r);
-                }
-            }
-            pending = still;
-            if pending.is_empty() {
-                return Ok(());
-            }
-            if start.elapsed() >= self.linger {
-                return Err(Error::Timeout {
-                    what: "every rank to leave rank 0's store (EnvRendezvous::depart) before it closes".into(),
-                    after: self.linger,
-                    missing: pending,
-                });
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        // Rank 0 hosts the store (both rendezvous paths).
+        store_depart(&*self.store, DEPARTED_KEY, self.rank, self.world, 0, self.linger)
     }
 }
 
@@ -508,6 +481,7 @@ where
 mod tests {
     use super::*;
     use std::collections::HashMap;
+    use std::time::Instant;
 
     fn parse(vars: &[(&str, &str)]) -> Result<EnvVars> {
         let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
