@@ -4,6 +4,7 @@ ferrocomm never needs a launcher of its own."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from typing import Any, Optional
@@ -15,6 +16,22 @@ from ._errors import InvalidArgument
 __all__ = ["init", "from_torch", "from_store"]
 
 _BACKENDS = ("auto", "host", "cpu", "cuda", "rocm", "hip")
+
+
+def _leave_stores() -> None:
+    """At exit: leave the store of every ``init()`` rendezvous. Rank 0 hosts
+    it, and waits here (at most the communicator's timeout; Ctrl-C ends
+    it) until the other ranks have finalized their communicators or
+    exited, so that none finds the store closed in its last request."""
+    try:
+        late = _native.leave_stores()
+    except KeyboardInterrupt:
+        return
+    for line in late:
+        print(f"ferrocomm: closing the store at exit: {line}", file=sys.stderr)
+
+
+atexit.register(_leave_stores)
 
 
 def _check_backend(backend: str) -> str:

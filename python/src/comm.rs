@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferrocomm::algo::fused::MOE_MAX_TOPK;
-use ferrocomm::bootstrap::{rendezvous_from_env, EnvRendezvous, Store};
+use ferrocomm::bootstrap::{rendezvous_from_env, Store};
 use ferrocomm::device::Device;
 use ferrocomm::{
     Call, CommOptions, Communicator, Error, Fusion, FusionPattern, MoeFinalize, P2p, ReduceOp, Reduction, Registration,
@@ -32,6 +32,7 @@ use crate::ep::{EpShape, PyEpBuffer};
 use crate::errors::{detached, run, run_interruptible, to_pyerr, Failure};
 use crate::export::Counter;
 use crate::heap::{PyHeapTensor, PyWindow};
+use crate::membership::{Member, Membership};
 use crate::store::PyStore;
 use crate::work::{lock, Outstanding, Pending, PyWork};
 
@@ -286,10 +287,10 @@ macro_rules! launch {
 pub struct PyComm {
     comm: Arc<AnyComm>,
     store: Arc<dyn Store>,
-    /// Rank 0 of an environment rendezvous hosts the store server here; it
-    /// serves every communicator made from this one (splits, the host
-    /// sibling) and stops with the last of them.
-    rendezvous: Option<Arc<EnvRendezvous>>,
+    /// The environment rendezvous this communicator (or the one it was made
+    /// from: splits, the host sibling) came from; rank 0 hosts its store
+    /// server until every rank has left it (`membership`).
+    member: Option<Member>,
     outstanding: Outstanding,
     /// Holds on this communicator's heap and window memory handed out
     /// through DLPack: `finalize` refuses while any is out.
@@ -297,18 +298,25 @@ pub struct PyComm {
 }
 
 impl PyComm {
-    fn new(comm: AnyComm, store: Arc<dyn Store>, rendezvous: Option<Arc<EnvRendezvous>>) -> Self {
+    fn new(comm: AnyComm, store: Arc<dyn Store>, membership: Option<&Arc<Membership>>) -> Self {
         PyComm {
             comm: Arc::new(comm),
             store,
-            rendezvous,
+            member: membership.map(Member::enter),
             outstanding: Arc::new(Mutex::new(Vec::new())),
             lender: Counter::new(),
         }
     }
 
+    /// This communicator makes no more store requests.
+    fn leave(&self) {
+        if let Some(m) = &self.member {
+            m.leave();
+        }
+    }
+
     fn derived(&self, comm: AnyComm) -> PyComm {
-        PyComm::new(comm, self.store.clone(), self.rendezvous.clone())
+        PyComm::new(comm, self.store.clone(), self.member.as_ref().map(Member::membership))
     }
 
     pub(crate) fn batch(&self, stream: Option<u64>) -> Batch {
@@ -454,13 +462,15 @@ impl PyComm {
     ) -> PyResult<PyComm> {
         let opts = options(name, timeout)?;
         let backend = backend.to_string();
+        let wait = opts.timeout;
         let (comm, rdv) = run_interruptible(py, move || {
             let rdv = rendezvous_from_env()?;
             let ordinal = device.unwrap_or(rdv.local_rank);
             let comm = backend::create(&backend, ordinal, rdv.store.clone(), rdv.rank, rdv.world, opts)?;
             Ok((comm, rdv))
         })?;
-        Ok(PyComm::new(comm, rdv.store.clone(), Some(Arc::new(rdv))))
+        let membership = Membership::join(rdv, wait);
+        Ok(PyComm::new(comm, membership.store(), Some(&membership)))
     }
 
     /// Create the communicator over a Python store object (a
@@ -1044,7 +1054,9 @@ impl PyComm {
     /// waiting for peers; later calls raise `Aborted`.
     fn abort(&self, py: Python<'_>) -> PyResult<()> {
         let comm = &*self.comm;
-        run(py, || with_any!(comm, AnyComm, |c| c.abort()))
+        let r = run(py, || with_any!(comm, AnyComm, |c| c.abort()));
+        self.leave();
+        r
     }
 
     /// Drain queued work and release the workspace (the symmetric heap with
@@ -1063,6 +1075,8 @@ impl PyComm {
         // Finalize drained the stream: every outstanding work is complete
         // (its failures were the caller's to collect earlier).
         let _ = self.prune();
+        // Done with the store whatever finalize returned: it is not retried.
+        self.leave();
         r
     }
 

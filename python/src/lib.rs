@@ -7,6 +7,7 @@
 //! - [`heap`]: symmetric-heap tensors and one-sided windows;
 //! - [`ep`]: expert-parallel dispatch and combine buffers;
 //! - [`store`]: a ferrocomm store over a Python (torch.distributed) store;
+//! - [`membership`]: `init()`'s rendezvous, and leaving its store at exit;
 //! - [`backend`]: host, CUDA and ROCm communicators behind one class;
 //! - [`errors`]: Rust errors as Python exceptions, panics caught;
 //! - [`args`]: plain arguments (ranks, counts, shapes) checked.
@@ -22,6 +23,7 @@ mod ep;
 mod errors;
 mod export;
 mod heap;
+mod membership;
 mod store;
 mod work;
 
@@ -38,6 +40,7 @@ fn _ferrocomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<heap::PyRemoteTensor>()?;
     m.add_class::<ep::PyEpBuffer>()?;
     m.add_class::<ep::PyEpTensor>()?;
+    m.add_function(wrap_pyfunction!(membership::leave_stores, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BACKENDS", backend::compiled())?;
     m.add("LIBRARIES", backend::libraries())?;

@@ -590,6 +590,29 @@ def split_and_lifecycle() -> None:
         raise AssertionError("a second finalize must raise Finalized")
 
 
+def rank_zero_leaves_first() -> None:
+    """Rank 0 hosts the store and returns right after a split it takes
+    part in, dropping its communicator unfinalized; the others go on using
+    the store a second later (a split of their own and a collective on it).
+    ferrocomm keeps rank 0's store until they have finalized: its exit
+    waits for them rather than closing the store under them."""
+    comm = comm_from_env(timeout=30)
+    W, r = comm.size, comm.rank
+    rest = comm.split(list(range(1, W)), name="rest")
+    if r == 0:
+        print(f"rank 0 returns at {time.monotonic():.3f}", flush=True)
+        return
+    time.sleep(1.0)
+    again = rest.split(list(range(rest.size)), name="again")
+    t = np.full(6, float(r), np.float32)
+    again.all_reduce(t)
+    assert float(t[0]) == sum(range(1, W)), t
+    again.finalize()
+    rest.finalize()
+    comm.finalize()
+    print(f"rank {r} finalized at {time.monotonic():.3f}", flush=True)
+
+
 def mismatch() -> None:
     """Ranks disagree on the count: an error on every rank, never a hang."""
     comm = comm_from_env(timeout=5)

@@ -41,6 +41,13 @@ def test_split_and_lifecycle():
     expect_ok(launch(3, "split_and_lifecycle"))
 
 
+def test_rank_zero_keeps_the_store_until_the_others_leave():
+    results = launch(3, "rank_zero_leaves_first", timeout=60)
+    expect_ok(results)
+    # Rank 0's exit waited for the others' finalize, and said nothing.
+    assert "closing the store" not in results[0].output, results[0].output
+
+
 def test_mismatch_raises_on_every_rank():
     results = launch(2, "mismatch", timeout=60)
     expect_ok(results)
@@ -52,6 +59,10 @@ def test_killed_peer_raises_comm_timeout():
     assert dead.returncode == 17, dead.output
     expect_ok(survivors)
     assert all("raised CommTimeout" in r.output for r in survivors), [r.output for r in survivors]
+    # Rank 0 waited for the dead rank at exit for its timeout (3 s), no
+    # longer, and named it.
+    assert "closing the store at exit" in survivors[0].output, survivors[0].output
+    assert "never arrived: [2]" in survivors[0].output, survivors[0].output
 
 
 def test_python_store_object():

@@ -89,11 +89,26 @@ impl EnvRendezvous {
     ///
     /// Rank 0 returns [`Error::Timeout`] naming the ranks that never left.
     pub fn depart(&self) -> Result<()> {
+        self.depart_within(self.linger)
+    }
+
+    /// [`EnvRendezvous::depart`], rank 0 waiting for at most `wait` (and
+    /// never longer than `depart` would): the Python package bounds it by
+    /// the communicator's timeout, so that a job whose rank died does not
+    /// hold rank 0's exit for a minute.
+    pub fn depart_within(&self, wait: Duration) -> Result<()> {
         if self.departed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
         // Rank 0 hosts the store (both rendezvous paths).
-        store_depart(&*self.store, DEPARTED_KEY, self.rank, self.world, 0, self.linger)
+        store_depart(
+            &*self.store,
+            DEPARTED_KEY,
+            self.rank,
+            self.world,
+            0,
+            self.linger.min(wait),
+        )
     }
 }
 
