@@ -51,22 +51,24 @@ extern "C" fn quiesce_global_pool() {
     }
 }
 
-/// Register the exit hook once more after the first task has run.
+/// Register the exit hook (again): when the pool starts and after every
+/// task.
 ///
-/// Exit handlers run last-registered first. The first compile loads the
-/// compiler (NVRTC and its builtins library, or hipRTC) after the pool
-/// registered its hook, and the C++ destructors those libraries register
-/// then would run before the hook, under a worker still compiling: the
-/// child of the cold-start test segfaulted at exit that way (CUDA 13). A
-/// second registration after the first task puts the hook ahead of them;
-/// quiescing twice is harmless.
-fn rearm_exit_hook() {
-    static REARMED: std::sync::Once = std::sync::Once::new();
-    REARMED.call_once(|| {
-        // SAFETY: as in `Pool::global`: a plain `extern "C"` function with
-        // no arguments that only touches the 'static pool.
-        unsafe { libc::atexit(quiesce_global_pool) };
-    });
+/// Exit handlers run last-registered first, and the vendor compilers
+/// register C++ destructors as they go: when they load, and for
+/// function-local statics, on first use inside a compile. Those would run
+/// before a hook registered earlier, under a worker still compiling. The
+/// child of the cold-start test segfaulted at exit in every run that way
+/// (2x H200, session 17: the main thread inside this hook, waiting, and a
+/// worker faulting inside `nvrtcCompileProgram`): with a warm disk cache its
+/// first task was a load from disk, after which the hook was armed for the
+/// last time. Registering after every task puts the hook ahead of whatever
+/// a finished task registered; each registration is one entry in libc's
+/// list, and quiescing more than once is harmless.
+fn arm_exit_hook() {
+    // SAFETY: registers a plain `extern "C"` function with no arguments;
+    // it only touches the 'static pool.
+    unsafe { libc::atexit(quiesce_global_pool) };
 }
 
 /// How many workers the process-wide pool runs.
@@ -89,9 +91,7 @@ impl Pool {
         let pool = POOL.get_or_init(|| Pool::unstarted(worker_count()));
         STARTED.get_or_init(|| {
             pool.start("ferrocomm-compile");
-            // SAFETY: registers a plain `extern "C"` function with no
-            // arguments; it only touches the 'static pool.
-            unsafe { libc::atexit(quiesce_global_pool) };
+            arm_exit_hook();
         });
         pool
     }
@@ -192,7 +192,7 @@ impl Pool {
                 // task's waiters time out with an error naming what never
                 // finished.
                 let _ = std::panic::catch_unwind(AssertUnwindSafe(task));
-                rearm_exit_hook();
+                arm_exit_hook();
             } else {
                 // Not even dropped: a task's captures may hold the last
                 // reference to a module or context, and releasing those
