@@ -35,6 +35,7 @@ pub use stream::{GpuEvent, GpuGraph, GpuStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use compile::pool::DeviceInUse;
 use memory::{Allocation, Memory};
 use vendor::{CompileTarget, MemoryType, PointerInfo, RawStream, Vendor};
 
@@ -85,6 +86,8 @@ pub struct GpuDevice<V: Vendor> {
     extra: V::Extra,
     /// What the compiler builds for this device, once it could be told.
     target: Mutex<Option<Arc<CompileTarget>>>,
+    /// Keeps the compile pool running; the last device's drop pauses it.
+    _in_use: DeviceInUse,
 }
 
 impl<V: Vendor> GpuDevice<V> {
@@ -106,6 +109,7 @@ impl<V: Vendor> GpuDevice<V> {
             map_host: opened.map_host,
             extra: opened.extra,
             target: Mutex::new(None),
+            _in_use: DeviceInUse::new(),
         })
     }
 

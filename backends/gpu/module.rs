@@ -207,6 +207,8 @@ impl<V: Vendor> State<V> {
             return r;
         }
         let pool = Pool::global();
+        // A module outliving every device still gets its kernels.
+        pool.resume();
         pool.bump(&self.units[unit].compile_key());
         pool.bump(&self.load_key(unit));
         let deadline = Instant::now() + timeout;

@@ -5,10 +5,19 @@
 //! Workers: `FERROCOMM_COMPILE_THREADS`, else `min(available_parallelism - 1,
 //! 8)`, at least 1; started on the first task.
 //!
-//! At process exit the pool stops taking tasks and waits (a bounded time)
-//! for the ones running: a worker inside NVRTC, a module load or a module's
-//! release while the vendor libraries' destructors run crashes the process
-//! (a child process that exited with compiles queued segfaulted on CUDA 13).
+//! A worker inside NVRTC, a module load or a module's release while the
+//! vendor libraries' destructors run at process exit crashes the process (a
+//! child process that exited with compiles queued segfaulted on CUDA 13).
+//! So:
+//! - when the process's last GPU device is dropped ([`DeviceInUse`]), the
+//!   pool pauses: running tasks finish (the drop waits for them, a bounded
+//!   time), queued ones wait for the next device or for a module that needs
+//!   them;
+//! - at process exit the pool stops taking tasks and waits (a bounded time)
+//!   for the ones running; the exit hook is registered again after every
+//!   task, but exit handlers that a compile still running registers come
+//!   before it, so only the pause is safe for a process that exits with
+//!   compiles running.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -34,6 +43,9 @@ pub struct Pool {
     started: AtomicUsize,
     /// Set at process exit: queued tasks are neither run nor dropped.
     closing: AtomicBool,
+    /// Set while no GPU device is open: queued tasks wait (changed under
+    /// the queue's lock).
+    paused: AtomicBool,
     /// Tasks running now (changed under the queue's lock).
     running: AtomicUsize,
 }
@@ -71,6 +83,52 @@ fn arm_exit_hook() {
     unsafe { libc::atexit(quiesce_global_pool) };
 }
 
+thread_local! {
+    /// Whether this thread is one of the pool's workers.
+    static ON_WORKER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// GPU devices open in this process (see [`DeviceInUse`]).
+static DEVICES: Mutex<usize> = Mutex::new(0);
+
+/// The longest the last device's drop waits for running compiles.
+const LAST_DEVICE_WAIT: Duration = Duration::from_secs(20);
+
+/// Held by every open GPU device. The first resumes the pool; dropping the
+/// last pauses it and waits for the tasks running, so that a process that
+/// exits after dropping its devices has no worker inside the vendor
+/// libraries while their destructors run (the cold-start test's child still
+/// crashed in 1 of 6 runs on 2x H200 with the exit hook alone, session 17).
+/// The wait is at most one compile or load a worker; queued tasks stay
+/// queued for the next device, or for a module that waits on them
+/// ([`Pool::resume`]).
+pub(crate) struct DeviceInUse(());
+
+impl DeviceInUse {
+    pub(crate) fn new() -> DeviceInUse {
+        let mut n = lock(&DEVICES);
+        *n += 1;
+        if let Some(pool) = POOL.get() {
+            pool.resume();
+        }
+        DeviceInUse(())
+    }
+}
+
+impl Drop for DeviceInUse {
+    fn drop(&mut self) {
+        let mut n = lock(&DEVICES);
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            if let Some(pool) = POOL.get() {
+                // Under the count's lock: a device opened meanwhile resumes
+                // the pool only after this pause.
+                pool.pause(LAST_DEVICE_WAIT);
+            }
+        }
+    }
+}
+
 /// How many workers the process-wide pool runs.
 pub fn worker_count() -> usize {
     if let Some(n) = std::env::var("FERROCOMM_COMPILE_THREADS")
@@ -103,7 +161,44 @@ impl Pool {
             workers,
             started: AtomicUsize::new(0),
             closing: AtomicBool::new(false),
+            paused: AtomicBool::new(false),
             running: AtomicUsize::new(0),
+        }
+    }
+
+    /// Start no queued task until [`Pool::resume`]; wait up to `limit` for
+    /// the running ones (not on a worker, which would wait for itself).
+    /// Returns how many still run after that.
+    pub fn pause(&self, limit: Duration) -> usize {
+        {
+            let _q = lock(&self.queue);
+            self.paused.store(true, Ordering::Release);
+        }
+        if ON_WORKER.with(|w| w.get()) {
+            return self.running.load(Ordering::Acquire);
+        }
+        self.wait_idle(limit)
+    }
+
+    /// Run queued tasks again.
+    pub fn resume(&self) {
+        {
+            let _q = lock(&self.queue);
+            if !self.paused.swap(false, Ordering::AcqRel) {
+                return;
+            }
+        }
+        self.ready.notify_all();
+    }
+
+    fn wait_idle(&self, limit: Duration) -> usize {
+        let deadline = Instant::now() + limit;
+        loop {
+            let n = self.running.load(Ordering::Acquire);
+            if n == 0 || Instant::now() >= deadline {
+                return n;
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
 
@@ -116,14 +211,7 @@ impl Pool {
             self.closing.store(true, Ordering::Release);
         }
         self.ready.notify_all();
-        let deadline = Instant::now() + limit;
-        loop {
-            let n = self.running.load(Ordering::Acquire);
-            if n == 0 || Instant::now() >= deadline {
-                return n;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        self.wait_idle(limit)
     }
 
     /// Start the workers; returns how many started. With none (the system
@@ -139,7 +227,10 @@ impl Pool {
                     // default 2 MiB (seen at process exit on an H100 run
                     // of the EP bench). Stacks are reserved, not touched.
                     .stack_size(COMPILE_STACK_BYTES)
-                    .spawn(move || self.work())
+                    .spawn(move || {
+                        ON_WORKER.with(|w| w.set(true));
+                        self.work()
+                    })
                     .is_ok()
             })
             .count();
@@ -177,7 +268,9 @@ impl Pool {
             let (lane, task, run) = {
                 let mut q = lock(&self.queue);
                 loop {
-                    if let Some((_, lane, task)) = q.pop() {
+                    // Paused: nothing starts (at exit, popping only forgets).
+                    let hold = self.paused.load(Ordering::Acquire) && !self.closing.load(Ordering::Acquire);
+                    if let Some((_, lane, task)) = if hold { None } else { q.pop() } {
                         let run = !self.closing.load(Ordering::Acquire);
                         if run {
                             self.running.fetch_add(1, Ordering::AcqRel);
@@ -309,6 +402,41 @@ mod tests {
             rx.recv_timeout(Duration::from_millis(500)),
             Err(mpsc::RecvTimeoutError::Timeout)
         );
+    }
+
+    #[test]
+    fn pause_waits_for_running_tasks_and_holds_queued_ones_until_resume() {
+        let pool: &'static Pool = Box::leak(Box::new(Pool::unstarted(1)));
+        pool.start("ferrocomm-test-pool");
+        let (tx, rx) = mpsc::channel();
+        let t = tx.clone();
+        pool.submit(
+            "slow".into(),
+            LANE,
+            0,
+            Box::new(move || {
+                std::thread::sleep(Duration::from_millis(150));
+                let _ = t.send("slow");
+            }),
+        );
+        // Let the worker take it, then pause: the running task finishes first.
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(pool.pause(Duration::from_secs(5)), 0);
+        assert_eq!(rx.try_recv(), Ok("slow"));
+        pool.submit(
+            "later".into(),
+            LANE,
+            0,
+            Box::new(move || {
+                let _ = tx.send("later");
+            }),
+        );
+        assert!(
+            rx.recv_timeout(Duration::from_millis(200)).is_err(),
+            "a paused pool ran a task"
+        );
+        pool.resume();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok("later"));
     }
 
     #[test]
