@@ -18,20 +18,23 @@ __all__ = ["init", "from_torch", "from_store"]
 _BACKENDS = ("auto", "host", "cpu", "cuda", "rocm", "hip")
 
 
-def _leave_stores() -> None:
+def _at_exit() -> None:
     """At exit: leave the store of every ``init()`` rendezvous. Rank 0 hosts
     it, and waits here (at most the communicator's timeout; Ctrl-C ends
     it) until the other ranks have finalized their communicators or
-    exited, so that none finds the store closed in its last request."""
+    exited, so that none finds the store closed in its last request. Then
+    let the background kernel compiles that are running finish: one still
+    inside the compiler when C's exit handlers run crashes the process."""
     try:
         late = _native.leave_stores()
     except KeyboardInterrupt:
-        return
+        late = []
     for line in late:
         print(f"ferrocomm: closing the store at exit: {line}", file=sys.stderr)
+    _native.pause_compiles()
 
 
-atexit.register(_leave_stores)
+atexit.register(_at_exit)
 
 
 def _check_backend(backend: str) -> str:

@@ -41,6 +41,7 @@ fn _ferrocomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ep::PyEpBuffer>()?;
     m.add_class::<ep::PyEpTensor>()?;
     m.add_function(wrap_pyfunction!(membership::leave_stores, m)?)?;
+    m.add_function(wrap_pyfunction!(membership::pause_compiles, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BACKENDS", backend::compiled())?;
     m.add("LIBRARIES", backend::libraries())?;

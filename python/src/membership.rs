@@ -13,6 +13,9 @@
 //!   with `atexit` by the package) if it has not yet; rank 0 waits there
 //!   for the others, for at most the communicator's timeout.
 //!
+//! The same `atexit` handler then pauses the background kernel compiles
+//! ([`pause_compiles`]).
+//!
 //! Rank 0 does not wait in `finalize`: a finalize that blocked on the other
 //! ranks' finalizes would deadlock a program whose rank 0 waits for a
 //! message those ranks send after theirs. The registry keeps every
@@ -95,6 +98,17 @@ impl Member {
             let _ = self.of.rdv.depart();
         }
     }
+}
+
+/// Pause the background kernel compiles (at interpreter exit, before C's
+/// exit handlers): a compile still running while the vendor libraries'
+/// destructors run crashes the process. Waits at most 20 s.
+#[pyfunction]
+pub(crate) fn pause_compiles(py: Python<'_>) {
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
+    py.detach(ferrocomm::backends::gpu::compile::pool::pause_for_exit);
+    #[cfg(not(any(feature = "cuda", feature = "rocm")))]
+    let _ = py;
 }
 
 /// Leave every rendezvous' store (at interpreter exit). Rank 0 waits here

@@ -129,6 +129,15 @@ impl Drop for DeviceInUse {
     }
 }
 
+/// Pause the process's compile pool, as the last device's drop does, and
+/// wait (at most 20 s) for the tasks running: for an embedder's own exit
+/// hook that runs before C's exit handlers (the Python package's
+/// `atexit`), when devices may still be open. A module that waits on a
+/// kernel later resumes the pool. Returns how many tasks still run.
+pub fn pause_for_exit() -> usize {
+    POOL.get().map_or(0, |pool| pool.pause(LAST_DEVICE_WAIT))
+}
+
 /// How many workers the process-wide pool runs.
 pub fn worker_count() -> usize {
     if let Some(n) = std::env::var("FERROCOMM_COMPILE_THREADS")
@@ -367,8 +376,9 @@ mod tests {
         assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(1));
     }
 
-    #[test]
-    fn quiesce_waits_for_running_tasks_and_never_runs_queued_ones() {
+    /// A pool of one worker, busy with a task that sends "slow" after
+    /// `ms` milliseconds; the channel's sender for more tasks.
+    fn busy_pool(ms: u64) -> (&'static Pool, mpsc::Sender<&'static str>, mpsc::Receiver<&'static str>) {
         let pool: &'static Pool = Box::leak(Box::new(Pool::unstarted(1)));
         pool.start("ferrocomm-test-pool");
         let (tx, rx) = mpsc::channel();
@@ -378,10 +388,16 @@ mod tests {
             LANE,
             0,
             Box::new(move || {
-                std::thread::sleep(Duration::from_millis(200));
+                std::thread::sleep(Duration::from_millis(ms));
                 let _ = t.send("slow");
             }),
         );
+        (pool, tx, rx)
+    }
+
+    #[test]
+    fn quiesce_waits_for_running_tasks_and_never_runs_queued_ones() {
+        let (pool, tx, rx) = busy_pool(200);
         pool.submit(
             "queued".into(),
             LANE,
@@ -406,19 +422,7 @@ mod tests {
 
     #[test]
     fn pause_waits_for_running_tasks_and_holds_queued_ones_until_resume() {
-        let pool: &'static Pool = Box::leak(Box::new(Pool::unstarted(1)));
-        pool.start("ferrocomm-test-pool");
-        let (tx, rx) = mpsc::channel();
-        let t = tx.clone();
-        pool.submit(
-            "slow".into(),
-            LANE,
-            0,
-            Box::new(move || {
-                std::thread::sleep(Duration::from_millis(150));
-                let _ = t.send("slow");
-            }),
-        );
+        let (pool, tx, rx) = busy_pool(150);
         // Let the worker take it, then pause: the running task finishes first.
         std::thread::sleep(Duration::from_millis(30));
         assert_eq!(pool.pause(Duration::from_secs(5)), 0);
