@@ -164,11 +164,21 @@ FC_DEVICE Unit unit_of(fc_u64 u, fc_u64 pieces) {
 FC_DEVICE fc_u64 piece_bytes() { return (fc_u64)FC_DEVAPI_UNROLL * 16u * fc_warp_size(); }
 FC_DEVICE fc_u64 pieces_of(fc_u64 row_bytes) { return (row_bytes + piece_bytes() - 1u) / piece_bytes(); }
 
+// The dispatch's slow paths (rows or scales not in 16-byte units), out of
+// line (CUDA; the HIP prelude inlines them). Inlined at each of
+// FC_MAX_RANKS destinations, fc_put_warp's three unit sizes made
+// fc_ep_dispatch_layout 183 KB of sm_90 code, its fast path spread among
+// them; with these out of line and the destination loop not unrolled, 78
+// KB, and a 128-token dispatch + combine 20.08-20.10 against 20.28-20.43 us
+// (2x H200, session 18, calls a and b; 4096 tokens level).
+FC_DEVICE_COLD void cold_put_warp(const FcDevCtx& ctx, fc_u32 r, char* dst, const char* src, fc_u64 bytes) {
+    fc_put_warp(ctx, r, dst, src, bytes);
+}
 // Piece p of a row of row_bytes at src, put at dst on rank r.
 FC_DEVICE void put_piece(const FcDevCtx& ctx, fc_u32 r, char* dst, const char* src, fc_u64 row_bytes, fc_u64 p) {
     const fc_u64 at = p * piece_bytes();
     const fc_u64 left = row_bytes - at;
-    fc_put_warp(ctx, r, dst + at, src + at, left < piece_bytes() ? left : piece_bytes());
+    cold_put_warp(ctx, r, dst + at, src + at, left < piece_bytes() ? left : piece_bytes());
 }
 
 // Acquire loads before fc_wait_until takes over: peers usually answer within
@@ -255,12 +265,15 @@ FC_DEVICE ExpertRanks expert_ranks(const FcEpArgs& a) {
 }
 
 // The destination bit of one top-k id: rank e / per_rank; none for ids below
-// 0 or at or past num_experts.
+// 0 or at or past num_experts. No branch: with a branch per id the layout
+// and the dispatch's metadata took longer (2x H200, session 18, call b:
+// 4096 tokens bf16 351.5-351.6 against 352.8-353.4 us, 128 tokens 20.00-20.02
+// against 20.08-20.10).
 FC_DEVICE fc_u32 dest_bit(fc_i32 e, const ExpertRanks& x) {
-    if (e < 0 || (fc_u32)e >= x.num) return 0u;
-    fc_u32 r = (fc_u32)(((fc_u64)(fc_u32)e * x.recip) >> 32); // e / per_rank or one more
-    if (r * x.per_rank > (fc_u32)e) --r;
-    return 1u << r;
+    const fc_u32 u = (fc_u32)e; // a negative id is past num as well
+    fc_u32 r = (fc_u32)(((fc_u64)u * x.recip) >> 32); // e / per_rank or one more
+    r -= r * x.per_rank > u ? 1u : 0u;
+    return u < x.num ? 1u << (r & 31u) : 0u;
 }
 
 // Step 1 for tokens chunk + i * nt + t (i < RUN): byte i * nt + t of masks.
@@ -276,25 +289,35 @@ FC_DEVICE void chunk_masks(const FcEpArgs& a, fc_u32 chunk, fc_u8* masks) {
     // branches, sent every block's threads to one L2 line: 5.7 us at 1 token,
     // 2x H200, session 12.)
     if ((a.topk == 4u || a.topk == 8u) && (a.topk_idx & 15u) == 0) {
+        // Runs past the last token (the same for every thread) are skipped
+        // whole; within the others a missing id reads as -1 (no rank), so
+        // the masks take no branch per token or per id (a branch around each
+        // top-8 half and each token: 128 tokens 20.00-20.02 against
+        // 19.88-19.91 us a dispatch + combine, 2x H200, session 18, call b).
+        const fc_u32 left = a.num_tokens - chunk;
+        const fc_u32 runs = left >= FC_EP_LAYOUT_RUN * nt ? FC_EP_LAYOUT_RUN : (left + nt - 1u) / nt;
+        const bool top8 = a.topk == 8u;
+        fc_vec16 none;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) none.w[k] = 0xFFFFFFFFu;
         fc_vec16 v[FC_EP_LAYOUT_RUN][2];
 #pragma unroll
         for (fc_u32 i = 0; i < FC_EP_LAYOUT_RUN; ++i) {
+            if (i >= runs) break;
             const fc_u32 tok = chunk + i * nt + t;
-            if (tok >= a.num_tokens) continue;
-            v[i][0] = fc_load16(idx + (fc_u64)tok * a.topk);
-            if (a.topk == 8u) v[i][1] = fc_load16(idx + (fc_u64)tok * a.topk + 4u);
+            v[i][0] = none;
+            v[i][1] = none;
+            if (tok < a.num_tokens) {
+                v[i][0] = fc_load16(idx + (fc_u64)tok * a.topk);
+                if (top8) v[i][1] = fc_load16(idx + (fc_u64)tok * a.topk + 4u);
+            }
         }
 #pragma unroll
         for (fc_u32 i = 0; i < FC_EP_LAYOUT_RUN; ++i) {
-            const fc_u32 tok = chunk + i * nt + t;
+            if (i >= runs) break;
             fc_u32 m = 0;
-            if (tok < a.num_tokens) {
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    m |= dest_bit((fc_i32)v[i][0].w[k], x);
-                    if (a.topk == 8u) m |= dest_bit((fc_i32)v[i][1].w[k], x);
-                }
-            }
+            for (int k = 0; k < 4; ++k) m |= dest_bit((fc_i32)v[i][0].w[k], x) | dest_bit((fc_i32)v[i][1].w[k], x);
             masks[i * nt + t] = (fc_u8)m;
         }
     } else {
@@ -546,9 +569,8 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
             if (sc16 && w.lane * 16u < scale_bytes)
                 sc = fc_load16(fc_ptr<const char>(a.scales) + (fc_u64)tok * scale_bytes + w.lane * 16u);
         }
-#pragma unroll
-        for (fc_u32 r = 0; r < FC_MAX_RANKS; ++r) {
-            if (r >= world) continue;
+#pragma unroll 1 // unrolled over FC_MAX_RANKS, the loop's code kept the fast path apart (see cold_put_warp)
+        for (fc_u32 r = 0; r < world; ++r) {
             const fc_i32 slot = slot_at(sl, r);
             if (slot < 0) continue;
             const fc_u64 row = (fc_u64)me * a.max_tokens + (fc_u32)slot;
@@ -568,8 +590,8 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
                 if (w.lane * 16u < scale_bytes)
                     fc_store16(fc_remote_ptr(ctx, r, fc_ptr<char>(a.recv_scales) + row * scale_bytes + w.lane * 16u), sc);
             } else if (a.payload == FC_EP_PAYLOAD_FP8) {
-                fc_put_warp(ctx, r, fc_ptr<char>(a.recv_scales) + row * scale_bytes,
-                            fc_ptr<const char>(a.scales) + (fc_u64)tok * scale_bytes, scale_bytes);
+                cold_put_warp(ctx, r, fc_ptr<char>(a.recv_scales) + row * scale_bytes,
+                              fc_ptr<const char>(a.scales) + (fc_u64)tok * scale_bytes, scale_bytes);
             }
             // The ids as rank r sees them: its own experts' local ids, -1 elsewhere.
             for (fc_u32 k = w.lane; k < a.topk; k += fc_warp_size()) {
@@ -793,10 +815,18 @@ FC_DEVICE void store16_any(char* p, const fc_vec16& v, bool aligned) {
 // Look at the Lamport packs k of `pending` (pack k at rows + k * step) and
 // take those that have arrived into v[k]; the bits of those still missing.
 // One look is all the loads of a unit at once: the first look, then polls.
+// Every load issues before the first check: with the check between them
+// each load waited for the one before (four round trips a look); issued
+// together, a dispatch + combine at 128 tokens took 19.44-19.48 against
+// 19.72-19.87 us, at 4096 346 against 349.5 (2x H200, session 18, call c).
+// (v[k] of a pack still missing holds what the last look saw.)
 FC_DEVICE fc_u32 take_packs(const char* rows, fc_u64 step, fc_vec16 (&v)[FC_EP_SUM_PACKS], fc_u32 pending) {
 #pragma unroll
     for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
-        if (((pending >> k) & 1u) && lamport_load(rows + (fc_u64)k * step, v[k])) pending &= ~(1u << k);
+        if ((pending >> k) & 1u) v[k] = lamport_fetch(rows + (fc_u64)k * step);
+#pragma unroll
+    for (int k = 0; k < FC_EP_SUM_PACKS; ++k)
+        if (((pending >> k) & 1u) && lamport_full(v[k])) pending &= ~(1u << k);
     return pending;
 }
 
@@ -831,14 +861,21 @@ FC_DEVICE void load_back(const FcEpArgs& a, fc_u32 s, const Unit& un, fc_u64 row
 
 } // namespace fc_ep
 
-FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
-    fc_ep::begin(a.x, a.recv_src); // expert_out holds world * max rows (the host checks)
+namespace fc_ep {
+
+// The one-kernel combine's body, compiled twice: ALIGNED when expert_out and
+// out are 16-byte aligned (the usual case), with no alignment test per pack,
+// and for any alignment, out of line (combine_ll_any). 4096 tokens bf16
+// 349.0-349.4 against 350.4-351.1 us, fp8 275.4-275.6 against 277.1-277.8;
+// 128 tokens level (2x H200, session 18, call b).
+template <bool ALIGNED>
+FC_DEVICE void combine_ll(const FcEpArgs& a) {
     const FcDevCtx& ctx = a.ctx;
     const fc_u32 me = ctx.rank, world = ctx.world;
     const fc_ep::Roles w = fc_ep::combine_roles(a);
     const fc_u64 row_bytes = (fc_u64)a.hidden * 2u;
     const char* expert = fc_ptr<const char>(a.x);
-    const bool x16 = (a.x & 15u) == 0, out16 = (a.out & 15u) == 0;
+    const bool x16 = ALIGNED || (a.x & 15u) == 0, out16 = ALIGNED || (a.out & 15u) == 0;
     char* inbox = fc_ptr<char>(a.inbox);
     const fc_u64 rank_stride = (fc_u64)a.max_tokens * row_bytes;
 
@@ -970,6 +1007,18 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
     }
     // No signal and no wait: see "The one-kernel combine ends when its sums
     // do" above.
+}
+
+FC_DEVICE_COLD void combine_ll_any(const FcEpArgs& a) { combine_ll<false>(a); }
+
+} // namespace fc_ep
+
+FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
+    fc_ep::begin(a.x, a.recv_src); // expert_out holds world * max rows (the host checks)
+    if (((a.x | a.out) & 15u) == 0)
+        fc_ep::combine_ll<true>(a);
+    else
+        fc_ep::combine_ll_any(a);
 }
 
 // The plain combine's puts (see above): a warp per piece of a received row,

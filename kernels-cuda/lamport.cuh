@@ -41,19 +41,30 @@ FC_DEVICE void lamport_store(char* at, const fc_vec16& l) {
     fc_st_volatile_v2u64(at, ((fc_u64)l.w[1] << 32) | l.w[0], ((fc_u64)l.w[3] << 32) | l.w[2]);
 }
 
-// One pack; true when none of its halves is EMPTY.
-FC_DEVICE bool lamport_load(const char* at, fc_vec16& v) {
+// One pack as it is now, and whether it has arrived (none of its halves
+// EMPTY), apart: a reader of several packs issues every load before it looks
+// at any, or each look waits for its load before the next load issues.
+FC_DEVICE fc_vec16 lamport_fetch(const char* at) {
     fc_u64 a, b;
     fc_ld_volatile_v2u64(at, a, b);
+    fc_vec16 v;
     v.w[0] = (fc_u32)a;
     v.w[1] = (fc_u32)(a >> 32);
     v.w[2] = (fc_u32)b;
     v.w[3] = (fc_u32)(b >> 32);
+    return v;
+}
+FC_DEVICE bool lamport_full(const fc_vec16& v) {
     bool full = true;
 #pragma unroll
     for (int k = 0; k < 4; ++k)
         full = full && (v.w[k] & 0xffffu) != FC_LAMPORT_EMPTY && (v.w[k] >> 16) != FC_LAMPORT_EMPTY;
     return full;
+}
+// One pack; true when it has arrived.
+FC_DEVICE bool lamport_load(const char* at, fc_vec16& v) {
+    v = lamport_fetch(at);
+    return lamport_full(v);
 }
 
 // Give a pack that was read back to the area.

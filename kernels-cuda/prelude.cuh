@@ -93,6 +93,9 @@ static_assert(sizeof(FcParams) == 448, "FcParams must match KernelParams (448 by
 // ---------------------------------------------------------------------------
 // Function and kernel qualifiers.
 #define FC_DEVICE static __device__ __forceinline__
+// A slow path kept out of line, so that it does not sit between the fast
+// path's instructions (see fc_ep::cold_put_warp).
+#define FC_DEVICE_COLD static __device__ __noinline__
 
 // Register budget: the host may launch any multiple of 32 threads up to this.
 // The default is the block size ferrocomm launches (algo::BLOCK_THREADS, which
