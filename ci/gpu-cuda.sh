@@ -317,6 +317,11 @@ if [[ " $STEPS " == *" heap "* ]]; then
         chmod +x "$wrapper"
         step heap_memcheck env FERROCOMM_CCL=0 "${share[@]}" torchrun --nproc_per_node=2 --no-python "$wrapper" heap \
             --backend cuda --timeout-secs 300
+        # The EP kernels under the same check: dispatch and combine, bf16 and
+        # FP8, unaligned views and graph replays (tests/ep_cuda.rs's suite,
+        # ranks as processes).
+        step ep_memcheck env FERROCOMM_CCL=0 FERROCOMM_HEAP_BYTES=67108864 "${share[@]}" torchrun --nproc_per_node=2 \
+            --no-python "$wrapper" ep --backend cuda --timeout-secs 300
     fi
     for w in $(bench_worlds heapbench); do
         step "heapbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --heap --graph \

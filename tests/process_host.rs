@@ -144,6 +144,15 @@ fn heap_and_windows_as_processes() {
     assert_all_ok(&outs);
 }
 
+/// EP dispatch and combine with ranks as processes (the scenario the GPU
+/// script runs under compute-sanitizer): received rows land in peers' heaps
+/// mapped at other addresses.
+#[test]
+fn ep_dispatch_and_combine_as_processes() {
+    let outs = run(&["ep", "--backend", "host", "--timeout-secs", "60"], 3, 180);
+    assert_all_ok(&outs);
+}
+
 /// `ferrocomm-bench --operands both`: the rows on plain buffers, then on
 /// symmetric-heap buffers (the direct kinds from FERROCOMM_DIRECT_MIN_BYTES
 /// a peer: here the reduce-to's blocks from 32 KiB; the host's exchanges

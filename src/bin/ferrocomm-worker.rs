@@ -18,6 +18,9 @@
 //!   `--replays` times, changing the input before every replay and checking
 //!   every output.
 //! - `smoke`: one small launch of every kernel family (for compute-sanitizer).
+//! - `heap`: the symmetric heap and window suite (on GPUs also the
+//!   user-style all-gather on the device API).
+//! - `ep`: the EP dispatch and combine suite (`ferrocomm::testing::ep`).
 //! - `coldstart`: the time from process start to a communicator that has run
 //!   its first all-reduce (point `FERROCOMM_CACHE_DIR` at an empty directory
 //!   to measure a cold kernel cache), printed as `COLD START ...`.
@@ -218,10 +221,11 @@ fn cuda_index(local: usize) -> Result<usize> {
 
 fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize, a: &Args) -> Result<String> {
     let mut opts = CommOptions::from_env()?.with_timeout(a.timeout);
-    if a.scenario == "heap" {
+    if a.scenario == "heap" || a.scenario == "ep" {
         // The heap suite checks the kinds the library picks (by the epochs
         // they take), which an autotune table an earlier bench cached on the
-        // machine would override (as in tests/heap_cuda.rs).
+        // machine would override (as in tests/heap_cuda.rs); EP does not
+        // use the table (as in tests/ep_cuda.rs).
         opts = opts.with_autotune(false);
     }
     let device_ready = STARTED.get().map_or(0.0, |t| t.elapsed().as_secs_f64());
@@ -287,6 +291,28 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
             } else {
                 Err(Error::Aborted(format!(
                     "heap suite failures on rank {rank}: {:#?}",
+                    report.failures
+                )))
+            }
+        }
+        "ep" => {
+            // EP dispatch and combine across processes: tests/ep_cuda.rs's
+            // suite, whose ranks there are threads; ci/gpu-cuda.sh runs it
+            // under compute-sanitizer (ep_memcheck).
+            let cfg = SuiteConfig {
+                timeout: a.timeout.max(Duration::from_secs(60)),
+                ..SuiteConfig::default()
+            };
+            let report = ferrocomm::testing::ep::run_ep_suite(&comm, store.as_ref(), &cfg)?;
+            comm.finalize()?;
+            if report.is_ok() {
+                Ok(format!(
+                    "rank={rank} ep checks={} elements={}",
+                    report.collectives, report.elements_checked
+                ))
+            } else {
+                Err(Error::Aborted(format!(
+                    "EP suite failures on rank {rank}: {:#?}",
                     report.failures
                 )))
             }
