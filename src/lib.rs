@@ -50,3 +50,22 @@ pub use comm::{
 };
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};
+
+/// Stop the process's background kernel compiles and wait (at most 20 s)
+/// for the ones running; returns how many still run.
+///
+/// Call it before `std::process::exit`, or before `main` returns while a
+/// GPU device or a communicator on one is still alive (kept in a static,
+/// or leaked): a compile still inside NVRTC or hipRTC while the vendor
+/// libraries' exit handlers run can crash the process, and those handlers
+/// run before any hook ferrocomm can register. Dropping the process's last
+/// GPU device does the same by itself, and the Python package calls it at
+/// interpreter exit. Queued compiles wait; a kernel that a later call needs
+/// resumes them.
+/// Without a GPU backend built there are no compiles: 0.
+pub fn pause_compiles_for_exit() -> usize {
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
+    return backends::gpu::compile::pool::pause_for_exit();
+    #[cfg(not(any(feature = "cuda", feature = "rocm")))]
+    0
+}

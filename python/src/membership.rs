@@ -105,10 +105,7 @@ impl Member {
 /// destructors run crashes the process. Waits at most 20 s.
 #[pyfunction]
 pub(crate) fn pause_compiles(py: Python<'_>) {
-    #[cfg(any(feature = "cuda", feature = "rocm"))]
-    py.detach(ferrocomm::backends::gpu::compile::pool::pause_for_exit);
-    #[cfg(not(any(feature = "cuda", feature = "rocm")))]
-    let _ = py;
+    py.detach(ferrocomm::pause_compiles_for_exit);
 }
 
 /// Leave every rendezvous' store (at interpreter exit). Rank 0 waits here
