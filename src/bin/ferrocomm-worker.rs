@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use ferrocomm::bootstrap::{rendezvous_from_env, Store, TcpStore};
 use ferrocomm::device::Device;
-use ferrocomm::testing::conformance::{run_suite, SuiteConfig};
+use ferrocomm::testing::conformance::{run_suite, SuiteConfig, SuiteReport};
 use ferrocomm::{Call, CommOptions, Communicator, DType, Error, P2p, ReduceOp, Result, Tensor};
 
 struct Args {
@@ -219,6 +219,22 @@ fn cuda_index(local: usize) -> Result<usize> {
     Ok(local % ferrocomm::backends::cuda::device_count()?.max(1))
 }
 
+/// The `RESULT` line of a suite scenario (`heap`, `ep`): its checks, or
+/// every failure.
+fn suite_result(rank: usize, suite: &str, report: SuiteReport) -> Result<String> {
+    if report.is_ok() {
+        Ok(format!(
+            "rank={rank} {suite} checks={} elements={}",
+            report.collectives, report.elements_checked
+        ))
+    } else {
+        Err(Error::Aborted(format!(
+            "{suite} suite failures on rank {rank}: {:#?}",
+            report.failures
+        )))
+    }
+}
+
 fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize, a: &Args) -> Result<String> {
     let mut opts = CommOptions::from_env()?.with_timeout(a.timeout);
     if a.scenario == "heap" || a.scenario == "ep" {
@@ -283,17 +299,7 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
                 report.failures.extend(user.failures);
             }
             comm.finalize()?;
-            if report.is_ok() {
-                Ok(format!(
-                    "rank={rank} heap checks={} elements={}",
-                    report.collectives, report.elements_checked
-                ))
-            } else {
-                Err(Error::Aborted(format!(
-                    "heap suite failures on rank {rank}: {:#?}",
-                    report.failures
-                )))
-            }
+            suite_result(rank, "heap", report)
         }
         "ep" => {
             // EP dispatch and combine across processes: tests/ep_cuda.rs's
@@ -305,17 +311,7 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
             };
             let report = ferrocomm::testing::ep::run_ep_suite(&comm, store.as_ref(), &cfg)?;
             comm.finalize()?;
-            if report.is_ok() {
-                Ok(format!(
-                    "rank={rank} ep checks={} elements={}",
-                    report.collectives, report.elements_checked
-                ))
-            } else {
-                Err(Error::Aborted(format!(
-                    "EP suite failures on rank {rank}: {:#?}",
-                    report.failures
-                )))
-            }
+            suite_result(rank, "ep", report)
         }
         "kill" => expect_failure(&comm, a, |i| {
             if rank == a.victim && i == 5 {
