@@ -219,17 +219,17 @@ fn cuda_index(local: usize) -> Result<usize> {
     Ok(local % ferrocomm::backends::cuda::device_count()?.max(1))
 }
 
-/// The `RESULT` line of a suite scenario (`heap`, `ep`): its checks, or
+/// The `RESULT` line of a suite (`what`: what it counts): its checks, or
 /// every failure.
-fn suite_result(rank: usize, suite: &str, report: SuiteReport) -> Result<String> {
+fn suite_result(rank: usize, what: &str, report: SuiteReport) -> Result<String> {
     if report.is_ok() {
         Ok(format!(
-            "rank={rank} {suite} checks={} elements={}",
+            "rank={rank} {what}={} elements={}",
             report.collectives, report.elements_checked
         ))
     } else {
         Err(Error::Aborted(format!(
-            "{suite} suite failures on rank {rank}: {:#?}",
+            "{what}: failures on rank {rank}: {:#?}",
             report.failures
         )))
     }
@@ -299,7 +299,7 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
                 report.failures.extend(user.failures);
             }
             comm.finalize()?;
-            suite_result(rank, "heap", report)
+            suite_result(rank, "heap checks", report)
         }
         "ep" => {
             // EP dispatch and combine across processes: tests/ep_cuda.rs's
@@ -311,7 +311,7 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
             };
             let report = ferrocomm::testing::ep::run_ep_suite(&comm, store.as_ref(), &cfg)?;
             comm.finalize()?;
-            suite_result(rank, "ep", report)
+            suite_result(rank, "ep checks", report)
         }
         "kill" => expect_failure(&comm, a, |i| {
             if rank == a.victim && i == 5 {
@@ -395,23 +395,9 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
             };
             let report = ferrocomm::testing::conformance::run_smoke(&comm, &cfg)?;
             comm.finalize()?;
-            report_result(rank, report)
+            suite_result(rank, "collectives", report)
         }
         other => Err(Error::invalid(format!("unknown scenario {other:?}"))),
-    }
-}
-
-fn report_result(rank: usize, report: ferrocomm::testing::conformance::SuiteReport) -> Result<String> {
-    if report.is_ok() {
-        Ok(format!(
-            "rank={rank} collectives={} elements={}",
-            report.collectives, report.elements_checked
-        ))
-    } else {
-        Err(Error::Aborted(format!(
-            "failures on rank {rank}: {:#?}",
-            report.failures
-        )))
     }
 }
 
@@ -425,7 +411,7 @@ fn replay<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
     let start = Instant::now();
     let report = ferrocomm::testing::conformance::run_graph_replays(comm, &cfg)?;
     comm.finalize()?;
-    let msg = report_result(comm.rank(), report)?;
+    let msg = suite_result(comm.rank(), "collectives", report)?;
     Ok(format!(
         "{msg} replays_per_algo={} secs={:.1}",
         a.replays,
