@@ -128,12 +128,12 @@ static_assert(sizeof(FcParams) == 448, "FcParams must match KernelParams (448 by
 #define __shared__ __attribute__((shared))
 #endif
 #define FC_DEVICE static __device__ inline __attribute__((always_inline))
-// Inlined here too: on AMDGPU a call takes scratch memory for its frame.
-#define FC_DEVICE_COLD FC_DEVICE
 #else
 #define FC_DEVICE static inline
-#define FC_DEVICE_COLD FC_DEVICE
 #endif
+// The CUDA prelude keeps these slow paths out of line; inlined here: on
+// AMDGPU a call takes scratch memory for its frame.
+#define FC_DEVICE_COLD FC_DEVICE
 
 // Most threads the host launches per block. Lower it with
 // -DFC_MAX_BLOCK_THREADS=512 (the backend does) to give the compiler more

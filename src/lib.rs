@@ -62,6 +62,7 @@ pub use error::{Error, Result};
 /// GPU device does the same by itself, and the Python package calls it at
 /// interpreter exit. Queued compiles wait; a kernel that a later call needs
 /// resumes them.
+///
 /// Without a GPU backend built there are no compiles: 0.
 pub fn pause_compiles_for_exit() -> usize {
     #[cfg(any(feature = "cuda", feature = "rocm"))]
