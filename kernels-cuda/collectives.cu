@@ -292,15 +292,25 @@ FC_DEVICE void store_line(char* buf, fc_u64 e0, fc_u64 hi, bool aligned4, fc_u32
 
 // Wait for the lines of the sources in `pending` (bit s: source s0 + s, at
 // line + s*stride) into v. False after raising a timeout for the sources
-// still missing.
+// still missing. A poll loads every pending line before it tests any: with
+// each test between the loads (ll_load), the sm_90 code issued one source's
+// load only after the previous one had returned, so at world >= 3 a poll
+// took a round trip per source (session 19; not timed at world >= 3).
 FC_DEVICE bool ll_wait(const FcParams& p, const char* line, fc_u64 stride, fc_u32 s0, fc_u32 flag, fc_u32 epoch,
                        fc_u32 pending, fc_vec16 (&v)[4]) {
     const fc_u64 start = fc_globaltimer_ns();
     for (;;) {
+        LlLine l[4];
 #pragma unroll
         for (int s = 0; s < 4; ++s)
-            if ((pending >> s) & 1u)
-                if (ll_load(line + (fc_u64)s * stride, flag, v[s].w[0], v[s].w[1])) pending &= ~(1u << s);
+            if ((pending >> s) & 1u) l[s] = ll_fetch(line + (fc_u64)s * stride);
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+            if (((pending >> s) & 1u) && ll_arrived(l[s], flag)) {
+                v[s].w[0] = (fc_u32)l[s].a;
+                v[s].w[1] = (fc_u32)l[s].b;
+                pending &= ~(1u << s);
+            }
         if (pending == 0) return true;
         if (fc_globaltimer_ns() - start >= p.timeout_ns) {
             for (fc_u32 s = 0; s < 4; ++s)

@@ -456,13 +456,27 @@ FC_DEVICE fc_u64 lamport_stride(const FcParams& p) { return ((p.slot_bytes / 4u)
 
 FC_DEVICE fc_u64 ll_unit(fc_u32 word, fc_u32 flag) { return ((fc_u64)flag << 32) | (fc_u64)word; }
 
-// One line; true when both units carry `flag`.
-FC_DEVICE bool ll_load(const char* line, fc_u32 flag, fc_u32& w0, fc_u32& w1) {
+// A line as loaded (ll_fetch), and whether both its units carry `flag`
+// (ll_arrived), apart: a reader of several lines issues every load before
+// it tests any, or each test waits for its load before the next load
+// issues (ll_wait's compiled polls did, session 19).
+struct LlLine {
     fc_u64 a, b;
-    fc_ld_volatile_v2u64(line, a, b);
-    w0 = (fc_u32)a;
-    w1 = (fc_u32)b;
-    return ((fc_u32)(a >> 32) == flag) & ((fc_u32)(b >> 32) == flag);
+};
+FC_DEVICE LlLine ll_fetch(const char* line) {
+    LlLine l;
+    fc_ld_volatile_v2u64(line, l.a, l.b);
+    return l;
+}
+FC_DEVICE bool ll_arrived(const LlLine& l, fc_u32 flag) {
+    return ((fc_u32)(l.a >> 32) == flag) & ((fc_u32)(l.b >> 32) == flag);
+}
+// One line into (w0, w1); true when it has arrived.
+FC_DEVICE bool ll_load(const char* line, fc_u32 flag, fc_u32& w0, fc_u32& w1) {
+    const LlLine l = ll_fetch(line);
+    w0 = (fc_u32)l.a;
+    w1 = (fc_u32)l.b;
+    return ll_arrived(l, flag);
 }
 
 // The LL kinds' handshake, per block: thread q < world (q != rank) stores
