@@ -28,6 +28,7 @@
 #define FC_EP_FLAG_PLAIN (2u * FC_MAX_RANKS + 1u) // this rank's plain (two-kernel) combines so far (local)
 #define FC_EP_FLAG_DISPATCH (2u * FC_MAX_RANKS + 2u) // [s * FC_EP_MAX_GRID + b]: block b of source s's last dispatch here
 #define FC_EP_MAX_GRID 128u // the most blocks an EP launch takes (MAX_BLOCKS, src/algo/layout.rs)
+#define FC_EP_FLAG_TAKEN (FC_EP_FLAG_DISPATCH + FC_MAX_RANKS * FC_EP_MAX_GRID) // low 32 bits: sum units the one-kernel combine took (local; the dispatch zeroes it)
 // A dispatch flag word is epoch << FC_EP_COUNT_BITS | rows: block 0's word
 // carries the rows its source sent here (other blocks' carry 0), so the
 // count arrives with the signal (max_tokens_per_rank < 2^20, EpConfig).
@@ -631,6 +632,9 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
         if (i == s * g) rows[s] = (fc_u32)(seen & ((1ull << FC_EP_COUNT_BITS) - 1u));
     }
     fc_barrier(); // the acquires above come before every thread's reads below
+    // The next combine's sums take units from 0 (see combine_roles); it
+    // starts after this kernel ends.
+    if (t == 0) fc_st_volatile_u64(flags + FC_EP_FLAG_TAKEN, 0u);
     if (t < world) {
         const fc_u32 n = missing[t] == 0 ? rows[t] : 0u;
         fc_store(fc_ptr<fc_i32>(a.recv_counts) + t, (fc_i32)n); // for the caller
@@ -710,29 +714,60 @@ namespace fc_ep {
 // 1202.45 against 1315.40 / 1312.77 fp8; 512 tokens 178.21 / 178.59
 // against 182.22 / 181.39; 128 tokens 54.86 / 54.71 against 52.44 / 52.73.
 // At world 2 one eighth lost (4096 tokens 365.69 against ~354).
+//
+// Large batches below world 4 (fc_ep_combine_ll_take, which the host
+// launches from TAKE_TOKENS a rank) take their sums in a different way: 5/8 of
+// the grid put, and every summing warp takes its next unit from a counter
+// (FC_EP_FLAG_TAKEN, in unit order, which is about the order the rows
+// arrive in), the putting blocks too once their puts are done. A putting
+// block's stores to a peer drain at a rate of its own: with the sums
+// skipped (a diagnostic), 4096 tokens took 343.1-343.7 us with 32 putting
+// blocks and 334.3 with 64 (bf16; fp8 268.7-269.7 and 260.8-260.9, against
+// 346.6-346.7 and 272.3-272.4 with the sums). With the sums, fixed shares
+// of more putting blocks lost (64: 357.2-357.6 / 286.5-286.6): fewer
+// summing warps each took every Nth unit and fell behind the rows. Taken
+// from the counter, with 64 / 80 putting blocks, 340.7-341.1 / 340.3-340.4
+// bf16, 268.1-268.3 / 267.0-267.4 fp8 (2x H200, session 19, calls c-f);
+// from 1024 tokens down level or slower, and 0.7-2 us slower at 128
+// tokens (an atomic a unit, and fewer summing warps).
 // The roles are this rank's own affair (nothing counts blocks), so they may
 // follow its own token count.
 #ifndef FC_EP_PUT_EIGHTHS
 #define FC_EP_PUT_EIGHTHS 2u
 #endif
-FC_DEVICE fc_u32 put_eighths(fc_u32 world, fc_u32 num_tokens) {
-    return world >= 4u && num_tokens >= 512u ? 1u : FC_EP_PUT_EIGHTHS;
+// From 512 tokens a rank a summing warp's lanes meet after their looks, so
+// that each store of the sums and the packs given back is one of the whole
+// warp, not of the lanes that happened to finish their polls together: 512
+// and 1024 tokens 52.3 / 94.4-94.5 against 54.1-54.4 / 96.1-96.4 us bf16,
+// 41.8-41.9 / 75.5 against 43.4-43.6 / 76.6-77.2 fp8; at 128 tokens 20.1
+// against 19.3-19.5, the slowest lane's wait (2x H200, session 19, calls g
+// and h).
+#ifndef FC_EP_WHOLE_TOKENS
+#define FC_EP_WHOLE_TOKENS 512u
+#endif
+FC_DEVICE fc_u32 put_eighths(fc_u32 world, fc_u32 num_tokens, bool take) {
+    if (world >= 4u && num_tokens >= 512u) return 1u;
+    return take ? 5u : FC_EP_PUT_EIGHTHS;
 }
 struct Roles {
     bool put, sum;
+    bool take;  // summing warps take units from FC_EP_FLAG_TAKEN
+    bool whole; // a summing warp's lanes meet before its stores
     fc_u32 lane, put_id, put_count, sum_id, sum_count;
 };
-FC_DEVICE Roles combine_roles(const FcEpArgs& a) {
+FC_DEVICE Roles combine_roles(const FcEpArgs& a, bool take) {
     const fc_u32 ws = fc_warp_size();
     const fc_u32 per_block = (fc_block_threads() + ws - 1u) / ws;
     const fc_u32 wib = fc_thread_id() / ws;
     const fc_u32 g = fc_grid_blocks(), b = fc_block_id();
-    fc_u32 gp = g * put_eighths(a.ctx.world, a.num_tokens) / 8u; // putting blocks: at least one, and one left to sum
+    fc_u32 gp = g * put_eighths(a.ctx.world, a.num_tokens, take) / 8u; // putting blocks: at least one, and one left to sum
     gp = g < 2u ? g : gp < 1u ? 1u : gp > g - 1u ? g - 1u : gp;
     Roles r;
     r.lane = fc_lane_id();
     r.put = g < 2u || b < gp;
-    r.sum = g < 2u || b >= gp;
+    r.take = take;
+    r.sum = g < 2u || b >= gp || r.take;
+    r.whole = r.take || a.num_tokens >= FC_EP_WHOLE_TOKENS;
     const fc_u32 sum_blocks = g < 2u ? g : g - gp;
     // Both roles take rows in 2 KiB units; this rank's own token count
     // stands in for the rows it sends back.
@@ -830,6 +865,21 @@ FC_DEVICE fc_u32 take_packs(const char* rows, fc_u64 step, fc_vec16 (&v)[FC_EP_S
     return pending;
 }
 
+// Whether b holds on any lane. Every lane of the warp must call it.
+FC_DEVICE bool warp_any(bool b) {
+    fc_u32 v = b ? 1u : 0u;
+    for (fc_u32 m = fc_warp_size() / 2u; m > 0u; m >>= 1) v |= fc_shfl_xor(v, m);
+    return v != 0u;
+}
+
+// The next sum unit from the counter: lane 0 takes it, the warp shares it.
+FC_DEVICE fc_u64 take_unit(fc_u32* taken) {
+    fc_warp_sync();
+    fc_u32 u = 0;
+    if (fc_lane_id() == 0) u = fc_atomic_add_gpu(taken, 1u);
+    return fc_shfl_lane0(u);
+}
+
 FC_DEVICE fc_vec16 round_pack(const float (&acc)[8], bool none) {
     fc_vec16 o;
 #pragma unroll
@@ -863,16 +913,18 @@ FC_DEVICE void load_back(const FcEpArgs& a, fc_u32 s, const Unit& un, fc_u64 row
 
 namespace fc_ep {
 
-// The one-kernel combine's body, compiled twice: ALIGNED when expert_out and
+// The one-kernel combine's body, compiled apart: ALIGNED when expert_out and
 // out are 16-byte aligned (the usual case), with no alignment test per pack,
 // and for any alignment, out of line (combine_ll_any). 4096 tokens bf16
 // 349.0-349.4 against 350.4-351.1 us, fp8 275.4-275.6 against 277.1-277.8;
-// 128 tokens level (2x H200, session 18, call b).
-template <bool ALIGNED>
+// 128 tokens level (2x H200, session 18, call b). TAKE (aligned only): the
+// sums take units from the counter (see combine_roles), in a kernel of its
+// own (fc_ep_combine_ll_take).
+template <bool ALIGNED, bool TAKE>
 FC_DEVICE void combine_ll(const FcEpArgs& a) {
     const FcDevCtx& ctx = a.ctx;
     const fc_u32 me = ctx.rank, world = ctx.world;
-    const fc_ep::Roles w = fc_ep::combine_roles(a);
+    const fc_ep::Roles w = fc_ep::combine_roles(a, TAKE);
     const fc_u64 row_bytes = (fc_u64)a.hidden * 2u;
     const char* expert = fc_ptr<const char>(a.x);
     const bool x16 = ALIGNED || (a.x & 15u) == 0, out16 = ALIGNED || (a.out & 15u) == 0;
@@ -932,16 +984,20 @@ FC_DEVICE void combine_ll(const FcEpArgs& a) {
         const fc_u64 pieces = (row_bytes + piece - 1u) / piece;
         const fc_u64 units = (fc_u64)a.num_tokens * pieces;
         bool failed = false;
-        // A unit's slots are loaded one unit ahead.
+        // A unit's slots are loaded one unit ahead; a taken unit is taken
+        // one ahead too, and its slots loaded once the unit before is done
+        // (the atomic's round trip behind that unit's work).
+        fc_u32* taken = reinterpret_cast<fc_u32*>(fc_ep::flag_words(a) + FC_EP_FLAG_TAKEN);
         fc_ep::Slots sl_next;
-        if (w.sum_id < units) sl_next = fc_ep::load_slots(a, (fc_u32)fc_ep::unit_of(w.sum_id, pieces).row);
-        for (fc_u64 u = w.sum_id; u < units && !failed; u += w.sum_count) {
+        fc_u64 u = TAKE ? fc_ep::take_unit(taken) : w.sum_id;
+        if (u < units) sl_next = fc_ep::load_slots(a, (fc_u32)fc_ep::unit_of(u, pieces).row);
+        while (u < units && !failed) {
             const fc_ep::Unit un = fc_ep::unit_of(u, pieces);
             const fc_u32 tok = (fc_u32)un.row;
             const fc_u64 c0 = un.piece * piece + (fc_u64)w.lane * 16u;
             const fc_ep::Slots sl = sl_next;
-            if (u + w.sum_count < units)
-                sl_next = fc_ep::load_slots(a, (fc_u32)fc_ep::unit_of(u + w.sum_count, pieces).row);
+            const fc_u64 next = TAKE ? fc_ep::take_unit(taken) : u + w.sum_count;
+            if (!TAKE && next < units) sl_next = fc_ep::load_slots(a, (fc_u32)fc_ep::unit_of(next, pieces).row);
             const fc_u32 mask = fc_ep::sent_mask(sl, world);
             // This rank's own packs and the first other rank's first look
             // are issued together, before the sum in rank order takes them
@@ -994,6 +1050,10 @@ FC_DEVICE void combine_ll(const FcEpArgs& a) {
                     if ((packs >> k) & 1u) fc_ep::add_pack(acc[k], pre[k], first);
                 first = false;
             }
+            // From FC_EP_WHOLE_TOKENS a lane's timeout stops its whole warp
+            // (which takes units together), and the warp's lanes meet here,
+            // so each store below is one of the whole warp.
+            if (w.whole) failed = fc_ep::warp_any(failed);
             if (failed) break;
 #pragma unroll
             for (int k = 0; k < FC_EP_SUM_PACKS; ++k) {
@@ -1003,22 +1063,39 @@ FC_DEVICE void combine_ll(const FcEpArgs& a) {
                 for (fc_u32 r = 0; r < world; ++r)
                     if (r != me && ((mask >> r) & 1u)) lamport_clear(inbox + (fc_u64)r * rank_stride + (fc_u64)tok * row_bytes + c);
             }
+            if (TAKE && next < units) sl_next = fc_ep::load_slots(a, (fc_u32)fc_ep::unit_of(next, pieces).row);
+            u = next;
         }
     }
     // No signal and no wait: see "The one-kernel combine ends when its sums
     // do" above.
 }
 
-FC_DEVICE_COLD void combine_ll_any(const FcEpArgs& a) { combine_ll<false>(a); }
+FC_DEVICE_COLD void combine_ll_any(const FcEpArgs& a) { combine_ll<false, false>(a); }
 
 } // namespace fc_ep
 
 FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
     fc_ep::begin(a.x, a.recv_src); // expert_out holds world * max rows (the host checks)
-    if (((a.x | a.out) & 15u) == 0)
-        fc_ep::combine_ll<true>(a);
-    else
+    if (((a.x | a.out) & 15u) != 0)
         fc_ep::combine_ll_any(a);
+    else
+        fc_ep::combine_ll<true, false>(a);
+}
+
+// The same combine with the sums taking units (see combine_roles): the host
+// launches it from TAKE_TOKENS a rank below world 4 (src/ep/mod.rs). A
+// kernel of its own, because either way inside one kernel cost: one body
+// choosing at run time took 0.3-0.4 us longer at 128 tokens, where it never
+// takes (session 19, call i), and the take body out of line (a call) lost
+// its gain (4096 tokens bf16 346.8-347.0 against the head's 346.1-346.9
+// us, fp8 273.1-273.3 against 272.4-273.0; 2x H200, session 20, call a).
+FC_HEAP_KERNEL(fc_ep_combine_ll_take, FcEpArgs) {
+    fc_ep::begin(a.x, a.recv_src);
+    if (((a.x | a.out) & 15u) != 0)
+        fc_ep::combine_ll_any(a); // the host launches this kernel for aligned buffers only
+    else
+        fc_ep::combine_ll<true, true>(a);
 }
 
 // The plain combine's puts (see above): a warp per piece of a received row,

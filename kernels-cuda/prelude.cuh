@@ -368,6 +368,8 @@ FC_DEVICE fc_u32 fc_shfl_xor(fc_u32 v, fc_u32 mask) { return __shfl_xor_sync(0xf
 // The value of lane (lane - delta); a lane below delta gets its own. Every
 // lane of the warp must call it.
 FC_DEVICE fc_u32 fc_shfl_up(fc_u32 v, fc_u32 delta) { return __shfl_up_sync(0xffffffffu, v, delta); }
+// Lane 0's value. Every lane of the warp must call it.
+FC_DEVICE fc_u32 fc_shfl_lane0(fc_u32 v) { return __shfl_sync(0xffffffffu, v, 0); }
 // Correctly rounded f32 division, whatever --prec-div says.
 FC_DEVICE float fc_fdiv(float a, float b) {
     float r;

@@ -500,6 +500,8 @@ FC_DEVICE fc_u32 fc_shfl_up(fc_u32 v, fc_u32 delta) {
     const fc_u32 lane = fc_lane_id();
     return (fc_u32)__builtin_amdgcn_ds_bpermute((int)((lane >= delta ? lane - delta : lane) << 2), (int)v);
 }
+// Lane 0's value. Every lane of the wave must call it.
+FC_DEVICE fc_u32 fc_shfl_lane0(fc_u32 v) { return (fc_u32)__builtin_amdgcn_ds_bpermute(0, (int)v); }
 // Correctly rounded f32 division (clang's HIP default; -ffast-math is refused above).
 FC_DEVICE float fc_fdiv(float a, float b) {
 #pragma clang fp contract(off)

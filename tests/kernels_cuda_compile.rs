@@ -572,10 +572,11 @@ fn kernel_names_are_unique_and_well_formed() {
 
 /// EP's other kernels, one compile each as for `fc_ep_dispatch`. Only this
 /// check looks for them; the HIP one looks for `fc_ep_dispatch` alone.
-const EP_ENTRY_POINTS: [DeviceApiSource; 5] = [
+const EP_ENTRY_POINTS: [DeviceApiSource; 6] = [
     DeviceApiSource::new("ep_layout", EP_KERNELS, "fc_ep_layout"),
     DeviceApiSource::new("ep_dispatch_layout", EP_KERNELS, "fc_ep_dispatch_layout"),
     DeviceApiSource::new("ep_combine_ll", EP_KERNELS, "fc_ep_combine_ll"),
+    DeviceApiSource::new("ep_combine_ll_take", EP_KERNELS, "fc_ep_combine_ll_take"),
     DeviceApiSource::new("ep_combine", EP_KERNELS, "fc_ep_combine"),
     DeviceApiSource::new("ep_combine_reduce", EP_KERNELS, "fc_ep_combine_reduce"),
 ];

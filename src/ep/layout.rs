@@ -7,12 +7,13 @@
 //! allow them.
 //!
 //! ```text
-//! flags         u64 [2 * MAX_RANKS + 2 + MAX_RANKS * MAX_BLOCKS]
+//! flags         u64 [2 * MAX_RANKS + 3 + MAX_RANKS * MAX_BLOCKS]
 //!                                             [r] plain combine flag of rank r, [8] this rank's
 //!                                             epoch, [9 + s] recv_counts[s] as the last
 //!                                             dispatch saw it, [17] plain combines so far (all
 //!                                             local from 8 to 17), [18 + s * 128 + b] block b
-//!                                             of source s's last dispatch (its epoch)
+//!                                             of source s's last dispatch (its epoch), [1042]
+//!                                             (local) sum units the one-kernel combine took
 //! recv_counts   i32 [MAX_RANKS]               rows received from each source
 //! send_counts   i32 [MAX_RANKS]               (local) tokens this rank sends to each rank
 //! recv_x        [world][max][row_bytes]       bf16 or fp8 rows, by source, in source order
@@ -58,8 +59,12 @@ pub(crate) const FLAG_DISPATCH: usize = FLAG_PLAIN + 1;
 /// sends a rank stay below `2^COUNT_BITS` (the config's check), and epochs
 /// below `2^44` (years of back-to-back dispatches).
 pub(crate) const COUNT_BITS: u32 = 20;
+/// Flag words: in its low 32 bits, the sum units this rank's one-kernel
+/// combine has taken (from 2048 tokens a rank below world 4, its summing
+/// warps take units from this counter); local, zeroed by every dispatch.
+pub(crate) const FLAG_TAKEN: usize = FLAG_DISPATCH + MAX_RANKS * MAX_BLOCKS;
 /// Bytes of the flag words.
-pub(crate) const FLAGS_BYTES: usize = 8 * (FLAG_DISPATCH + MAX_RANKS * MAX_BLOCKS);
+pub(crate) const FLAGS_BYTES: usize = 8 * (FLAG_TAKEN + 1);
 
 /// Byte offsets of the regions (see the module docs) and the sizes they derive from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,6 +183,11 @@ mod tests {
         assert_eq!(define("FC_EP_FLAG_PLAIN"), "(2u * FC_MAX_RANKS + 1u)");
         assert_eq!(define("FC_EP_FLAG_DISPATCH"), "(2u * FC_MAX_RANKS + 2u)");
         assert_eq!(define("FC_EP_MAX_GRID"), format!("{MAX_BLOCKS}u"));
+        assert_eq!(
+            define("FC_EP_FLAG_TAKEN"),
+            "(FC_EP_FLAG_DISPATCH + FC_MAX_RANKS * FC_EP_MAX_GRID)"
+        );
+        assert_eq!(FLAG_TAKEN, FLAG_DISPATCH + MAX_RANKS * MAX_BLOCKS);
         assert_eq!(define("FC_EP_COUNT_BITS"), format!("{COUNT_BITS}u"));
         assert_eq!(
             (FLAG_COMBINE, FLAG_EPOCH, FLAG_SEEN, FLAG_PLAIN, FLAG_DISPATCH),

@@ -69,11 +69,12 @@ pub const EP_MODULE: ModuleSource = ModuleSource::raw(
 );
 
 /// Every kernel of [`EP_MODULE`].
-pub const EP_KERNELS: [&str; 6] = [
+pub const EP_KERNELS: [&str; 7] = [
     "fc_ep_layout",
     "fc_ep_dispatch",
     "fc_ep_dispatch_layout",
     "fc_ep_combine_ll",
+    "fc_ep_combine_ll_take",
     "fc_ep_combine",
     "fc_ep_combine_reduce",
 ];
@@ -93,6 +94,15 @@ pub const EP_KERNELS: [&str; 6] = [
 pub const EP_GPU_BLOCKS: u32 = 128;
 // A dispatch block has its own flag word, MAX_BLOCKS a source (layout.rs).
 const _: () = assert!(EP_GPU_BLOCKS as usize <= crate::algo::layout::MAX_BLOCKS);
+
+/// Tokens a rank from which, below world 4, the one-kernel combine's sums
+/// take their units from a counter (`fc_ep_combine_ll_take`, see
+/// `combine_roles` in `kernels-cuda/ep.cu`). A dispatch + combine on 2x
+/// H200 (session 20, call b), bf16: 4096 tokens 340.0-340.2 against
+/// 346.5-347.1 us, 2048 176.1-176.2 against 178.7-179.1; below 2048 the
+/// counter measured level or slower (session 19, call d). Not measured at
+/// world 4 and up, where one eighth of the grid puts instead.
+const TAKE_TOKENS: usize = 2048;
 
 /// Tokens a thread of the layout takes (`FC_EP_LAYOUT_RUN`): up to this
 /// many a block thread, the dispatch kernel finds its own layout
@@ -464,11 +474,21 @@ impl<D: Device> EpBuffer<D> {
         // two-kernel combine. Never a rank's own pointers: every rank must
         // take the same kind (a one-kernel combine reads its inbox as packs).
         let packs = cfg.hidden % 8 == 0 && !self.comm.inner.opts.ep_plain_combine;
+        // The counter's body is compiled aligned only, and needs a block
+        // for each role. The choice is this rank's own (nothing counts its
+        // summing warps), so it may follow its own token count.
+        let aligned = (expert_out.ptr().0 | out.ptr().0) % 16 == 0;
+        let take = aligned && self.layout.world < 4 && num_tokens >= TAKE_TOKENS && grid.grid >= 2;
+        let combine_ll = if take {
+            "fc_ep_combine_ll_take"
+        } else {
+            "fc_ep_combine_ll"
+        };
         let work = self.comm.submit(call, "ep combine", |s| {
             let module = crate::comm::heap_module(s.res, &s.inner.device, &EP_MODULE)?;
             let dev = &s.inner.device;
             if packs {
-                return dev.launch_raw(module, "fc_ep_combine_ll", grid, bytes_of(&args), s.stream);
+                return dev.launch_raw(module, combine_ll, grid, bytes_of(&args), s.stream);
             }
             dev.launch_raw(module, "fc_ep_combine", grid, bytes_of(&args), s.stream)?;
             dev.launch_raw(module, "fc_ep_combine_reduce", grid, bytes_of(&args), s.stream)

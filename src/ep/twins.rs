@@ -16,11 +16,13 @@ use crate::heap::Cmp;
 type Twin = unsafe fn(&[u8]);
 
 /// `(name, twin)` of every kernel of the EP module.
-pub const TWINS: [(&str, Twin); 6] = [
+pub const TWINS: [(&str, Twin); 7] = [
     ("fc_ep_layout", layout),
     ("fc_ep_dispatch", dispatch),
     ("fc_ep_dispatch_layout", dispatch_layout),
     ("fc_ep_combine_ll", combine_ll),
+    // Only the order the sums take their units in differs.
+    ("fc_ep_combine_ll_take", combine_ll),
     ("fc_ep_combine", combine),
     ("fc_ep_combine_reduce", combine_reduce),
 ];

@@ -307,7 +307,10 @@ fn check_received(c: &mut Checker, case: &str, got: &Received, want: &Received) 
 /// The cases every world runs: unaligned bf16 rows (200 bytes), fp8 with two
 /// scales a row, 16-byte-aligned bf16 rows with top-8, and 16-byte rows with
 /// top-4 at up to 4200 tokens, so the GPU layout scans across warps (more
-/// than 256 tokens) and in two chunks (more than 4096: the layout kernel).
+/// than 256 tokens) and in two chunks (more than 4096: the layout kernel),
+/// and below world 4 a GPU combine's sums take their units from the counter
+/// (2048 tokens and more, `fc_ep_combine_ll_take`) on one rank while the
+/// other's take fixed shares.
 fn cases(world: usize) -> Vec<EpConfig> {
     vec![
         EpConfig {
