@@ -742,12 +742,20 @@ namespace fc_ep {
 // 41.8-41.9 / 75.5 against 43.4-43.6 / 76.6-77.2 fp8; at 128 tokens 20.1
 // against 19.3-19.5, the slowest lane's wait (2x H200, session 19, calls g
 // and h).
+// Eighths of the grid that put in fc_ep_combine_ll_take. 2x H200, session
+// 20, call c, 5 / 6 / 7 eighths: 4096 tokens bf16 339.7-340.0 / 339.3-339.4
+// / 347.7-348.0 us, fp8 266.9-267.0 / 266.5 / 276.3-276.4; 2048 tokens bf16
+// 176.2-176.6 / 177.0-177.2 / 179.2-179.4 (4 eighths: 340.7-341.1 at 4096,
+// session 19).
+#ifndef FC_EP_TAKE_EIGHTHS
+#define FC_EP_TAKE_EIGHTHS 5u
+#endif
 #ifndef FC_EP_WHOLE_TOKENS
 #define FC_EP_WHOLE_TOKENS 512u
 #endif
 FC_DEVICE fc_u32 put_eighths(fc_u32 world, fc_u32 num_tokens, bool take) {
     if (world >= 4u && num_tokens >= 512u) return 1u;
-    return take ? 5u : FC_EP_PUT_EIGHTHS;
+    return take ? FC_EP_TAKE_EIGHTHS : FC_EP_PUT_EIGHTHS;
 }
 struct Roles {
     bool put, sum;
