@@ -333,7 +333,7 @@ if [[ " $STEPS " == *" epbench "* ]]; then
     # EP dispatch + combine (hidden 7168, top-8 of 256 experts, bf16 and
     # fp8, 1-4096 tokens a rank; outputs checked) next to NCCL's
     # all_to_all_v carrying the same bytes (issue 13's table).
-    # EP_BLOCKS="8 32 132": one row set per grid (FERROCOMM_EP_BLOCKS).
+    # EP_BLOCKS="8 32 128": one row set per grid (FERROCOMM_EP_BLOCKS).
     for w in $(bench_worlds epbench); do
         for b in ${EP_BLOCKS:-default}; do
             blocks=()
