@@ -715,9 +715,9 @@ namespace fc_ep {
 // against 182.22 / 181.39; 128 tokens 54.86 / 54.71 against 52.44 / 52.73.
 // At world 2 one eighth lost (4096 tokens 365.69 against ~354).
 //
-// Large batches below world 4 (fc_ep_combine_ll_take, which the host
+// Large batches up to world 4 (fc_ep_combine_ll_take, which the host
 // launches from TAKE_TOKENS a rank) take their sums in a different way: 5/8 of
-// the grid put, and every summing warp takes its next unit from a counter
+// the grid put (2/8 at world 4), and every summing warp takes its next unit from a counter
 // (FC_EP_FLAG_TAKEN, in unit order, which is about the order the rows
 // arrive in), the putting blocks too once their puts are done. A putting
 // block's stores to a peer drain at a rate of its own: with the sums
@@ -735,13 +735,6 @@ namespace fc_ep {
 #ifndef FC_EP_PUT_EIGHTHS
 #define FC_EP_PUT_EIGHTHS 2u
 #endif
-// From 512 tokens a rank a summing warp's lanes meet after their looks, so
-// that each store of the sums and the packs given back is one of the whole
-// warp, not of the lanes that happened to finish their polls together: 512
-// and 1024 tokens 52.3 / 94.4-94.5 against 54.1-54.4 / 96.1-96.4 us bf16,
-// 41.8-41.9 / 75.5 against 43.4-43.6 / 76.6-77.2 fp8; at 128 tokens 20.1
-// against 19.3-19.5, the slowest lane's wait (2x H200, session 19, calls g
-// and h).
 // Eighths of the grid that put in fc_ep_combine_ll_take. 2x H200, session
 // 20, call c, 5 / 6 / 7 eighths: 4096 tokens bf16 339.7-340.0 / 339.3-339.4
 // / 347.7-348.0 us, fp8 266.9-267.0 / 266.5 / 276.3-276.4; 2048 tokens bf16
@@ -750,12 +743,28 @@ namespace fc_ep {
 #ifndef FC_EP_TAKE_EIGHTHS
 #define FC_EP_TAKE_EIGHTHS 5u
 #endif
+// At world 4, where each rank puts to three peers at once. 4x H200, session
+// 20, call h, 2 / 5 eighths against the fixed shares (one eighth putting):
+// 4096 tokens bf16 1330.6-1334.4 / 1380.5-1380.6 against 1387.9-1390.3 us,
+// fp8 1100.4-1104.5 / 1090.2-1092.4 against 1123.0-1128.1; 2048 tokens
+// bf16 671.9-673.9 / 669.0-671.8 against 691.8-695.5.
+#ifndef FC_EP_TAKE_EIGHTHS_WIDE
+#define FC_EP_TAKE_EIGHTHS_WIDE 2u
+#endif
+// From 512 tokens a rank a summing warp's lanes meet after their looks, so
+// that each store of the sums and the packs given back is one of the whole
+// warp, not of the lanes that happened to finish their polls together: 512
+// and 1024 tokens 52.3 / 94.4-94.5 against 54.1-54.4 / 96.1-96.4 us bf16,
+// 41.8-41.9 / 75.5 against 43.4-43.6 / 76.6-77.2 fp8; at 128 tokens 20.1
+// against 19.3-19.5, the slowest lane's wait (2x H200, session 19, calls g
+// and h).
 #ifndef FC_EP_WHOLE_TOKENS
 #define FC_EP_WHOLE_TOKENS 512u
 #endif
 FC_DEVICE fc_u32 put_eighths(fc_u32 world, fc_u32 num_tokens, bool take) {
+    if (take) return world >= 4u ? FC_EP_TAKE_EIGHTHS_WIDE : FC_EP_TAKE_EIGHTHS;
     if (world >= 4u && num_tokens >= 512u) return 1u;
-    return take ? FC_EP_TAKE_EIGHTHS : FC_EP_PUT_EIGHTHS;
+    return FC_EP_PUT_EIGHTHS;
 }
 struct Roles {
     bool put, sum;
@@ -1092,7 +1101,7 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
 }
 
 // The same combine with the sums taking units (see combine_roles): the host
-// launches it from TAKE_TOKENS a rank below world 4 (src/ep/mod.rs). A
+// launches it from TAKE_TOKENS a rank up to world 4 (src/ep/mod.rs). A
 // kernel of its own, because either way inside one kernel cost: one body
 // choosing at run time took 0.3-0.4 us longer at 128 tokens, where it never
 // takes (session 19, call i), and the take body out of line (a call) lost

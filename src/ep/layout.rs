@@ -60,7 +60,7 @@ pub(crate) const FLAG_DISPATCH: usize = FLAG_PLAIN + 1;
 /// below `2^44` (years of back-to-back dispatches).
 pub(crate) const COUNT_BITS: u32 = 20;
 /// Flag words: in its low 32 bits, the sum units this rank's one-kernel
-/// combine has taken (from 2048 tokens a rank below world 4, its summing
+/// combine has taken (from 2048 tokens a rank up to world 4, its summing
 /// warps take units from this counter); local, zeroed by every dispatch.
 pub(crate) const FLAG_TAKEN: usize = FLAG_DISPATCH + MAX_RANKS * MAX_BLOCKS;
 /// Bytes of the flag words.

@@ -95,14 +95,18 @@ pub const EP_GPU_BLOCKS: u32 = 128;
 // A dispatch block has its own flag word, MAX_BLOCKS a source (layout.rs).
 const _: () = assert!(EP_GPU_BLOCKS as usize <= crate::algo::layout::MAX_BLOCKS);
 
-/// Tokens a rank from which, below world 4, the one-kernel combine's sums
-/// take their units from a counter (`fc_ep_combine_ll_take`, see
-/// `combine_roles` in `kernels-cuda/ep.cu`). A dispatch + combine on 2x
-/// H200 (session 20, call b), bf16: 4096 tokens 340.0-340.2 against
-/// 346.5-347.1 us, 2048 176.1-176.2 against 178.7-179.1; below 2048 the
-/// counter measured level or slower (session 19, call d). Not measured at
-/// world 4 and up, where one eighth of the grid puts instead.
+/// Tokens a rank from which, up to world [`TAKE_MAX_WORLD`], the one-kernel
+/// combine's sums take their units from a counter (`fc_ep_combine_ll_take`,
+/// see `combine_roles` in `kernels-cuda/ep.cu`). A dispatch + combine, bf16
+/// (session 20): 4096 tokens 340.0-340.2 against 346.5-347.1 us at world 2
+/// (2x H200, call b), 826.7-827.4 against 841.1-844.5 at world 3 and
+/// 1330.6-1334.4 against 1387.9-1390.3 at world 4 (4x H200, calls g and h);
+/// 2048 tokens 2.5, 9 and 20 us faster. Below 2048 the counter measured
+/// level or slower (2x H200, session 19, call d).
 const TAKE_TOKENS: usize = 2048;
+/// The largest world that takes units: not measured above 4 (no 8-GPU
+/// machine was lent).
+const TAKE_MAX_WORLD: usize = 4;
 
 /// Tokens a thread of the layout takes (`FC_EP_LAYOUT_RUN`): up to this
 /// many a block thread, the dispatch kernel finds its own layout
@@ -478,7 +482,7 @@ impl<D: Device> EpBuffer<D> {
         // for each role. The choice is this rank's own (nothing counts its
         // summing warps), so it may follow its own token count.
         let aligned = (expert_out.ptr().0 | out.ptr().0) % 16 == 0;
-        let take = aligned && self.layout.world < 4 && num_tokens >= TAKE_TOKENS && grid.grid >= 2;
+        let take = aligned && self.layout.world <= TAKE_MAX_WORLD && num_tokens >= TAKE_TOKENS && grid.grid >= 2;
         let combine_ll = if take {
             "fc_ep_combine_ll_take"
         } else {

@@ -308,7 +308,7 @@ fn check_received(c: &mut Checker, case: &str, got: &Received, want: &Received) 
 /// scales a row, 16-byte-aligned bf16 rows with top-8, and 16-byte rows with
 /// top-4 at up to 4200 tokens, so the GPU layout scans across warps (more
 /// than 256 tokens) and in two chunks (more than 4096: the layout kernel),
-/// and below world 4 a GPU combine's sums take their units from the counter
+/// and up to world 4 a GPU combine's sums take their units from the counter
 /// (2048 tokens and more, `fc_ep_combine_ll_take`) on one rank while the
 /// other's take fixed shares.
 fn cases(world: usize) -> Vec<EpConfig> {
