@@ -768,7 +768,6 @@ FC_DEVICE fc_u32 put_eighths(fc_u32 world, fc_u32 num_tokens, bool take) {
 }
 struct Roles {
     bool put, sum;
-    bool take;  // summing warps take units from FC_EP_FLAG_TAKEN
     bool whole; // a summing warp's lanes meet before its stores
     fc_u32 lane, put_id, put_count, sum_id, sum_count;
 };
@@ -782,9 +781,8 @@ FC_DEVICE Roles combine_roles(const FcEpArgs& a, bool take) {
     Roles r;
     r.lane = fc_lane_id();
     r.put = g < 2u || b < gp;
-    r.take = take;
-    r.sum = g < 2u || b >= gp || r.take;
-    r.whole = r.take || a.num_tokens >= FC_EP_WHOLE_TOKENS;
+    r.sum = g < 2u || b >= gp || take; // taking, the putting blocks sum once their puts are done
+    r.whole = take || a.num_tokens >= FC_EP_WHOLE_TOKENS;
     const fc_u32 sum_blocks = g < 2u ? g : g - gp;
     // Both roles take rows in 2 KiB units; this rank's own token count
     // stands in for the rows it sends back.

@@ -41,21 +41,20 @@ fn bytes_of<T: Copy>(v: &T) -> &[u8] {
     unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
 }
 
-/// Blocks of the device put per size: 256 KiB a block, up to the most a
-/// device-API launch takes. A block's stores to a peer drain at a rate of
-/// their own: at 256 MiB, graph replay, 32 blocks put 351.9-352.2 GB/s, 64
-/// 362.5-362.8 and 128 366.4-366.5, against the copy engine's 390.7 (2x
-/// H200, session 20, call j).
-fn put_blocks(bytes: usize) -> u32 {
-    (bytes / (256 << 10)).clamp(1, MAX_BLOCKS) as u32
+/// Blocks of a launch per size: 256 KiB a block, at most `cap`.
+fn blocks_for(bytes: usize, cap: usize) -> u32 {
+    (bytes / (256 << 10)).clamp(1, cap) as u32
 }
 
-/// Blocks of the user all-gather per size: 256 KiB a block, up to 32 (the
-/// heap suite checks its output at grids up to 16; the example's own loop
-/// makes any grid correct).
-fn user_ag_blocks(bytes: usize) -> u32 {
-    (bytes / (256 << 10)).clamp(1, 32) as u32
-}
+/// The device put's cap: the most a device-API launch takes. A block's
+/// stores to a peer drain at a rate of their own: at 256 MiB, graph replay,
+/// 32 blocks put 351.9-352.2 GB/s, 64 362.5-362.8 and 128 366.4-366.5,
+/// against the copy engine's 390.7 (2x H200, session 20, call j).
+const PUT_MAX_BLOCKS: usize = MAX_BLOCKS;
+
+/// The user all-gather's cap (the heap suite checks its output at grids up
+/// to 16; the example's own loop makes any grid correct).
+const USER_AG_MAX_BLOCKS: usize = 32;
 
 pub fn bench_heap<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<()> {
     let (rank, world) = (comm.rank(), comm.size());
@@ -125,7 +124,7 @@ pub fn bench_heap<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<()> {
                     peer: next as u32,
                     pad: 0,
                 };
-                let blocks = put_blocks(bytes);
+                let blocks = blocks_for(bytes, PUT_MAX_BLOCKS);
                 // SAFETY: PutArgs is the kernel's struct; src and dst hold `bytes`.
                 row("device-put", blocks, &|_| unsafe {
                     comm.launch_user(m, "put_bench", blocks, 512, bytes_of(&args), &call)
@@ -138,7 +137,7 @@ pub fn bench_heap<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<()> {
                 let out = Tensor::view(&ag_out, DType::U8, 0, per_rank * world)?;
                 row("all_gather", 0, &|_| comm.all_gather_single(out, inp, &call).map(drop))?;
                 if let Some(ag) = &user_ag {
-                    let blocks = user_ag_blocks(per_rank);
+                    let blocks = blocks_for(per_rank, USER_AG_MAX_BLOCKS);
                     row("user-ag", blocks, &|_| {
                         ag.launch(comm, inp, per_rank, blocks, &call).map(drop)
                     })?;
