@@ -570,8 +570,15 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
             if (sc16 && w.lane * 16u < scale_bytes)
                 sc = fc_load16(fc_ptr<const char>(a.scales) + (fc_u64)tok * scale_bytes + w.lane * 16u);
         }
+        // Destinations from the next rank round, this rank's own last, so
+        // that the ranks' first stores go to different ranks: from rank 0
+        // up, every rank's warps put to rank 0 first. At world 4, a
+        // dispatch + combine at 128 / 512 / 4096 tokens bf16 took 41.3-41.6
+        // / 132.1 / 928.8-929.0 against 48.3 / 149.6-149.8 / 945.0-945.2
+        // us (4x H200, session 21, call e).
 #pragma unroll 1 // unrolled over FC_MAX_RANKS, the loop's code kept the fast path apart (see cold_put_warp)
-        for (fc_u32 r = 0; r < world; ++r) {
+        for (fc_u32 i = 1; i <= world; ++i) {
+            const fc_u32 r = me + i < world ? me + i : me + i - world;
             const fc_i32 slot = slot_at(sl, r);
             if (slot < 0) continue;
             const fc_u64 row = (fc_u64)me * a.max_tokens + (fc_u32)slot;
@@ -707,17 +714,16 @@ namespace fc_ep {
 // combine at 4096 tokens a rank, bf16 / fp8 (session 11, calls g and h, one
 // job each): 5/8 418.32 / 333.39, 4/8 370.46 / 296.84, 3/8 363.22 / 291.26
 // and 363.02 / 289.79, 2/8 355.35 / 284.64; below 512 tokens all level.
-// From world 4 and 512 tokens a rank, one eighth: each rank puts to three
-// peers and more at once, and one eighth of the grid still fills its links.
-// 4x H200, world 4, 1/8 against 2/8, two runs each (session 12, call i):
-// 4096 tokens 1419.56 / 1421.98 against 1520.86 / 1521.81 bf16, 1202.88 /
-// 1202.45 against 1315.40 / 1312.77 fp8; 512 tokens 178.21 / 178.59
-// against 182.22 / 181.39; 128 tokens 54.86 / 54.71 against 52.44 / 52.73.
-// At world 2 one eighth lost (4096 tokens 365.69 against ~354).
+// At world 4 too, since the puts go round the sources (see combine_ll):
+// when every rank put to one source at a time, that source's links were
+// full and one eighth of the grid did as well as two (session 12); going
+// round, 2/8 against 1/8 at 512 and 1024 tokens, bf16 150.3 / 267.0-267.3
+// against 154.5-154.8 / 277.9-278.8 us, fp8 117.8 / 209.2-209.3 against
+// 123.8-124.1 / 223.0 (4x H200, session 21, call b).
 //
 // Large batches up to world 4 (fc_ep_combine_ll_take, which the host
 // launches from TAKE_TOKENS a rank) take their sums in a different way: 5/8 of
-// the grid put (2/8 at world 4), and every summing warp takes its next unit from a counter
+// the grid put (4/8 at world 4), and every summing warp takes its next unit from a counter
 // (FC_EP_FLAG_TAKEN, in unit order, which is about the order the rows
 // arrive in), the putting blocks too once their puts are done. A putting
 // block's stores to a peer drain at a rate of its own: with the sums
@@ -743,13 +749,15 @@ namespace fc_ep {
 #ifndef FC_EP_TAKE_EIGHTHS
 #define FC_EP_TAKE_EIGHTHS 5u
 #endif
-// At world 4, where each rank puts to three peers at once. 4x H200, session
-// 20, call h, 2 / 5 eighths against the fixed shares (one eighth putting):
-// 4096 tokens bf16 1330.6-1334.4 / 1380.5-1380.6 against 1387.9-1390.3 us,
-// fp8 1100.4-1104.5 / 1090.2-1092.4 against 1123.0-1128.1; 2048 tokens
-// bf16 671.9-673.9 / 669.0-671.8 against 691.8-695.5.
+// At world 4, where each rank puts to three peers at once. 4x H200, with
+// the puts going round the sources, 3 / 2 eighths (session 21, call b):
+// 4096 tokens bf16 946.4-947.7 / 963.4-964.5 us, fp8 737.6-739.0 /
+// 750.8-751.4; 4 / 3 eighths (call e): 4096 tokens bf16 939.0-939.2 /
+// 945.0-945.2, fp8 729.0-729.4 / 736.6-737.3; 2048 tokens bf16 486.9-487.0
+// / 490.3, fp8 381.7-382.0 / 384.9-385.4. (Source by source, 2 eighths had
+// won over 5: session 20, call h.)
 #ifndef FC_EP_TAKE_EIGHTHS_WIDE
-#define FC_EP_TAKE_EIGHTHS_WIDE 2u
+#define FC_EP_TAKE_EIGHTHS_WIDE 4u
 #endif
 // From 512 tokens a rank a summing warp's lanes meet after their looks, so
 // that each store of the sums and the packs given back is one of the whole
@@ -761,9 +769,8 @@ namespace fc_ep {
 #ifndef FC_EP_WHOLE_TOKENS
 #define FC_EP_WHOLE_TOKENS 512u
 #endif
-FC_DEVICE fc_u32 put_eighths(fc_u32 world, fc_u32 num_tokens, bool take) {
+FC_DEVICE fc_u32 put_eighths(fc_u32 world, bool take) {
     if (take) return world >= 4u ? FC_EP_TAKE_EIGHTHS_WIDE : FC_EP_TAKE_EIGHTHS;
-    if (world >= 4u && num_tokens >= 512u) return 1u;
     return FC_EP_PUT_EIGHTHS;
 }
 struct Roles {
@@ -776,7 +783,7 @@ FC_DEVICE Roles combine_roles(const FcEpArgs& a, bool take) {
     const fc_u32 per_block = (fc_block_threads() + ws - 1u) / ws;
     const fc_u32 wib = fc_thread_id() / ws;
     const fc_u32 g = fc_grid_blocks(), b = fc_block_id();
-    fc_u32 gp = g * put_eighths(a.ctx.world, a.num_tokens, take) / 8u; // putting blocks: at least one, and one left to sum
+    fc_u32 gp = g * put_eighths(a.ctx.world, take) / 8u; // putting blocks: at least one, and one left to sum
     gp = g < 2u ? g : gp < 1u ? 1u : gp > g - 1u ? g - 1u : gp;
     Roles r;
     r.lane = fc_lane_id();
@@ -924,6 +931,32 @@ FC_DEVICE void load_back(const FcEpArgs& a, fc_u32 s, const Unit& un, fc_u64 row
     }
 }
 
+// A combine's putting unit u over `sources` sources (world - 1: the other
+// ranks; world: `me` too, last): the source it goes back to, the
+// (u % sources + 1)-th rank after `me`, and its row and piece there (piece
+// u / sources of its rows). See combine_ll.
+FC_DEVICE fc_u32 source_of(fc_u64 u, fc_u32 me, fc_u32 world, fc_u32 sources, fc_u64 pieces, Unit& un) {
+    const Unit pk = sources == 1u ? Unit{u, 0u} : unit_of(u, sources);
+    un = unit_of(pk.row, pieces);
+    const fc_u32 s = me + 1u + (fc_u32)pk.piece;
+    return s < world ? s : s - world;
+}
+// The most and the fewest rows this rank sends back to one of the
+// `sources` ranks after it (their copies, see seen_rows).
+struct RowSpan {
+    fc_u64 most, least;
+};
+FC_DEVICE RowSpan row_span(const FcEpArgs& a, fc_u32 sources) {
+    const fc_u32 me = a.ctx.rank, world = a.ctx.world;
+    RowSpan r = {0u, ~0ull};
+    for (fc_u32 k = 1; k <= sources; ++k) {
+        const fc_u64 n = seen_rows(a, me + k < world ? me + k : me + k - world);
+        r.most = n > r.most ? n : r.most;
+        r.least = n < r.least ? n : r.least;
+    }
+    return r;
+}
+
 } // namespace fc_ep
 
 namespace fc_ep {
@@ -949,42 +982,56 @@ FC_DEVICE void combine_ll(const FcEpArgs& a) {
     if (w.put) {
         // A warp per 2 KiB piece of a row received from another source (this
         // rank's own rows stay where they are); the token's index and the
-        // piece are loaded together. A warp's first unit of the first other
-        // source is loaded before that source's row count, not after it:
-        // rows below max_tokens are always there to read (expert_out holds
-        // world * max rows), and the load is dropped when the count does not
-        // reach it. 0.05-0.15 us off a 128-token dispatch + combine, in each
-        // of three jobs on 2x H100 (session 15; session 14 had seen 0.05-0.2
-        // and left it out). Plain 16-byte stores, as the dispatch's: each
-        // 32-bit element is single-copy atomic, which is all a Lamport reader
-        // needs (it checks every 16-bit half).
+        // piece are loaded together, before the source's row count is
+        // known: rows below max_tokens are always there to read (expert_out
+        // holds world * max rows), and the loads are dropped when the count
+        // does not reach the row. A warp's first unit goes out before the
+        // counts that bound the loop: 0.05-0.15 us off a 128-token dispatch +
+        // combine, in each of three jobs on 2x H100 (session 15; session 14
+        // had seen 0.05-0.2 and left it out). Plain 16-byte stores, as the
+        // dispatch's: each 32-bit element is single-copy atomic, which is
+        // all a Lamport reader needs (it checks every 16-bit half).
+        //
+        // Neighbouring units go to different sources, the next rank first
+        // (unit u: the (u % (world - 1))-th rank after this one, piece
+        // u / (world - 1) of its rows there), so every source gets its rows
+        // back from every rank at one pace, and no rank is the destination
+        // of all the others at once. Source by source (every rank putting
+        // to rank 0 first, then to rank 1, ...), a dispatch + combine at
+        // 4096 tokens took 1313-1317 against 963-964 us at world 4 and 834
+        // against 657.5 at world 3 (bf16; 4x H200, session 21, call b).
         const fc_u64 pieces = fc_ep::pieces_of(row_bytes);
+        const fc_u32 peers = world - 1u;
         fc_ep::BackLoad cur;
         bool have = false;
-        const fc_u32 first = me == 0 ? 1u : 0u;
-        if (first < world) {
-            const fc_ep::Unit un = fc_ep::unit_of(w.put_id, pieces);
+        fc_u32 s;
+        fc_ep::Unit un;
+        if (peers != 0u) {
+            s = fc_ep::source_of(w.put_id, me, world, peers, pieces, un);
             have = un.row < a.max_tokens;
-            if (have) fc_ep::load_back(a, first, un, row_bytes, x16, w.lane, cur);
+            if (have) fc_ep::load_back(a, s, un, row_bytes, x16, w.lane, cur);
         }
-        for (fc_u32 s = first; s < world; ++s) {
-            if (s == me) continue;
-            const fc_u64 units = fc_ep::seen_rows(a, s) * pieces;
-            for (fc_u64 u = w.put_id; u < units; u += w.put_count) {
-                const fc_ep::Unit un = fc_ep::unit_of(u, pieces);
-                if (!have) fc_ep::load_back(a, s, un, row_bytes, x16, w.lane, cur);
-                have = false;
-                const fc_i32 tok = cur.tok;
-                if (tok >= 0 && (fc_u32)tok < a.max_tokens) { // always: the source wrote it
-                    char* far = fc_remote_ptr(ctx, s, inbox + (fc_u64)me * rank_stride + (fc_u32)tok * row_bytes + cur.at);
+        // Only rows past the fewest any source gets test their own source's
+        // count (at world 2, none: a count a unit cost 0.1-0.2 us up to 512
+        // tokens, 2x H200, session 21, call d).
+        const fc_ep::RowSpan span = fc_ep::row_span(a, peers);
+        const fc_u64 units = span.most * pieces * peers;
+        for (fc_u64 u = w.put_id; u < units; u += w.put_count) {
+            if (!have) {
+                s = fc_ep::source_of(u, me, world, peers, pieces, un);
+                fc_ep::load_back(a, s, un, row_bytes, x16, w.lane, cur);
+            }
+            have = false;
+            if (un.row >= span.least && un.row >= fc_ep::seen_rows(a, s)) continue; // past this source's rows
+            const fc_i32 tok = cur.tok;
+            if (tok >= 0 && (fc_u32)tok < a.max_tokens) { // always: the source wrote it
+                char* far = fc_remote_ptr(ctx, s, inbox + (fc_u64)me * rank_stride + (fc_u32)tok * row_bytes + cur.at);
 #pragma unroll
-                    for (int k = 0; k < FC_DEVAPI_UNROLL; ++k) {
-                        const fc_u64 i = (fc_u64)k * fc_warp_size() + w.lane;
-                        if (i < cur.vecs) fc_store16(far + i * 16u, lamport_send_pack(cur.v[k]));
-                    }
+                for (int k = 0; k < FC_DEVAPI_UNROLL; ++k) {
+                    const fc_u64 i = (fc_u64)k * fc_warp_size() + w.lane;
+                    if (i < cur.vecs) fc_store16(far + i * 16u, lamport_send_pack(cur.v[k]));
                 }
             }
-            have = false; // a first unit past the count: dropped
         }
     }
 
@@ -1123,16 +1170,18 @@ FC_HEAP_KERNEL(fc_ep_combine, FcEpArgs) {
     const fc_i32* src = fc_ptr<fc_i32>(a.recv_src);
     const fc_u64 pieces = fc_ep::pieces_of(row_bytes);
     const fc_ep::Warps w = fc_ep::grid_warps((fc_u64)a.num_tokens * pieces); // this rank's count stands in for the rows
-    for (fc_u32 s = 0; s < world; ++s) {
-        const fc_u64 units = fc_ep::seen_rows(a, s) * pieces;
-        for (fc_u64 u = w.id; u < units; u += w.count) {
-            const fc_ep::Unit un = fc_ep::unit_of(u, pieces);
-            const fc_u64 row = (fc_u64)s * a.max_tokens + un.row;
-            const fc_i32 tok = fc_load(src + row);
-            if (tok < 0 || (fc_u32)tok >= a.max_tokens) continue; // never: the source wrote it
-            fc_ep::put_piece(ctx, s, fc_ptr<char>(a.inbox) + ((fc_u64)me * a.max_tokens + (fc_u32)tok) * row_bytes,
-                             fc_ptr<const char>(a.x) + row * row_bytes, row_bytes, un.piece);
-        }
+    // Round the sources as fc_ep_combine_ll's puts, this rank last.
+    const fc_ep::RowSpan span = fc_ep::row_span(a, world);
+    const fc_u64 units = span.most * pieces * world;
+    for (fc_u64 u = w.id; u < units; u += w.count) {
+        fc_ep::Unit un;
+        const fc_u32 s = fc_ep::source_of(u, me, world, world, pieces, un);
+        if (un.row >= span.least && un.row >= fc_ep::seen_rows(a, s)) continue; // past this source's rows
+        const fc_u64 row = (fc_u64)s * a.max_tokens + un.row;
+        const fc_i32 tok = fc_load(src + row);
+        if (tok < 0 || (fc_u32)tok >= a.max_tokens) continue; // never: the source wrote it
+        fc_ep::put_piece(ctx, s, fc_ptr<char>(a.inbox) + ((fc_u64)me * a.max_tokens + (fc_u32)tok) * row_bytes,
+                         fc_ptr<const char>(a.x) + row * row_bytes, row_bytes, un.piece);
     }
     fc_ep::plain_combine_end(a);
 }

@@ -100,7 +100,8 @@ const _: () = assert!(EP_GPU_BLOCKS as usize <= crate::algo::layout::MAX_BLOCKS)
 /// see `combine_roles` in `kernels-cuda/ep.cu`). A dispatch + combine, bf16
 /// (session 20): 4096 tokens 340.0-340.2 against 346.5-347.1 us at world 2
 /// (2x H200, call b), 826.7-827.4 against 841.1-844.5 at world 3 and
-/// 1330.6-1334.4 against 1387.9-1390.3 at world 4 (4x H200, calls g and h);
+/// 1330.6-1334.4 against 1387.9-1390.3 at world 4 (4x H200, calls g and h;
+/// before the combine's puts went round the sources, session 21);
 /// 2048 tokens 2.5, 9 and 20 us faster. Below 2048 the counter measured
 /// level or slower (2x H200, session 19, call d).
 const TAKE_TOKENS: usize = 2048;
