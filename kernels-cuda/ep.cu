@@ -993,8 +993,8 @@ FC_DEVICE void combine_ll(const FcEpArgs& a) {
         // all a Lamport reader needs (it checks every 16-bit half).
         //
         // Neighbouring units go to different sources, the next rank first
-        // (unit u: the (u % (world - 1))-th rank after this one, piece
-        // u / (world - 1) of its rows there), so every source gets its rows
+        // (unit u: the (u % (world - 1) + 1)-th rank after this one, piece
+        // u / (world - 1) of its rows there; source_of), so every source gets its rows
         // back from every rank at one pace, and no rank is the destination
         // of all the others at once. Source by source (every rank putting
         // to rank 0 first, then to rank 1, ...), a dispatch + combine at
