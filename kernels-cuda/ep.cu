@@ -723,7 +723,7 @@ namespace fc_ep {
 //
 // Large batches up to world 4 (fc_ep_combine_ll_take, which the host
 // launches from TAKE_TOKENS a rank) take their sums in a different way: 5/8 of
-// the grid put (4/8 at world 4), and every summing warp takes its next unit from a counter
+// the grid put, and every summing warp takes its next unit from a counter
 // (FC_EP_FLAG_TAKEN, in unit order, which is about the order the rows
 // arrive in), the putting blocks too once their puts are done. A putting
 // block's stores to a peer drain at a rate of its own: with the sums
@@ -741,23 +741,19 @@ namespace fc_ep {
 #ifndef FC_EP_PUT_EIGHTHS
 #define FC_EP_PUT_EIGHTHS 2u
 #endif
-// Eighths of the grid that put in fc_ep_combine_ll_take. 2x H200, session
-// 20, call c, 5 / 6 / 7 eighths: 4096 tokens bf16 339.7-340.0 / 339.3-339.4
-// / 347.7-348.0 us, fp8 266.9-267.0 / 266.5 / 276.3-276.4; 2048 tokens bf16
-// 176.2-176.6 / 177.0-177.2 / 179.2-179.4 (4 eighths: 340.7-341.1 at 4096,
-// session 19).
+// Eighths of the grid that put in fc_ep_combine_ll_take, at every world
+// that takes units. 2x H200, session 20, call c, 5 / 6 / 7 eighths: 4096
+// tokens bf16 339.7-340.0 / 339.3-339.4 / 347.7-348.0 us, fp8 266.9-267.0 /
+// 266.5 / 276.3-276.4; 2048 tokens bf16 176.2-176.6 / 177.0-177.2 /
+// 179.2-179.4 (4 eighths: 340.7-341.1 at 4096, session 19). World 4 (4x
+// H200, session 21), with the puts going round the sources: 5 / 4 eighths
+// (call i), 4096 tokens bf16 918.5-918.6 / 922.8-923.3, fp8 710.2-710.7 /
+// 715.4-715.6, 2048 tokens bf16 469.6-469.8 / 471.2-472.3; 4 / 3 (call e)
+// 939.0-939.2 / 945.0-945.2 at 4096 bf16; 3 / 2 (call b) 946.4-947.7 /
+// 963.4-964.5. (Source by source, 2 eighths had won over 5 there: session
+// 20, call h.)
 #ifndef FC_EP_TAKE_EIGHTHS
 #define FC_EP_TAKE_EIGHTHS 5u
-#endif
-// At world 4, where each rank puts to three peers at once. 4x H200, with
-// the puts going round the sources, 3 / 2 eighths (session 21, call b):
-// 4096 tokens bf16 946.4-947.7 / 963.4-964.5 us, fp8 737.6-739.0 /
-// 750.8-751.4; 4 / 3 eighths (call e): 4096 tokens bf16 939.0-939.2 /
-// 945.0-945.2, fp8 729.0-729.4 / 736.6-737.3; 2048 tokens bf16 486.9-487.0
-// / 490.3, fp8 381.7-382.0 / 384.9-385.4. (Source by source, 2 eighths had
-// won over 5: session 20, call h.)
-#ifndef FC_EP_TAKE_EIGHTHS_WIDE
-#define FC_EP_TAKE_EIGHTHS_WIDE 4u
 #endif
 // From 512 tokens a rank a summing warp's lanes meet after their looks, so
 // that each store of the sums and the packs given back is one of the whole
@@ -769,10 +765,7 @@ namespace fc_ep {
 #ifndef FC_EP_WHOLE_TOKENS
 #define FC_EP_WHOLE_TOKENS 512u
 #endif
-FC_DEVICE fc_u32 put_eighths(fc_u32 world, bool take) {
-    if (take) return world >= 4u ? FC_EP_TAKE_EIGHTHS_WIDE : FC_EP_TAKE_EIGHTHS;
-    return FC_EP_PUT_EIGHTHS;
-}
+FC_DEVICE fc_u32 put_eighths(bool take) { return take ? FC_EP_TAKE_EIGHTHS : FC_EP_PUT_EIGHTHS; }
 struct Roles {
     bool put, sum;
     bool whole; // a summing warp's lanes meet before its stores
@@ -783,7 +776,7 @@ FC_DEVICE Roles combine_roles(const FcEpArgs& a, bool take) {
     const fc_u32 per_block = (fc_block_threads() + ws - 1u) / ws;
     const fc_u32 wib = fc_thread_id() / ws;
     const fc_u32 g = fc_grid_blocks(), b = fc_block_id();
-    fc_u32 gp = g * put_eighths(a.ctx.world, take) / 8u; // putting blocks: at least one, and one left to sum
+    fc_u32 gp = g * put_eighths(take) / 8u; // putting blocks: at least one, and one left to sum
     gp = g < 2u ? g : gp < 1u ? 1u : gp > g - 1u ? g - 1u : gp;
     Roles r;
     r.lane = fc_lane_id();
