@@ -201,6 +201,11 @@ FC_DEVICE bool wait_ge(const FcDevCtx& ctx, const fc_u64* sig, fc_u64 v, fc_u32 
     return wait_ge(ctx, sig, v, peer, seen);
 }
 
+// The k-th rank after `me`, round past the last (me + k < 2 * world): the
+// order in which the dispatch and the combine's puts take the ranks. By a
+// compare, not a remainder (see unit_of).
+FC_DEVICE fc_u32 rank_after(fc_u32 me, fc_u32 k, fc_u32 world) { return me + k < world ? me + k : me + k - world; }
+
 // Token t's row at every rank (slots[t], FC_MAX_RANKS i32: 32 bytes, aligned
 // in the region), in two loads issued together.
 struct Slots {
@@ -578,7 +583,7 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
         // us (4x H200, session 21, call e).
 #pragma unroll 1 // unrolled over FC_MAX_RANKS, the loop's code kept the fast path apart (see cold_put_warp)
         for (fc_u32 i = 1; i <= world; ++i) {
-            const fc_u32 r = me + i < world ? me + i : me + i - world;
+            const fc_u32 r = rank_after(me, i, world);
             const fc_i32 slot = slot_at(sl, r);
             if (slot < 0) continue;
             const fc_u64 row = (fc_u64)me * a.max_tokens + (fc_u32)slot;
@@ -931,8 +936,7 @@ FC_DEVICE void load_back(const FcEpArgs& a, fc_u32 s, const Unit& un, fc_u64 row
 FC_DEVICE fc_u32 source_of(fc_u64 u, fc_u32 me, fc_u32 world, fc_u32 sources, fc_u64 pieces, Unit& un) {
     const Unit pk = sources == 1u ? Unit{u, 0u} : unit_of(u, sources);
     un = unit_of(pk.row, pieces);
-    const fc_u32 s = me + 1u + (fc_u32)pk.piece;
-    return s < world ? s : s - world;
+    return rank_after(me + 1u, (fc_u32)pk.piece, world);
 }
 // The most and the fewest rows this rank sends back to one of the
 // `sources` ranks after it (their copies, see seen_rows).
@@ -943,7 +947,7 @@ FC_DEVICE RowSpan row_span(const FcEpArgs& a, fc_u32 sources) {
     const fc_u32 me = a.ctx.rank, world = a.ctx.world;
     RowSpan r = {0u, ~0ull};
     for (fc_u32 k = 1; k <= sources; ++k) {
-        const fc_u64 n = seen_rows(a, me + k < world ? me + k : me + k - world);
+        const fc_u64 n = seen_rows(a, rank_after(me, k, world));
         r.most = n > r.most ? n : r.most;
         r.least = n < r.least ? n : r.least;
     }
