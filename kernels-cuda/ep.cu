@@ -756,7 +756,10 @@ namespace fc_ep {
 // 715.4-715.6, 2048 tokens bf16 469.6-469.8 / 471.2-472.3; 4 / 3 (call e)
 // 939.0-939.2 / 945.0-945.2 at 4096 bf16; 3 / 2 (call b) 946.4-947.7 /
 // 963.4-964.5. (Source by source, 2 eighths had won over 5 there: session
-// 20, call h.)
+// 20, call h.) World 3 (192 experts; 4x H200, session 22, call b), 5 / 4 /
+// 6 eighths: 4096 tokens bf16 649.9-650.1 / 654.1-654.2 / 649.8-649.9, fp8
+// 502.9-503.1 / 507.4 / 502.2-502.3; 2048 tokens bf16 333.8-334.1 / 335.9
+// / 334.3, fp8 259.8-260.0 / 261.7-261.9 / 260.1-260.3.
 #ifndef FC_EP_TAKE_EIGHTHS
 #define FC_EP_TAKE_EIGHTHS 5u
 #endif
