@@ -259,6 +259,13 @@ impl Driver for Cuda {
         }
     }
 
+    fn mem_info(_ctx: &Context) -> Result<(usize, usize)> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers; the context is current (the caller bound it).
+        check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        Ok((free, total))
+    }
+
     fn mem_alloc(_ctx: &Context, bytes: usize) -> Result<DevicePtr> {
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; the context is current (the caller bound it).

@@ -119,6 +119,10 @@ impl Driver for Fake {
     fn runtime_info() -> String {
         "fake driver".into()
     }
+    fn mem_info(_: &FakeCtx) -> Result<(usize, usize)> {
+        let used: usize = log().memory.values().map(|&(_, b)| b).sum();
+        Ok(((1usize << 30).saturating_sub(used), 1 << 30))
+    }
     fn mem_alloc(ctx: &FakeCtx, bytes: usize) -> Result<DevicePtr> {
         let a = next_handle();
         log().memory.insert(a, (ctx.ordinal, bytes));

@@ -43,7 +43,7 @@ use crate::algo::layout::MAX_BLOCKS;
 use crate::algo::BLOCK_THREADS;
 use crate::device::{
     check_range, Device, DeviceBuffer, DeviceFacts, DevicePtr, ExportedHandle, KernelParams, LaunchConfig, MemKind,
-    ModuleSource, KERNEL_PARAMS_BYTES,
+    MemoryInfo, ModuleSource, KERNEL_PARAMS_BYTES,
 };
 use crate::error::{Error, Result};
 
@@ -261,21 +261,30 @@ impl<V: Vendor> Device for GpuDevice<V> {
     fn copy_from_host(&self, buf: &GpuBuffer<V>, offset: usize, src: &[u8], stream: &GpuStream<V>) -> Result<()> {
         check_range("copy_from_host", buf.len(), offset, src.len())?;
         self.same_ctx("buffer", buf.ctx())?;
+        self.upload(buf.ptr().offset(offset), src, stream)
+    }
+
+    fn copy_to_host(&self, buf: &GpuBuffer<V>, offset: usize, dst: &mut [u8], stream: &GpuStream<V>) -> Result<()> {
+        check_range("copy_to_host", buf.len(), offset, dst.len())?;
+        self.same_ctx("buffer", buf.ctx())?;
+        self.download(dst, buf.ptr().offset(offset), stream)
+    }
+
+    fn upload(&self, dst: DevicePtr, src: &[u8], stream: &GpuStream<V>) -> Result<()> {
         self.enter(stream)?;
         // A captured copy would read `src` at replay time, after it is gone.
         stream.refuse_in_capture("copy_from_host")?;
         if src.is_empty() {
             return Ok(());
         }
-        // SAFETY: destination range checked; `src` stays borrowed until the
-        // stream is synchronised below, so the copy never outlives it.
-        unsafe { V::copy_to_device_async(&self.ctx, buf.ptr().offset(offset), src.as_ptr(), src.len(), stream.raw) }?;
+        // SAFETY: the caller checked the destination range; `src` stays
+        // borrowed until the stream is synchronised below, so the copy never
+        // outlives it.
+        unsafe { V::copy_to_device_async(&self.ctx, dst, src.as_ptr(), src.len(), stream.raw) }?;
         stream.synchronize()
     }
 
-    fn copy_to_host(&self, buf: &GpuBuffer<V>, offset: usize, dst: &mut [u8], stream: &GpuStream<V>) -> Result<()> {
-        check_range("copy_to_host", buf.len(), offset, dst.len())?;
-        self.same_ctx("buffer", buf.ctx())?;
+    fn download(&self, dst: &mut [u8], src: DevicePtr, stream: &GpuStream<V>) -> Result<()> {
         self.enter(stream)?;
         stream.refuse_in_capture("copy_to_host")?;
         if dst.is_empty() {
@@ -284,17 +293,9 @@ impl<V: Vendor> Device for GpuDevice<V> {
         // Ordered after everything already on `stream` (so it "waits for the
         // stream first"), and on that stream rather than the legacy default
         // stream, which would also wait for unrelated blocking streams.
-        // SAFETY: source range checked; `dst` is borrowed mutably until the
-        // stream is synchronised below.
-        unsafe {
-            V::copy_to_host_async(
-                &self.ctx,
-                dst.as_mut_ptr(),
-                buf.ptr().offset(offset),
-                dst.len(),
-                stream.raw,
-            )
-        }?;
+        // SAFETY: the caller checked the source range; `dst` is borrowed
+        // mutably until the stream is synchronised below.
+        unsafe { V::copy_to_host_async(&self.ctx, dst.as_mut_ptr(), src, dst.len(), stream.raw) }?;
         stream.synchronize()
     }
 
@@ -578,13 +579,25 @@ impl<V: Vendor> Device for GpuDevice<V> {
         let stats = compile::images::stats(V::KIND);
         let cache = compile::disk::cache_dir().map_or_else(|| "off".to_string(), |d| d.display().to_string());
         format!(
-            "{}; {}; kernel cache {cache}: {} kernels from disk, {} compiled, {} shared in memory",
-            V::runtime_info(),
-            V::rtc_info(),
+            "{}; kernel cache {cache}: {} kernels from disk, {} compiled, {} shared in memory",
+            self.versions(),
             stats.from_disk,
             stats.compiled,
             stats.shared
         )
+    }
+
+    fn versions(&self) -> String {
+        format!("{}; {}", V::runtime_info(), V::rtc_info())
+    }
+
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        V::bind(&self.ctx)?;
+        let (free, total) = V::mem_info(&self.ctx)?;
+        Ok(MemoryInfo {
+            free: free as u64,
+            total: total as u64,
+        })
     }
 
     fn duplicate(&self) -> Result<Self> {

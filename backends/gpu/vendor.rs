@@ -174,6 +174,8 @@ pub trait Driver: sealed::Sealed + Sized + Send + Sync + 'static {
     fn runtime_info() -> String;
 
     // ---- memory ----
+    /// Free and total bytes of the device (`ctx` is current).
+    fn mem_info(ctx: &Self::Context) -> Result<(usize, usize)>;
     /// `bytes` (at least 1) of plain device memory, not zeroed.
     fn mem_alloc(ctx: &Self::Context, bytes: usize) -> Result<DevicePtr>;
     /// # Safety

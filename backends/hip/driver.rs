@@ -190,6 +190,7 @@ api_table! {
             device_total_mem = ["hipDeviceTotalMem"]: fn(*mut usize, c_int) -> HipError;
             device_can_access_peer = ["hipDeviceCanAccessPeer"]: fn(*mut c_int, c_int, c_int) -> HipError;
             device_enable_peer_access = ["hipDeviceEnablePeerAccess"]: fn(c_int, c_uint) -> HipError;
+            mem_get_info = ["hipMemGetInfo"]: fn(*mut usize, *mut usize) -> HipError;
             malloc = ["hipMalloc"]: fn(*mut *mut c_void, usize) -> HipError;
             ext_malloc_with_flags = ["hipExtMallocWithFlags"]: fn(*mut *mut c_void, usize, c_uint) -> HipError;
             free = ["hipFree"]: fn(*mut c_void) -> HipError;

@@ -223,6 +223,15 @@ impl Driver for Hip {
         }
     }
 
+    fn mem_info(ctx: &DeviceCtx) -> Result<(usize, usize)> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers; the caller made the device current.
+        check("hipMemGetInfo", unsafe {
+            (ctx.hip().mem_get_info)(&mut free, &mut total)
+        })?;
+        Ok((free, total))
+    }
+
     fn mem_alloc(ctx: &DeviceCtx, bytes: usize) -> Result<DevicePtr> {
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the caller made the device current.

@@ -6,7 +6,7 @@ use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use crate::device::{DeviceBuffer, DevicePtr, ExportedHandle, HostFlags};
+use crate::device::{DeviceBuffer, DevicePtr, ExportedHandle, HostFlags, MemoryInfo};
 use crate::error::{Error, Result};
 
 /// A shared mapping of `len` bytes (at least one page is mapped so that
@@ -240,4 +240,21 @@ pub(super) unsafe fn fill(dst: DevicePtr, len: usize, value: u8) {
 pub(super) unsafe fn copy(dst: DevicePtr, src: DevicePtr, len: usize) {
     // SAFETY: guaranteed by the caller; `copy` tolerates overlap.
     unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, len) }
+}
+
+/// The host backend's device memory is the system's: `MemAvailable` and
+/// `MemTotal` of `/proc/meminfo`.
+pub(super) fn system_memory() -> Result<MemoryInfo> {
+    let text = std::fs::read_to_string("/proc/meminfo").map_err(|e| Error::io("reading /proc/meminfo", e))?;
+    let field = |name: &str| -> Result<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+            .map(|kib| kib * 1024)
+            .ok_or_else(|| Error::Unsupported(format!("/proc/meminfo has no {name} line")))
+    };
+    Ok(MemoryInfo {
+        free: field("MemAvailable")?,
+        total: field("MemTotal")?,
+    })
 }

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::device::{
     check_range, BackendKind, Device, DeviceBuffer, DeviceFacts, DevicePtr, ExportedHandle, KernelParams, LaunchConfig,
-    MemKind, ModuleSource,
+    MemKind, MemoryInfo, ModuleSource,
 };
 use crate::error::{Error, Result};
 
@@ -110,21 +110,26 @@ impl Device for HostDevice {
         }))
     }
 
-    fn copy_from_host(&self, buf: &HostBuffer, offset: usize, src: &[u8], stream: &HostStream) -> Result<()> {
-        check_range("copy_from_host", buf.len(), offset, src.len())?;
-        let dst = buf.ptr().offset(offset);
+    fn upload(&self, dst: DevicePtr, src: &[u8], stream: &HostStream) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
         let data: Arc<[u8]> = Arc::from(src);
         stream.submit(Arc::new(move || {
-            // SAFETY: destination range checked above; `data` is owned by the closure.
+            // SAFETY: the caller checked the destination range against live
+            // memory it keeps until the stream drains; `data` is the closure's.
             unsafe { memory::copy(dst, DevicePtr(data.as_ptr() as u64), data.len()) }
         }))
     }
 
-    fn copy_to_host(&self, buf: &HostBuffer, offset: usize, dst: &mut [u8], stream: &HostStream) -> Result<()> {
-        check_range("copy_to_host", buf.len(), offset, dst.len())?;
+    fn download(&self, dst: &mut [u8], src: DevicePtr, stream: &HostStream) -> Result<()> {
         stream.synchronize()?;
-        // SAFETY: range checked; the stream is idle, so nothing writes the buffer now.
-        unsafe { memory::copy(DevicePtr(dst.as_mut_ptr() as u64), buf.ptr().offset(offset), dst.len()) };
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the caller checked the source range; the stream is idle, so
+        // nothing queued writes it now.
+        unsafe { memory::copy(DevicePtr(dst.as_mut_ptr() as u64), src, dst.len()) };
         Ok(())
     }
 
@@ -152,6 +157,16 @@ impl Device for HostDevice {
         HostStream::new()
     }
 
+    /// A host stream's handle is what [`Device::raw_stream`] gives for it;
+    /// it is looked up, not dereferenced, so a stale one is an error.
+    unsafe fn borrow_stream(&self, raw: u64) -> Result<HostStream> {
+        HostStream::borrow(raw)
+    }
+
+    fn raw_stream(&self, stream: &HostStream) -> Option<u64> {
+        Some(stream.raw())
+    }
+
     fn synchronize(&self, stream: &HostStream) -> Result<()> {
         stream.synchronize()
     }
@@ -174,6 +189,14 @@ impl Device for HostDevice {
 
     fn runtime_info(&self) -> String {
         format!("host kernels (Rust), {} CPU threads", self.facts.multiprocessors)
+    }
+
+    fn versions(&self) -> String {
+        "host kernels (Rust)".into()
+    }
+
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        memory::system_memory()
     }
 
     fn wait_event_for(&self, event: &HostEvent, timeout: std::time::Duration) -> Result<bool> {

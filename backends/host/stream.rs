@@ -29,16 +29,57 @@ struct Shared {
     cv: Condvar,
 }
 
-/// An in-order queue of work run by one worker thread.
-pub struct HostStream {
+/// An in-order queue of work run by one worker thread. Handles to one
+/// queue ([`HostStream::borrow`]) share it; the last one to go closes it.
+pub struct HostStream(Arc<Queue>);
+
+pub struct Queue {
     tx: Mutex<Option<mpsc::Sender<Op>>>,
     worker: Mutex<Option<JoinHandle<()>>>,
     shared: Arc<Shared>,
     capture: Mutex<Option<Vec<Op>>>,
 }
 
+/// Every live queue by its handle (`Device::raw_stream`), so that a handle
+/// passed around as an integer can be borrowed again, as a vendor stream
+/// can, without trusting it as a pointer.
+fn queues() -> &'static Mutex<std::collections::HashMap<u64, std::sync::Weak<Queue>>> {
+    static QUEUES: std::sync::OnceLock<Mutex<std::collections::HashMap<u64, std::sync::Weak<Queue>>>> =
+        std::sync::OnceLock::new();
+    QUEUES.get_or_init(Default::default)
+}
+
+impl std::ops::Deref for HostStream {
+    type Target = Queue;
+    fn deref(&self) -> &Queue {
+        &self.0
+    }
+}
+
 impl HostStream {
     pub(super) fn new() -> Result<HostStream> {
+        let queue = Arc::new(Queue::new()?);
+        lock(queues()).insert(Arc::as_ptr(&queue) as u64, Arc::downgrade(&queue));
+        Ok(HostStream(queue))
+    }
+
+    /// This queue's handle: what [`HostStream::borrow`] takes back.
+    pub(super) fn raw(&self) -> u64 {
+        Arc::as_ptr(&self.0) as u64
+    }
+
+    /// Another handle to the live queue `raw`, or an error naming it.
+    pub(super) fn borrow(raw: u64) -> Result<HostStream> {
+        lock(queues())
+            .get(&raw)
+            .and_then(std::sync::Weak::upgrade)
+            .map(HostStream)
+            .ok_or_else(|| Error::invalid(format!("{raw:#x} is not a live host stream")))
+    }
+}
+
+impl Queue {
+    fn new() -> Result<Queue> {
         let (tx, rx) = mpsc::channel::<Op>();
         let shared = Arc::new(Shared {
             progress: Mutex::new(Progress::default()),
@@ -57,7 +98,7 @@ impl HostStream {
                 }
             })
             .map_err(|e| Error::io("spawning a host stream worker", e))?;
-        Ok(HostStream {
+        Ok(Queue {
             tx: Mutex::new(Some(tx)),
             worker: Mutex::new(Some(worker)),
             shared,
@@ -157,8 +198,9 @@ impl HostStream {
     }
 }
 
-impl Drop for HostStream {
+impl Drop for Queue {
     fn drop(&mut self) {
+        lock(queues()).remove(&(self as *const Queue as u64));
         // Closing the channel lets the worker drain its queue and exit.
         lock(&self.tx).take();
         if let Some(worker) = lock(&self.worker).take() {

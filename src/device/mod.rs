@@ -70,6 +70,15 @@ pub struct DeviceFacts {
     pub total_memory: u64,
 }
 
+/// Device memory as the driver counts it ([`Device::memory_info`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryInfo {
+    /// Bytes that can be allocated now.
+    pub free: u64,
+    /// Bytes of the device in all.
+    pub total: u64,
+}
+
 /// Kinds of device memory an algorithm asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MemKind {
@@ -248,10 +257,23 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn alloc_host_flags(&self, words: usize) -> Result<Self::Flags>;
     /// Stream-ordered byte fill of `buf[offset..offset+len]`.
     fn memset(&self, buf: &Self::Buffer, offset: usize, len: usize, value: u8, stream: &Self::Stream) -> Result<()>;
-    /// Copies `src` into `buf` at `offset`; returns once `src` may be reused.
-    fn copy_from_host(&self, buf: &Self::Buffer, offset: usize, src: &[u8], stream: &Self::Stream) -> Result<()>;
+    /// Copies `src` into `buf` at `offset`, ordered on `stream`; returns once
+    /// `src` may be reused.
+    fn copy_from_host(&self, buf: &Self::Buffer, offset: usize, src: &[u8], stream: &Self::Stream) -> Result<()> {
+        check_range("copy_from_host", buf.len(), offset, src.len())?;
+        self.upload(buf.ptr().offset(offset), src, stream)
+    }
     /// Waits for `stream`, then copies `buf[offset..]` into `dst`.
-    fn copy_to_host(&self, buf: &Self::Buffer, offset: usize, dst: &mut [u8], stream: &Self::Stream) -> Result<()>;
+    fn copy_to_host(&self, buf: &Self::Buffer, offset: usize, dst: &mut [u8], stream: &Self::Stream) -> Result<()> {
+        check_range("copy_to_host", buf.len(), offset, dst.len())?;
+        self.download(dst, buf.ptr().offset(offset), stream)
+    }
+    /// Copies `src` to `dst..dst+src.len()` of this device's memory, ordered
+    /// on `stream`; returns once `src` may be reused (GPUs: once the copy has
+    /// run). The caller checked the range ([`Device::check_memory`]).
+    fn upload(&self, dst: DevicePtr, src: &[u8], stream: &Self::Stream) -> Result<()>;
+    /// Waits for `stream`, then copies `src..src+dst.len()` into `dst`.
+    fn download(&self, dst: &mut [u8], src: DevicePtr, stream: &Self::Stream) -> Result<()>;
     /// Stream-ordered device-to-device copy between two addresses of this device.
     fn copy_device(&self, dst: DevicePtr, src: DevicePtr, bytes: usize, stream: &Self::Stream) -> Result<()>;
 
@@ -284,9 +306,10 @@ pub trait Device: Send + Sync + Sized + 'static {
         Ok(())
     }
 
-    /// Wrap a stream the caller owns (`CUstream` / `hipStream_t`, as an
-    /// integer) so collectives can be queued on it; the wrapper never
-    /// destroys it. Backends without vendor streams refuse.
+    /// Wrap a stream the caller owns (`CUstream` / `hipStream_t`, or a host
+    /// stream's [`Device::raw_stream`], as an integer) so collectives can be
+    /// queued on it; the wrapper never destroys it. Every backend has both
+    /// this and [`Device::create_stream`].
     ///
     /// # Safety
     /// `raw` is a live stream of this device, and it outlives the wrapper and
@@ -389,8 +412,20 @@ pub trait Device: Send + Sync + Sized + 'static {
     /// One line about the runtime underneath (driver and compiler versions,
     /// the kernel cache), for the communicator's init log line.
     fn runtime_info(&self) -> String {
+        self.versions()
+    }
+
+    /// The driver and compiler versions alone: the same for the whole
+    /// process, so caches of what was measured on this device (autotune's
+    /// tables) can be keyed by it.
+    fn versions(&self) -> String {
         String::new()
     }
+
+    /// Free and total device memory, in bytes, as the driver counts them
+    /// now (the host backend: the system's available and total memory).
+    /// Engines size their caches from it.
+    fn memory_info(&self) -> Result<MemoryInfo>;
 
     /// Make this device current on the calling thread, for vendor libraries
     /// (NCCL) that use the thread's current device.
@@ -398,8 +433,9 @@ pub trait Device: Send + Sync + Sized + 'static {
         Ok(())
     }
 
-    /// The stream as the vendor library's handle (`CUstream`, `hipStream_t`),
-    /// for NCCL/RCCL calls; `None` where there is no vendor library.
+    /// The stream's handle as an integer: the vendor's (`CUstream`,
+    /// `hipStream_t`, which NCCL/RCCL calls take), or a host queue's. What
+    /// [`Device::borrow_stream`] takes back; `None` where there is none.
     fn raw_stream(&self, _stream: &Self::Stream) -> Option<u64> {
         None
     }
