@@ -54,6 +54,9 @@ pub enum TuneSource {
     Measured(Duration),
     /// Read from the cache file of an earlier measurement (rank 0's).
     Cached(PathBuf),
+    /// Adopted from an earlier communicator of the same shape in this
+    /// process (rank 0's), the cache directory being off.
+    Remembered,
 }
 
 /// One measurement: a rank's median of one candidate at one size.
@@ -255,15 +258,19 @@ pub(crate) fn tune<D: Device>(comm: &Communicator<D>) -> Result<TuneReport> {
     let file = crate::cache::cache_dir().map(|d| d.join("autotune").join(format!("{:016x}.txt", fnv64(&key))));
     // Rank 0 decides: its cached table, or measure now (with its
     // deterministic option, so that every rank plans alike).
-    let mine = match (comm.rank(), &file) {
-        (0, Some(f)) => read_cached(f, &key).map(|t| format!("cached\n{}", encode(&t))),
+    let mine = match comm.rank() {
+        0 => match &file {
+            Some(f) => read_cached(f, &key),
+            None => remembered(&key),
+        }
+        .map(|t| format!("cached\n{}", encode(&t))),
         _ => None,
     }
     .unwrap_or_else(|| format!("measure deterministic={}", u8::from(inner.opts.deterministic)));
     let decision = agree(comm, "decide", mine.as_bytes())?;
     if let Some(table) = decision.strip_prefix("cached\n") {
         return Ok(TuneReport {
-            source: TuneSource::Cached(file.unwrap_or_default()),
+            source: file.map_or(TuneSource::Remembered, TuneSource::Cached),
             table: decode(table)?,
             timings: Vec::new(),
         });
@@ -291,6 +298,9 @@ pub(crate) fn tune<D: Device>(comm: &Communicator<D>) -> Result<TuneReport> {
     let table = table_from(&measured, &defaults);
     let chosen = agree(comm, "table", encode(&table).as_bytes())?;
     let table = decode(&chosen)?;
+    if file.is_none() {
+        remember(&key, &table);
+    }
     if comm.rank() == 0 {
         if let Some(f) = &file {
             if let Err(e) = write_cached(f, &key, &table) {
@@ -678,9 +688,30 @@ fn cache_key<D: Device>(comm: &Communicator<D>) -> String {
         inner.world,
         inner.topology.describe(),
         inner.opts.slot_bytes_for(f.backend),
-        inner.device.runtime_info(),
+        inner.device.versions(),
         comm.with_resources(|r| r.vendor.describe()).unwrap_or_default(),
     )
+}
+
+/// Tables measured in this process, by cache key, where the cache directory
+/// is off (the file is the cache otherwise): a communicator created again,
+/// or a sub-communicator of a shape measured before, adopts one without
+/// measuring.
+fn memo() -> &'static std::sync::Mutex<std::collections::HashMap<String, Ladders>> {
+    static MEMO: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, Ladders>>> =
+        std::sync::OnceLock::new();
+    MEMO.get_or_init(Default::default)
+}
+
+fn remembered(key: &str) -> Option<Ladders> {
+    memo().lock().unwrap_or_else(|e| e.into_inner()).get(key).cloned()
+}
+
+fn remember(key: &str, table: &Ladders) {
+    memo()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key.to_string(), table.clone());
 }
 
 fn fnv64(s: &str) -> u64 {
