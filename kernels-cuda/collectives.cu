@@ -524,19 +524,23 @@ FC_DEVICE void push_piece(const FcParams& p, fc_u32 q, fc_u64 region, fc_u64 str
 }
 
 // Chunk 0, before the arrive: thread q < world tells peer q (itself included)
-// what we send it, our largest block and our premul_sum factor (bits).
+// what we send it, what we expect from it, our largest block and our
+// premul_sum factor (bits).
 FC_DEVICE void announce(const FcParams& p, fc_u32 parity, fc_u32 b, fc_u64 largest, fc_u32 factor_bits) {
     const fc_u32 q = fc_thread_id();
     if (q >= p.world) return;
     char* peer = fc_ptr<char>(p.peer_ws[q]);
     fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_PAIR_COUNT, p.rank), send_count(p, q));
+    fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_EXPECTS, p.rank), recv_count(p, q));
     fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_LARGEST, p.rank), largest);
     fc_st_volatile_u64(aux_ptr(p, peer, parity, b, FC_AUX_FACTOR, p.rank), (fc_u64)factor_bits);
 }
 
 // Chunk 0, after the wait (every thread of the block computes the same):
 // the group's number of chunks, or 0 after a mismatch (raised once, by
-// thread 0, naming the first source that disagrees).
+// thread 0, naming the first source that disagrees): a source that sends
+// us another count than we expect, or expects another than we send it (so
+// both ends of a pair that disagree fail).
 FC_DEVICE fc_u64 agree_on_chunks(const FcParams& p, char* own, fc_u32 parity, fc_u32 b, fc_u32 epoch, fc_u64 largest,
                                  fc_u64 cap) {
     for (fc_u32 s = 0; s < p.world; ++s) {
@@ -545,8 +549,9 @@ FC_DEVICE fc_u64 agree_on_chunks(const FcParams& p, char* own, fc_u32 parity, fc
             bad = send_count(p, s) != recv_count(p, s);
         } else {
             const fc_u64 pair = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_PAIR_COUNT, s));
+            const fc_u64 expects = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_EXPECTS, s));
             const fc_u64 theirs = fc_ld_volatile_u64(aux_ptr(p, own, parity, b, FC_AUX_LARGEST, s));
-            bad = pair != recv_count(p, s);
+            bad = pair != recv_count(p, s) || expects != send_count(p, s);
             largest = theirs > largest ? theirs : largest;
         }
         if (bad) {

@@ -307,11 +307,12 @@ FC_DEVICE fc_u64* fp_ptr(const FcParams& p, char* ws, fc_u32 parity, fc_u32 b, f
 // Aux words (layout.rs, AUX_OFFSET): u64 [2 parity][MAX_BLOCKS][AUX_WORDS][MAX_RANKS],
 // right after the flags, written by sources at phase 0 next to their fingerprint.
 #define FC_FLAGS_BYTES (2ull * FC_MAX_BLOCKS * FC_MAX_RANKS * 4ull)
-#define FC_AUX_WORDS 4u
+#define FC_AUX_WORDS 5u
 #define FC_AUX_PAIR_COUNT 0u
 #define FC_AUX_LARGEST 1u
 #define FC_AUX_FACTOR 2u
 #define FC_AUX_RECV_AT 3u
+#define FC_AUX_EXPECTS 4u
 #define FC_AUX_NOT_DIRECT 0xffffffffffffffffull
 FC_DEVICE fc_u64* aux_ptr(const FcParams& p, char* ws, fc_u32 parity, fc_u32 b, fc_u32 k, fc_u32 src) {
     return reinterpret_cast<fc_u64*>(
@@ -374,6 +375,19 @@ FC_DEVICE void arrive(const FcParams& p, fc_u32 epoch, fc_u32 parity, fc_u32 pha
     }
 }
 
+FC_DEVICE bool ll_crossed(const FcParams& p, char* own, fc_u32 parity, fc_u32 b, fc_u32 src, fc_u32 epoch);
+
+// A wait that has spun this long looks, every as long again, at what a
+// quick wait never needs: whether the host aborted the communicator (the
+// error word, host-mapped: a read over the bus), and whether the source it
+// waits for started this epoch with the other protocol of a launch's first
+// handshake (a different call: a mismatch, not a timeout).
+#define FC_SLOW_WAIT_NS 100000ull
+
+FC_DEVICE bool host_aborted(const FcParams& p) {
+    return p.error_flags != 0 && fc_ld_volatile(fc_ptr<fc_u32>(p.error_flags)) != FC_ERR_CODE_NONE;
+}
+
 // wait: thread q < world spins on source q's flag (and checks its
 // fingerprint in phase 0); false for the whole block on a failure.
 FC_DEVICE bool wait_phase(const FcParams& p, char* own, fc_u32 epoch, fc_u32 parity, fc_u32 phase, fc_u32 b) {
@@ -383,12 +397,26 @@ FC_DEVICE bool wait_phase(const FcParams& p, char* own, fc_u32 epoch, fc_u32 par
         const fc_u32* flag = flag_ptr(p, own, phase, b, q);
         if (!arrived(fc_ld_acquire_sys(flag), epoch)) {
             const fc_u64 start = fc_globaltimer_ns();
+            fc_u64 look = start + FC_SLOW_WAIT_NS;
             for (;;) {
                 if (arrived(fc_ld_acquire_sys(flag), epoch)) break;
-                if (fc_globaltimer_ns() - start >= p.timeout_ns) {
+                const fc_u64 now = fc_globaltimer_ns();
+                if (now - start >= p.timeout_ns) {
                     raise_timeout(p, q, epoch);
                     failed = true;
                     break;
+                }
+                if (now >= look) {
+                    look = now + FC_SLOW_WAIT_NS;
+                    if (phase == 0 && ll_crossed(p, own, parity, b, q, epoch)) {
+                        raise_mismatch(p, q, epoch);
+                        failed = true;
+                        break;
+                    }
+                    if (host_aborted(p)) {
+                        failed = true;
+                        break;
+                    }
                 }
             }
         }
@@ -491,6 +519,18 @@ FC_DEVICE void ll_send_record(const FcParams& p, fc_u32 parity, fc_u32 b, fc_u32
                              ll_unit((fc_u32)p.fingerprint, flag), ll_unit((fc_u32)(p.fingerprint >> 32), flag));
 }
 
+// Whether source `src` sent this launch's LL record (epoch's flag) with
+// another fingerprint than ours: it runs an LL kind where we run one on the
+// flags (wait_phase's slow path).
+FC_DEVICE bool ll_crossed(const FcParams& p, char* own, fc_u32 parity, fc_u32 b, fc_u32 src, fc_u32 epoch) {
+    if (src == p.rank) return false;
+    const fc_u32 flag = epoch | 1u;
+    fc_u64 lo, hi;
+    fc_ld_volatile_v2u64(own + ll_fp_offset(p, parity, b, src), lo, hi);
+    return (fc_u32)(lo >> 32) == flag && (fc_u32)(hi >> 32) == flag &&
+           ((lo & 0xffffffffull) | (hi << 32)) != p.fingerprint;
+}
+
 // Thread s < world (s != rank) waits for record [parity][b][s], clears it and
 // compares it with our fingerprint. False (this thread) after raising a
 // timeout or a mismatch for s; callers combine with fc_barrier_or.
@@ -502,12 +542,25 @@ FC_DEVICE bool ll_check_record(const FcParams& p, char* own, fc_u32 parity, fc_u
     fc_ld_volatile_v2u64(rec, lo, hi);
     if ((fc_u32)(lo >> 32) != flag || (fc_u32)(hi >> 32) != flag) {
         const fc_u64 start = fc_globaltimer_ns();
+        fc_u64 look = start + FC_SLOW_WAIT_NS;
         for (;;) {
             fc_ld_volatile_v2u64(rec, lo, hi);
             if ((fc_u32)(lo >> 32) == flag && (fc_u32)(hi >> 32) == flag) break;
-            if (fc_globaltimer_ns() - start >= p.timeout_ns) {
+            const fc_u64 now = fc_globaltimer_ns();
+            if (now - start >= p.timeout_ns) {
                 raise_timeout(p, t, epoch);
                 return false;
+            }
+            if (now >= look) {
+                look = now + FC_SLOW_WAIT_NS;
+                // The source started this epoch on the flags (phase 0) with
+                // another fingerprint: a different call.
+                if (arrived(fc_ld_acquire_sys(flag_ptr(p, own, 0, b, t)), epoch) &&
+                    fc_ld_volatile_u64(fp_ptr(p, own, parity, b, t)) != p.fingerprint) {
+                    raise_mismatch(p, t, epoch);
+                    return false;
+                }
+                if (host_aborted(p)) return false;
             }
         }
     }

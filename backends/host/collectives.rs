@@ -29,8 +29,8 @@ use super::futex;
 use super::kernels::{copy_bytes, Launch};
 use super::reduce::{Lanes, Reduction, Tiles};
 use crate::algo::layout::{
-    p2p_half_bytes, p2p_offset, push_twoshot_stride, AUX_LARGEST, AUX_NOT_DIRECT, AUX_PAIR_COUNT, AUX_RECV_AT,
-    P2P_CONSUMED, P2P_CTRL_OFFSET, P2P_DELIVERED, P2P_HEADER, P2P_RECEIVED, P2P_SENT,
+    p2p_half_bytes, p2p_offset, push_twoshot_stride, AUX_EXPECTS, AUX_LARGEST, AUX_NOT_DIRECT, AUX_PAIR_COUNT,
+    AUX_RECV_AT, P2P_CONSUMED, P2P_CTRL_OFFSET, P2P_DELIVERED, P2P_HEADER, P2P_RECEIVED, P2P_SENT,
 };
 use crate::device::{DevicePtr, KernelParams, ERR_CODE_MISMATCH, ERR_CODE_TIMEOUT, MAX_RANKS, PARAM_DIRECT_OK};
 use crate::dtype::DType;
@@ -86,20 +86,22 @@ impl Lists<'_> {
 
 /// Chunk 0 of an exchange or reduce-to, after the flags (the aux words are
 /// per block: a GPU block reads those of its own index, here block 0): whether every
-/// source sends what this rank expects (else a mismatch), and the group's
+/// source sends what this rank expects and expects what it sends (else a
+/// mismatch, so both ends of a pair that disagree fail), and the group's
 /// number of chunks (from the largest block anyone moves).
 fn agree_on_chunks(l: &Launch, lists: &Lists, cap: usize) -> Option<usize> {
     let me = l.me();
     let mut largest = lists.largest(l.world());
     for s in (0..l.world()).filter(|&s| s != me) {
         // SAFETY: aux slots lie inside our own live workspace.
-        let (pair, theirs) = unsafe {
+        let (pair, expects, theirs) = unsafe {
             (
                 dword(l.aux_addr(me, AUX_PAIR_COUNT, s)).load(Ordering::Relaxed),
+                dword(l.aux_addr(me, AUX_EXPECTS, s)).load(Ordering::Relaxed),
                 dword(l.aux_addr(me, AUX_LARGEST, s)).load(Ordering::Relaxed),
             )
         };
-        if pair != lists.recv(s).0 as u64 {
+        if pair != lists.recv(s).0 as u64 || expects != lists.send(s).0 as u64 {
             l.mismatch(s);
             return None;
         }
@@ -112,7 +114,8 @@ fn agree_on_chunks(l: &Launch, lists: &Lists, cap: usize) -> Option<usize> {
     Some(largest.div_ceil(cap.max(1)).max(1))
 }
 
-/// Before chunk 0's arrive: tell every peer what we send it and our largest block.
+/// Before chunk 0's arrive: tell every peer what we send it, what we expect
+/// from it and our largest block.
 fn announce(l: &Launch, lists: &Lists) {
     let me = l.me();
     let largest = lists.largest(l.world()) as u64;
@@ -121,6 +124,7 @@ fn announce(l: &Launch, lists: &Lists) {
         // release store publishes them.
         unsafe {
             dword(l.aux_addr(q, AUX_PAIR_COUNT, me)).store(lists.send(q).0 as u64, Ordering::Relaxed);
+            dword(l.aux_addr(q, AUX_EXPECTS, me)).store(lists.recv(q).0 as u64, Ordering::Relaxed);
             dword(l.aux_addr(q, AUX_LARGEST, me)).store(largest, Ordering::Relaxed);
         }
     }

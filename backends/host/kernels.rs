@@ -452,6 +452,15 @@ impl Launch<'_> {
                 std::hint::spin_loop();
                 continue;
             }
+            // A slow wait: the host aborted the communicator, or the source
+            // started this epoch with another call (a mismatch, not a timeout).
+            if self.err(0).load(Ordering::Acquire) != 0 {
+                return false;
+            }
+            if self.crossed(waiting) {
+                self.mismatch(waiting);
+                return false;
+            }
             // Read the word, then re-check: a store (and its wake) between the
             // check and the sleep changes the word, so the sleep returns at once.
             let w = word(waiting);
@@ -461,6 +470,35 @@ impl Launch<'_> {
                 continue;
             }
             futex::wait(w, seen, (limit - elapsed).min(Duration::from_millis(50)));
+        }
+    }
+
+    /// Whether `src` started this epoch with a different call in the other
+    /// protocol of a launch's first handshake: phase-0 flags where we await
+    /// LL records, or an LL record where we await flags (its fingerprint
+    /// differs from ours; a launch that uses both carries one fingerprint).
+    fn crossed(&self, src: usize) -> bool {
+        if src == self.me() {
+            return false;
+        }
+        let own = self.own_ws();
+        let fp = self.p.fingerprint;
+        // SAFETY: flag, fingerprint and LL record slots lie inside our own
+        // live workspace.
+        unsafe {
+            let flag = atomic_u32(self.flag_addr(own, 0, src)).load(Ordering::Acquire);
+            if flag.wrapping_sub(self.epoch) as i32 >= 0
+                && atomic_u64(self.fp_addr(own, src)).load(Ordering::Relaxed) != fp
+            {
+                return true;
+            }
+            let rec = self.ll_fp_addr(self.me(), src);
+            let (lo, hi) = (
+                atomic_u64(rec).load(Ordering::Acquire),
+                atomic_u64(rec.offset(8)).load(Ordering::Acquire),
+            );
+            let ll = self.ll_flag();
+            (lo >> 32) as u32 == ll && (hi >> 32) as u32 == ll && ((lo & 0xffff_ffff) | (hi << 32)) != fp
         }
     }
 

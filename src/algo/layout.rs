@@ -56,7 +56,7 @@ pub const FP_BYTES: usize = 2 * MAX_BLOCKS * MAX_RANKS * 8;
 pub const FLAGS_OFFSET: usize = FP_OFFSET + FP_BYTES;
 pub const FLAGS_BYTES: usize = 2 * MAX_BLOCKS * MAX_RANKS * 4;
 /// Aux words per (parity, block, source): see the module docs.
-pub const AUX_WORDS: usize = 4;
+pub const AUX_WORDS: usize = 5;
 /// Aux word: the count (elements) a source sends this rank (exchange, reduce-to; chunk 0).
 pub const AUX_PAIR_COUNT: usize = 0;
 /// Aux word: the largest block (elements) a source sends or receives (chunk
@@ -69,6 +69,10 @@ pub const AUX_FACTOR: usize = 2;
 /// writer lands; the direct reduce-to, where the writer's block to the
 /// reader lies.
 pub const AUX_RECV_AT: usize = 3;
+/// Aux word (exchange, reduce-to; chunk 0): the count (elements) a source
+/// expects from this rank, so that a sender learns of a receiver's
+/// different split as the receiver does (both raise the mismatch).
+pub const AUX_EXPECTS: usize = 4;
 /// [`AUX_RECV_AT`] of a rank whose blocks cannot all be used in place.
 pub const AUX_NOT_DIRECT: u64 = u64::MAX;
 /// The aux area, right after the flags (the device code relies on that).
@@ -198,8 +202,13 @@ pub const fn ll_stride(slot_bytes: usize, world: usize) -> usize {
 }
 
 const _: () = assert!(DATA_OFFSET % 4096 == 0);
-const _: () =
-    assert!(AUX_OFFSET % 8 == 0 && AUX_FACTOR < AUX_WORDS && AUX_LARGEST < AUX_WORDS && AUX_RECV_AT < AUX_WORDS);
+const _: () = assert!(
+    AUX_OFFSET % 8 == 0
+        && AUX_FACTOR < AUX_WORDS
+        && AUX_LARGEST < AUX_WORDS
+        && AUX_RECV_AT < AUX_WORDS
+        && AUX_EXPECTS < AUX_WORDS
+);
 const _: () = assert!(P2P_CTRL_OFFSET >= AUX_OFFSET + AUX_BYTES && P2P_CTRL_OFFSET + P2P_CTRL_BYTES <= DATA_OFFSET);
 const _: () = assert!(P2P_RECEIVED + 4 * MAX_RANKS <= P2P_CTRL_BYTES && P2P_HEADER + 16 * MAX_RANKS <= P2P_SENT);
 const _: () = assert!(LL_FP_BYTES % 64 == 0);
