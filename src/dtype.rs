@@ -142,13 +142,31 @@ pub enum ReduceOp {
     BOr = 6,
     /// Bitwise exclusive or (integers).
     BXor = 7,
-    /// Sum of every input multiplied by a factor first (floats): the factor
-    /// comes with the call ([`crate::comm::Reduction::PreMulSum`]).
+    /// Sum of every input multiplied by a factor first (floats). Outside the
+    /// crate it cannot be named: a premul_sum is a
+    /// [`Reduction::premul_sum`](crate::comm::Reduction::premul_sum) (or
+    /// `premul_sum_device`), which carries its factor, so a call cannot
+    /// forget it. [`crate::comm::Reduction::op`] reports it.
+    #[non_exhaustive]
     PreMulSum = 8,
 }
 
 impl ReduceOp {
-    pub const ALL: [ReduceOp; 9] = [
+    /// The operators a call names by themselves (every one but premul_sum,
+    /// which comes with its factor as a [`crate::comm::Reduction`]).
+    pub const OPERATORS: [ReduceOp; 8] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+        ReduceOp::BAnd,
+        ReduceOp::BOr,
+        ReduceOp::BXor,
+    ];
+
+    /// Every op code the kernels know, premul_sum included.
+    pub(crate) const ALL: [ReduceOp; 9] = [
         ReduceOp::Sum,
         ReduceOp::Prod,
         ReduceOp::Min,
@@ -198,9 +216,11 @@ impl FromStr for ReduceOp {
             "band" | "and" => Ok(ReduceOp::BAnd),
             "bor" | "or" => Ok(ReduceOp::BOr),
             "bxor" | "xor" => Ok(ReduceOp::BXor),
-            "premul_sum" | "premulsum" => Ok(ReduceOp::PreMulSum),
+            "premul_sum" | "premulsum" => Err(Error::invalid(
+                "premul_sum needs its factor: pass Reduction::premul_sum(f) or Reduction::premul_sum_device(t)",
+            )),
             _ => Err(Error::invalid(format!(
-                "unknown op {s:?} (expected sum, prod, min, max, avg, band, bor, bxor or premul_sum)"
+                "unknown op {s:?} (expected sum, prod, min, max, avg, band, bor or bxor)"
             ))),
         }
     }

@@ -149,6 +149,12 @@ impl From<ReduceOp> for Reduction {
 }
 
 impl Reduction {
+    /// premul_sum by a host factor. The operator cannot be named without
+    /// its factor:
+    ///
+    /// ```compile_fail
+    /// let forgot = ferrocomm::Reduction::from(ferrocomm::ReduceOp::PreMulSum);
+    /// ```
     pub fn premul_sum(factor: f64) -> Self {
         Reduction::PreMulSum(Factor::Host(factor))
     }

@@ -83,6 +83,13 @@ impl<D: Device> Communicator<D> {
     /// Bytes of `t`, checked against the device (before anything is queued).
     fn checked(&self, what: &str, t: &Tensor) -> Result<usize> {
         let bytes = t.bytes().map_err(|e| context(e, what))?;
+        if bytes > 0 && t.ptr() == DevicePtr::NULL {
+            return Err(Error::invalid(format!(
+                "{what}: a null address for {} x {}",
+                t.count(),
+                t.dtype()
+            )));
+        }
         if bytes > 0 {
             self.inner
                 .device
@@ -290,27 +297,44 @@ impl<D: Device> Communicator<D> {
             if s.inner.world == 1 {
                 return copy_if_apart(s, output.ptr(), input.ptr(), bytes);
             }
-            // The broadcast kernel moves elements of 2 or 4 bytes: any dtype
-            // whose bytes and addresses fit that (the bits are not looked at).
-            let fits = |k: usize| bytes % k == 0 && input.ptr().0 % k as u64 == 0 && output.ptr().0 % k as u64 == 0;
-            let as_kernel = if fits(4) {
-                Some((DType::I32, bytes / 4))
-            } else if fits(2) {
-                Some((DType::F16, bytes / 2))
-            } else {
-                None
-            };
-            match as_kernel {
-                Some((kd, n)) if s.inner.kernels && (on_host || !s.res.vendor.available() || dtype.size() <= 4) => {
-                    let mut c =
-                        CollectiveCall::new(KernelKind::Broadcast, kd, ReduceOp::Sum, n, input.ptr(), output.ptr());
+            // The broadcast kernel moves words of 4 or 2 bytes (any dtype:
+            // the bits are not looked at). Every rank launches the same
+            // kernel, so the word is chosen from what all of them share, the
+            // payload's bytes; a rank whose own addresses are not aligned to
+            // it stages them (a per-rank fact decides only local copies).
+            let word = [4usize, 2].into_iter().find(|w| bytes % w == 0);
+            let kernel = s.inner.kernels && (on_host || !s.res.vendor.available() || dtype.size() <= 4);
+            let is_root = s.inner.rank == root;
+            match word {
+                Some(w) if kernel => {
+                    let odd = |p: DevicePtr| p.0 % w as u64 != 0;
+                    let staged = odd(output.ptr()) || (is_root && odd(input.ptr()));
+                    let (inp, out) = match staged {
+                        true => {
+                            let at = staging_at(s, bytes)?;
+                            if is_root {
+                                s.inner.device.copy_device(at, input.ptr(), bytes, s.stream)?;
+                            }
+                            (at, at)
+                        }
+                        false => (input.ptr(), output.ptr()),
+                    };
+                    let kd = if w == 4 { DType::I32 } else { DType::F16 };
+                    let mut c = CollectiveCall::new(KernelKind::Broadcast, kd, ReduceOp::Sum, bytes / w, inp, out);
                     c.root = root;
-                    enqueue(s, &c)
+                    enqueue(s, &c)?;
+                    if staged {
+                        s.inner.device.copy_device(output.ptr(), out, bytes, s.stream)?;
+                    }
+                    Ok(())
                 }
                 None if !on_host && !s.res.vendor.available() => {
                     // No NCCL: through the staging buffer, 4-byte aligned.
                     let padded = bytes.next_multiple_of(4);
-                    let at = stage_padded(s, &[input.ptr()], bytes, padded)?;
+                    let at = staging_at(s, padded)?;
+                    if is_root {
+                        s.inner.device.copy_device(at, input.ptr(), bytes, s.stream)?;
+                    }
                     let mut c =
                         CollectiveCall::new(KernelKind::Broadcast, DType::I32, ReduceOp::Sum, padded / 4, at, at);
                     c.root = root;
@@ -441,7 +465,6 @@ impl<D: Device> Communicator<D> {
         let outs: Vec<DevicePtr> = outputs.iter().map(Tensor::ptr).collect();
         let on_host = self.on_host();
         self.submit(call, "all_gather", |s| {
-            let me = s.inner.rank;
             let mut l = Lists::new(s.inner.world);
             for (q, out) in outs.iter().enumerate() {
                 l.sends[q] = Some((n, input.ptr()));
@@ -461,17 +484,35 @@ impl<D: Device> Communicator<D> {
             if kind != CollAlgo::Vendor {
                 return exchange(s, dtype, &l, n, kind == CollAlgo::Ll);
             }
-            match whole {
-                Some(out) => {
-                    let op = VendorOp::AllGather {
-                        send: input.ptr(),
-                        recv: out.ptr(),
-                        count: n,
-                    };
-                    run_vendor(s, dtype, op)
-                }
-                None => vendor_exchange(s, dtype, l, me),
+            if let Some(out) = whole {
+                let op = VendorOp::AllGather {
+                    send: input.ptr(),
+                    recv: out.ptr(),
+                    count: n,
+                };
+                return run_vendor(s, dtype, op);
             }
+            // Every rank calls the library's all-gather, whatever the layout
+            // of its own outputs: outputs that are not back to back gather
+            // into the staging buffer (the input first, aligned there) and
+            // are copied out.
+            let block = n * dtype.size();
+            let first = block.next_multiple_of(256);
+            let base = staging_at(s, first + block * world)?;
+            s.inner.device.copy_device(base, input.ptr(), block, s.stream)?;
+            let recv = base.offset(first);
+            let op = VendorOp::AllGather {
+                send: base,
+                recv,
+                count: n,
+            };
+            run_vendor(s, dtype, op)?;
+            for (q, out) in outs.iter().enumerate() {
+                s.inner
+                    .device
+                    .copy_device(*out, recv.offset(q * block), block, s.stream)?;
+            }
+            Ok(())
         })
     }
 
@@ -1593,7 +1634,16 @@ fn staging_at<D: Device>(s: &mut Submit<'_, D>, need: usize) -> Result<DevicePtr
                     .into(),
             ));
         }
-        s.res.staging = Some(s.inner.device.alloc(need, crate::device::MemKind::Plain)?);
+        // Powers of two, so that what is retired stays below what is in use.
+        let grown = s
+            .inner
+            .device
+            .alloc(need.next_power_of_two(), crate::device::MemKind::Plain)?;
+        // Calls queued earlier, on this stream or another, may still read or
+        // write the old one: it is freed with the communicator.
+        if let Some(old) = s.res.staging.replace(grown) {
+            s.res.retired.push(old);
+        }
     }
     Ok(s.res.staging.as_ref().map_or(DevicePtr::NULL, |b| b.ptr()))
 }

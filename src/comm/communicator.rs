@@ -25,6 +25,7 @@ use super::call::Call;
 use super::layered::{Levels, Shape};
 use super::options::CommOptions;
 use super::registry::Registry;
+use super::tensor::Tensor;
 use super::topology::Topology;
 use super::vendor::Vendor;
 use super::work::Work;
@@ -32,9 +33,10 @@ use crate::algo::kernels::{COLLECTIVES, QUICK_REDUCE};
 use crate::algo::{DispatchTable, GridTable, KernelNames, Workspace};
 use crate::bootstrap::{store_all_gather, store_barrier, Store};
 use crate::device::{
-    BackendKind, Device, DeviceBuffer, HostFlags, MemKind, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE,
-    ERR_CODE_TIMEOUT, ERR_WORDS, MAX_RANKS,
+    BackendKind, Device, DeviceBuffer, DevicePtr, HostFlags, MemKind, ERR_CODE_ABORTED, ERR_CODE_MISMATCH,
+    ERR_CODE_NONE, ERR_CODE_TIMEOUT, ERR_WORDS, MAX_RANKS,
 };
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 enum Phase {
@@ -61,8 +63,12 @@ pub(crate) struct Resources<D: Device> {
     pub(crate) heap: Option<crate::heap::Heap<D>>,
     /// Modules of heap kernels (windows, EP), by name, loaded on first use.
     pub(crate) heap_modules: Vec<(&'static str, D::Module)>,
-    /// Contiguous staging for a list reduce-scatter handed to NCCL (grown on demand).
+    /// Scratch for calls that realign or join their operands (grown on
+    /// demand, see `collectives::staging_at`).
     pub(crate) staging: Option<D::Buffer>,
+    /// Staging buffers outgrown while calls queued earlier may still use
+    /// them: freed when the communicator is (after its calls have run).
+    pub(crate) retired: Vec<D::Buffer>,
 }
 
 impl<D: Device> Resources<D> {
@@ -124,9 +130,14 @@ pub(crate) struct Inner<D: Device> {
 
 impl<D: Device> Drop for Inner<D> {
     fn drop(&mut self) {
-        // Kernels may still reference the workspace; every wait in them has a
-        // deadline, so this returns.
-        let _ = self.device.synchronize(&self.stream);
+        // Kernels may still reference the workspace (on this stream or a
+        // caller's); every wait in them has a deadline, so this returns.
+        let last = lock(&self.state).last.take();
+        if self.drain(last.as_ref()).is_err() {
+            // Work that never stopped may still touch the workspace: leak it
+            // rather than free memory in use.
+            std::mem::forget(lock(&self.state).res.take());
+        }
     }
 }
 
@@ -139,6 +150,34 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<D: Device> Inner<D> {
+    /// Wait until every call queued through this communicator has run: its
+    /// own stream, and `last`, the last call queued on any stream (a call on
+    /// another stream than the one before it waits for that one, so the last
+    /// call's event covers every earlier call). Kernels wait at most the
+    /// timeout for a peer; a communicator whose kernels failed is aborted so
+    /// that queued ones exit at once. An error means work may still run.
+    fn drain(&self, last: Option<&LastStream<D>>) -> Result<()> {
+        let own = self.device.synchronize(&self.stream);
+        let Some(last) = last else { return own };
+        let bound = self.opts.timeout.saturating_mul(2) + Duration::from_secs(1);
+        let start = std::time::Instant::now();
+        loop {
+            if self.device.wait_event_for(&last.event, Duration::from_millis(50))? {
+                return own;
+            }
+            if self.device_error().is_some() && self.flags.load(0) != ERR_CODE_ABORTED {
+                self.flags.store(0, ERR_CODE_ABORTED);
+            }
+            if start.elapsed() >= bound {
+                return Err(Error::Timeout {
+                    what: format!("the calls queued on communicator {} to finish", self.name),
+                    after: bound,
+                    missing: Vec::new(),
+                });
+            }
+        }
+    }
+
     /// The error kernels reported, if any.
     pub(crate) fn device_error(&self) -> Option<Error> {
         let code = self.flags.load(0);
@@ -426,6 +465,7 @@ impl<D: Device> Communicator<D> {
                         heap: None,
                         heap_modules: Vec::new(),
                         staging: None,
+                        retired: Vec::new(),
                     }),
                     last: None,
                 }),
@@ -561,14 +601,80 @@ impl<D: Device> Communicator<D> {
         self.inner.device.alloc(bytes, MemKind::Shareable)
     }
 
-    /// Copy host bytes into `buf` at `offset`, ordered on the communicator's stream.
+    /// Copy host bytes into `buf` at `offset`: [`Communicator::copy_in`] on
+    /// the communicator's stream.
     pub fn write(&self, buf: &D::Buffer, offset: usize, data: &[u8]) -> Result<()> {
-        self.inner.device.copy_from_host(buf, offset, data, &self.inner.stream)
+        self.copy_in(Tensor::view(buf, DType::U8, offset, data.len())?, data, &Call::new())
     }
 
-    /// Wait for the communicator's stream, then copy `buf[offset..]` into `out`.
+    /// Copy `buf[offset..]` into `out` once every earlier call has run:
+    /// [`Communicator::copy_out`] on the communicator's stream.
     pub fn read(&self, buf: &D::Buffer, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.inner.device.copy_to_host(buf, offset, out, &self.inner.stream)
+        self.copy_out(out, Tensor::view(buf, DType::U8, offset, out.len())?, &Call::new())
+    }
+
+    /// Copy host bytes into `dst` (any memory a collective takes: a buffer,
+    /// a view, a raw tensor, heap memory), as big as `src`. Stream-ordered
+    /// on every backend, like a collective: queued on `call`'s stream (the
+    /// communicator's by default) after every earlier call of this
+    /// communicator, and every later call, on any stream, is queued after
+    /// it. Returns once `src` may be reused.
+    pub fn copy_in(&self, dst: Tensor, src: &[u8], call: &Call<'_, D>) -> Result<()> {
+        self.checked_copy("copy_in", &dst, src.len())?;
+        self.ordered(call, true, |stream| self.inner.device.upload(dst.ptr(), src, stream))
+    }
+
+    /// Copy `src` into host bytes `dst`, as big as it, once every earlier
+    /// call of this communicator has run (on any stream) and everything
+    /// queued before on `call`'s stream.
+    pub fn copy_out(&self, dst: &mut [u8], src: Tensor, call: &Call<'_, D>) -> Result<()> {
+        self.checked_copy("copy_out", &src, dst.len())?;
+        // The download waits for its stream: nothing of it stays queued.
+        self.ordered(call, false, |stream| self.inner.device.download(dst, src.ptr(), stream))
+    }
+
+    /// `copy` on `call`'s stream, ordered after this communicator's last
+    /// call; with `later_wait`, later calls on other streams wait for it.
+    /// Also on an aborted communicator (reading what it left is allowed).
+    fn ordered(&self, call: &Call<'_, D>, later_wait: bool, copy: impl FnOnce(&D::Stream) -> Result<()>) -> Result<()> {
+        let inner = &*self.inner;
+        let mut st = lock(&inner.state);
+        if matches!(st.phase, Phase::Finalized) {
+            return Err(Error::Finalized);
+        }
+        let stream = call.stream.unwrap_or(&inner.stream);
+        let id = stream_id::<D>(&inner.device, stream);
+        if let Some(last) = st.last.as_ref().filter(|l| l.id != id) {
+            inner.device.wait_event(stream, &last.event)?;
+        }
+        copy(stream)?;
+        if later_wait {
+            let event = inner.device.create_event()?;
+            inner.device.record(&event, stream)?;
+            st.last = Some(LastStream {
+                id,
+                event: Arc::new(event),
+            });
+        }
+        Ok(())
+    }
+
+    fn checked_copy(&self, what: &str, t: &Tensor, bytes: usize) -> Result<()> {
+        let span = t.bytes()?;
+        if span != bytes {
+            return Err(Error::invalid(format!(
+                "{what}: the tensor holds {span} bytes ({} x {}), the host side {bytes}",
+                t.count(),
+                t.dtype()
+            )));
+        }
+        if bytes > 0 && t.ptr() == DevicePtr::NULL {
+            return Err(Error::invalid(format!("{what}: a null address")));
+        }
+        if bytes > 0 {
+            self.inner.device.check_memory(t.ptr(), bytes)?;
+        }
+        Ok(())
     }
 
     /// Block until the kernels every later call may need are compiled and
@@ -660,12 +766,18 @@ impl<D: Device> Communicator<D> {
         if matches!(st.phase, Phase::Finalized) {
             return Err(Error::Finalized);
         }
-        let drained = self.inner.device.synchronize(&self.inner.stream);
+        let last = st.last.take();
+        let drained = self.inner.drain(last.as_ref());
         if let Some(levels) = &self.inner.levels {
             levels.finalize();
         }
-        st.res = None;
-        st.last = None;
+        match &drained {
+            Ok(()) => st.res = None,
+            // Calls that never stopped may still use the workspace and the
+            // staging buffer: keep them allocated (leaked), never freed
+            // under a running call.
+            Err(_) => std::mem::forget(st.res.take()),
+        }
         st.phase = Phase::Finalized;
         drained
     }

@@ -98,6 +98,16 @@ impl<D: Device> Work<D> {
     /// timeout at least as long as the call's aborts it too (the vendor
     /// library's kernels cannot be stopped otherwise); a shorter one returns
     /// [`Error::Timeout`] and leaves it usable.
+    ///
+    /// What an error means for the caller's memory: after every error but
+    /// one, the call has stopped (its kernels exited after the abort), so
+    /// its buffers may be reused or freed. The exception is the
+    /// [`Error::Timeout`] of a `timeout` shorter than the call's, which is a
+    /// poll: the call still runs, [`Work::is_completed`] tells when it has
+    /// stopped, and `wait(None)` waits for it. Where a device never stops a
+    /// call after the abort (a vendor library that ignores it), `wait`
+    /// returns [`Error::Aborted`] after twice the call's timeout, with the
+    /// call still queued, and `is_completed` stays false.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
         let Some(event) = &self.event else {
             return Ok(());
@@ -112,7 +122,7 @@ impl<D: Device> Work<D> {
         loop {
             if let Some((err, comm)) = self.device_error() {
                 comm.abort(&err.to_string());
-                return Err(err);
+                return self.stopped(event, call_timeout, err);
             }
             let left = limit.saturating_sub(start.elapsed());
             if self.inner.device.wait_event_for(event, left.min(slice))? {
@@ -129,11 +139,26 @@ impl<D: Device> Work<D> {
                     after: limit,
                     missing: Vec::new(),
                 };
-                if limit >= call_timeout {
-                    self.inner.abort(&err.to_string());
+                if limit < call_timeout {
+                    return Err(err);
                 }
-                return Err(err);
+                self.inner.abort(&err.to_string());
+                return self.stopped(event, call_timeout, err);
             }
+        }
+    }
+
+    /// `err`, once the call has stopped after the abort: queued kernels exit
+    /// at their next look at the error word (at the latest at their own
+    /// deadline, the call's timeout). [`Error::Aborted`] if it never stops.
+    fn stopped(&self, event: &D::Event, call_timeout: Duration, err: Error) -> Result<()> {
+        let bound = call_timeout.saturating_mul(2) + Duration::from_secs(1);
+        match self.inner.device.wait_event_for(event, bound) {
+            Ok(true) => Err(err),
+            _ => Err(Error::Aborted(format!(
+                "{err}; and the call was still queued {} s after the abort",
+                bound.as_secs()
+            ))),
         }
     }
 }
