@@ -312,14 +312,17 @@ impl Drop for DynOp<'_> {
     }
 }
 
-/// A host factor as bytes of `dtype` (what `ncclScalarHostImmediate` reads).
+/// A host factor as bytes of `dtype` (what `ncclScalarHostImmediate` reads),
+/// converted as the kernels take it: to f32 first (`KernelParams::scalar`),
+/// then rounded to nearest even into a half type.
 fn factor_bytes(f: f64, dtype: DType) -> Result<[u8; 8]> {
     let mut out = [0u8; 8];
+    let single = f as f32;
     match dtype {
-        DType::F32 => out[..4].copy_from_slice(&(f as f32).to_le_bytes()),
+        DType::F32 => out[..4].copy_from_slice(&single.to_le_bytes()),
         DType::F64 => out.copy_from_slice(&f.to_le_bytes()),
-        DType::F16 => out[..2].copy_from_slice(&half::f16::from_f64(f).to_bits().to_le_bytes()),
-        DType::BF16 => out[..2].copy_from_slice(&half::bf16::from_f64(f).to_bits().to_le_bytes()),
+        DType::F16 => out[..2].copy_from_slice(&half::f16::from_f32(single).to_bits().to_le_bytes()),
+        DType::BF16 => out[..2].copy_from_slice(&half::bf16::from_f32(single).to_bits().to_le_bytes()),
         other => return Err(Error::invalid(format!("premul_sum takes a float dtype, not {other}"))),
     }
     Ok(out)
@@ -1061,6 +1064,53 @@ mod tests {
         assert_eq!(nccl_op(ReduceOp::Max).ok(), Some(2));
         assert_eq!(nccl_op(ReduceOp::Min).ok(), Some(3));
         assert_eq!(nccl_op(ReduceOp::Avg).ok(), Some(4));
+    }
+
+    /// The half-precision factor is the one nearest (ties to even) to the
+    /// f32 factor the kernels and the host reference scale by, found here
+    /// by search: every finite f16 for a few factors, and for bf16 the two
+    /// neighbours the f32's upper bits give, over many factors (half's
+    /// `bf16::from_f64` rounds about 1 in 20,000 of them otherwise).
+    #[test]
+    fn half_factors_round_like_the_kernels() {
+        fn nearest(x: f32, candidates: impl Iterator<Item = u16>, to_f32: impl Fn(u16) -> f32) -> u16 {
+            let mut best: Option<(f64, u16)> = None;
+            for bits in candidates {
+                let v = to_f32(bits);
+                if !v.is_finite() {
+                    continue;
+                }
+                let d = (v as f64 - x as f64).abs();
+                let better = match best {
+                    None => true,
+                    Some((bd, bb)) => d < bd || (d == bd && bits & 1 == 0 && bb & 1 == 1),
+                };
+                if better {
+                    best = Some((d, bits));
+                }
+            }
+            best.map_or(0, |(_, b)| b)
+        }
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for k in 0..60_000u64 {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            // Positive factors over many binades, with all 52 fraction bits.
+            let f = f64::from_bits((state >> 12) | 0x3ff0_0000_0000_0000) * 2f64.powi((k % 30) as i32 - 15);
+            let single = f as f32;
+            let b = factor_bytes(f, DType::BF16).unwrap();
+            let upper = (single.to_bits() >> 16) as u16;
+            let want = nearest(single, [upper, upper + 1].into_iter(), |b| {
+                half::bf16::from_bits(b).to_f32()
+            });
+            assert_eq!(u16::from_le_bytes([b[0], b[1]]), want, "bf16 factor of {f:e}");
+            if k < 40 {
+                let h = factor_bytes(f, DType::F16).unwrap();
+                let want = nearest(single, 0..=u16::MAX, |b| half::f16::from_bits(b).to_f32());
+                assert_eq!(u16::from_le_bytes([h[0], h[1]]), want, "f16 factor of {f:e}");
+            }
+        }
     }
 
     #[test]
