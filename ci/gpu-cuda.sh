@@ -197,6 +197,10 @@ if [[ " $STEPS " == *" shared "* ]] && command -v torchrun >/dev/null; then
         conformance --backend cuda --timeout-secs 120
     step shared_conformance_no_ll "${shared[@]}" FERROCOMM_COLL_LL_BYTES=0 torchrun --nproc_per_node=2 --no-python \
         "$BIN/ferrocomm-worker" conformance --backend cuda --timeout-secs 120
+    # The fuzz of the public API (per-rank offsets, memory kinds, streams,
+    # dropped works), FERROCOMM_FUZZ_TRIALS trials (300 by default).
+    step shared_fuzz "${shared[@]}" torchrun --nproc_per_node=2 --no-python "$BIN/ferrocomm-worker" \
+        fuzz --backend cuda --timeout-secs 60
     if command -v compute-sanitizer >/dev/null; then
         for tool in memcheck racecheck; do
             wrapper="/tmp/ferrocomm-sanitize-shared-$tool.sh"

@@ -21,6 +21,9 @@
 //! - `heap`: the symmetric heap and window suite (on GPUs also the
 //!   user-style all-gather on the device API).
 //! - `ep`: the EP dispatch and combine suite (`ferrocomm::testing::ep`).
+//! - `fuzz`: the randomized differential fuzz of the public API
+//!   (`ferrocomm::testing::fuzz`; `FERROCOMM_FUZZ_TRIALS`, default 300, and
+//!   `--max-bytes`, capped at 4 MiB by default).
 //! - `coldstart`: the time from process start to a communicator that has run
 //!   its first all-reduce (point `FERROCOMM_CACHE_DIR` at an empty directory
 //!   to measure a cold kernel cache), printed as `COLD START ...`.
@@ -262,6 +265,24 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
         ));
     }
     match a.scenario.as_str() {
+        "fuzz" => {
+            let mut cfg = ferrocomm::testing::fuzz::FuzzConfig::from_env(300, a.max_bytes.min(4 << 20));
+            cfg.timeout = a.timeout.max(Duration::from_secs(60));
+            let r = ferrocomm::testing::fuzz::run_fuzz(&comm, store.as_ref(), &cfg)?;
+            comm.finalize()?;
+            if r.is_clean() && r.trials == cfg.trials {
+                Ok(format!(
+                    "rank={rank} fuzz trials={} wrong=0 clobbered=0 disagreements=0 errors=0 bytes_checked={} calls={:?}",
+                    r.trials, r.bytes_checked, r.calls
+                ))
+            } else {
+                Err(Error::Aborted(format!(
+                    "fuzz on rank {rank}: {} of {} trials, {} wrong, {} clobbered, {} disagreements, errors {:?}, \
+                     failures {:#?}",
+                    r.trials, cfg.trials, r.wrong, r.clobbered, r.disagreements, r.errors, r.failures
+                )))
+            }
+        }
         "conformance" => {
             let cfg = SuiteConfig {
                 max_bytes: a.max_bytes,

@@ -8,6 +8,7 @@ pub mod conformance;
 pub mod data;
 pub mod ep;
 pub mod fused;
+pub mod fuzz;
 pub mod harness;
 pub mod heap;
 pub mod launch;
