@@ -1,4 +1,4 @@
-// Session 22, call c: the rate of one GPU's writes into its peer over NVLink,
+// The rate of one GPU's writes into its peer over NVLink,
 // by three engines, each GPU sending to the other at once (as the EP pair
 // does) and one way:
 // - st:  a warp loads 2 KiB (4 x 16 bytes a lane) and stores it to the peer

@@ -1,4 +1,4 @@
-// Session 22, call d: does the link carry more than the copy engine's rate
+// Does the link carry more than the copy engine's rate
 // when a kernel's writes and the copy engine share it? Each GPU sends 256 MiB
 // to its peer, both at once; a fraction f goes by cudaMemcpyPeerAsync on one
 // stream while a kernel (st.global.v4, 2 KiB a warp, as linkbw.cu's `st`)
