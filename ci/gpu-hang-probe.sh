@@ -2,7 +2,8 @@
 # Repeat the thread-rank CUDA suite (ranks as threads of one process) until
 # it hangs or the time is up; on a hang, every thread's backtrace (gdb) and
 # the debug log go to $OUT. For the intermittent hang after
-# `collectives_without_ll_world_2` (sessions 6-8).
+# `collectives_without_ll_world_2` (BENCHMARKS.md, "Known problem: the
+# thread-rank suite stalls").
 #   ci/gpu-hang-probe.sh [BIN_DIR] [SECONDS] [FILTER...]
 set -uo pipefail
 cd "$(dirname "$0")/.."

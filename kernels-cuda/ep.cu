@@ -8,6 +8,12 @@
 // is at the same offset, so a kernel names the local address and the device
 // API translates it. Counters only grow (device-side epochs): graph replays
 // need no host bookkeeping.
+//
+// Timings below: `ferrocomm-bench --ep --graph` as in BENCHMARKS.md, "EP
+// dispatch + combine" (hidden 7168, top-8 of 256 experts), us a dispatch +
+// combine unless said, on the machine named, each pair of builds side by
+// side in one job ("Method"). The page holds the current figures; these are
+// the comparisons that chose the code.
 #ifndef FC_PRELUDE_INCLUDED
 #include "prelude.cuh"
 #endif
@@ -73,13 +79,13 @@ namespace fc_ep {
 // first (warp k of block b is k * blocks + b), so it spreads over every
 // multiprocessor: filling blocks in turn left a 128-token dispatch on 56 of
 // 128 blocks, each to signal after its 16 warps' puts, and a dispatch +
-// combine took ~1.1 us longer (2x H200, session 14). Otherwise a block's
+// combine took ~1.1 us longer (2x H200). Otherwise a block's
 // warps take neighbouring units:
 // - a larger batch: going round the blocks gave a block the same piece of
 //   every row, so with fp8's half last piece some blocks did half the work
 //   of others (4096 tokens: 288 against 281 us);
 // - a batch within one block's warps stays in block 0: spread over 7
-//   blocks, a 1-token bf16 batch took 0.3 us longer (2x H100, session 14).
+//   blocks, a 1-token bf16 batch took 0.3 us longer (2x H100).
 FC_DEVICE fc_u32 warp_id(fc_u32 block, fc_u32 warp_in_block, fc_u32 blocks, fc_u32 per_block, fc_u64 units) {
     const bool spread = units > per_block && units <= (fc_u64)blocks * per_block;
     return spread ? warp_in_block * blocks + block : block * per_block + warp_in_block;
@@ -105,17 +111,16 @@ FC_DEVICE fc_u64* flag_words(const FcEpArgs& a) { return fc_ptr<fc_u64>(a.flags)
 // kernel may be scheduled at once, and this one waits for the previous to
 // end before it touches memory. The gap from a kernel's last block to the
 // next one's first went from ~1.3 to ~0.7 us, ~1-1.4 us a dispatch + combine
-// up to 128 tokens (2x H200, session 12).
+// up to 128 tokens (2x H200).
 //
 // Before the wait, thread 0 of each block reads one byte of each of the
 // inputs the kernel starts with (`first`, `second`; 0: none) and drops it:
 // the previous kernel may still write them, so only the address
 // translation and the line in L2 carry over into the kernel, never
 // a value (a volatile byte load, which keeps nothing in L1). 2x H100, three
-// rounds each (session 15, call f), 128 tokens: bf16 20.78-20.83 against
-// 20.86-20.93 us, fp8 17.92-18.00 against 18.14-18.30; from 512 tokens
-// level. Session 13's prefetches of the regions written at every rank,
-// peers' included, cost 2-4 us.
+// rounds each, 128 tokens: bf16 20.78-20.83 against 20.86-20.93 us, fp8
+// 17.92-18.00 against 18.14-18.30; from 512 tokens level. Prefetching the
+// regions written at every rank, peers' included, cost 2-4 us.
 FC_DEVICE void touch(fc_u64 p) {
     if (p != 0) (void)*reinterpret_cast<const volatile fc_u8*>(p); // a byte: views may start anywhere
 }
@@ -130,10 +135,10 @@ FC_DEVICE void begin(fc_u64 first = 0, fc_u64 second = 0) {
 
 // A block is done putting: every thread of it made its puts before a block
 // barrier; thread r < world then adds v to rank r's flag word `word` + this
-// rank (the release covers the block's puts). A kernel's last block
-// signalling for all (a local count, then one signal a rank) was tried: its
-// extra fences and count made a 1-token dispatch + combine 9.6 us slower on
-// 2x H100 (session 10).
+// rank (the release covers the block's puts). Not the kernel's last block
+// signalling for all (a local count, then one signal a rank): its extra
+// fences and count made a 1-token dispatch + combine 9.6 us slower on 2x
+// H100.
 FC_DEVICE void block_signal(const FcEpArgs& a, fc_u32 word, fc_u64 v) {
     const fc_u32 t = fc_thread_id();
     if (t < a.ctx.world) fc_signal_add(a.ctx, t, flag_words(a) + word + a.ctx.rank, v);
@@ -171,7 +176,7 @@ FC_DEVICE fc_u64 pieces_of(fc_u64 row_bytes) { return (row_bytes + piece_bytes()
 // fc_ep_dispatch_layout 183 KB of sm_90 code, its fast path spread among
 // them; with these out of line and the destination loop not unrolled, 78
 // KB, and a 128-token dispatch + combine 20.08-20.10 against 20.28-20.43 us
-// (2x H200, session 18, calls a and b; 4096 tokens level).
+// (2x H200; 4096 tokens level).
 FC_DEVICE_COLD void cold_put_warp(const FcDevCtx& ctx, fc_u32 r, char* dst, const char* src, fc_u64 bytes) {
     fc_put_warp(ctx, r, dst, src, bytes);
 }
@@ -246,7 +251,7 @@ FC_DEVICE fc_i32 slot_at(const Slots& s, fc_u32 r) {
 // on H200; a thread walking its 8 tokens' ids one by one, 10.6 us at 8
 // tokens on H100 (a chain of shared-memory read-modify-writes). A scan
 // through shared memory, two barriers a step, left 2.4 us from a 128-token
-// dispatch's start to its first put (2x H200, session 12).
+// dispatch's start to its first put (2x H200).
 #define FC_EP_LAYOUT_RUN 8u // tokens per thread: a run's bytes are one u64
 
 namespace fc_ep {
@@ -255,9 +260,8 @@ namespace fc_ep {
 // reciprocal and one correction (exact for every id below 2^31), not a
 // division: a u32 division is ~20 dependent instructions, and a layout thread
 // takes 64 ids in a row (a lane taking 8 tokens spent ~5 us on its divisions,
-// 2x H200, session 12). The host computes the reciprocal (EpArgs): taken
-// here, its u64 division cost a dispatch + combine ~0.5 us up to 128 tokens
-// (2x H200, session 13).
+// 2x H200). The host computes the reciprocal (EpArgs): taken here, its u64
+// division cost a dispatch + combine ~0.5 us up to 128 tokens (2x H200).
 struct ExpertRanks {
     fc_u32 num, per_rank;
     fc_u64 recip;
@@ -272,9 +276,9 @@ FC_DEVICE ExpertRanks expert_ranks(const FcEpArgs& a) {
 
 // The destination bit of one top-k id: rank e / per_rank; none for ids below
 // 0 or at or past num_experts. No branch: with a branch per id the layout
-// and the dispatch's metadata took longer (2x H200, session 18, call b:
-// 4096 tokens bf16 351.5-351.6 against 352.8-353.4 us, 128 tokens 20.00-20.02
-// against 20.08-20.10).
+// and the dispatch's metadata took longer (2x H200: 4096 tokens bf16
+// 351.5-351.6 against 352.8-353.4 us, 128 tokens 20.00-20.02 against
+// 20.08-20.10).
 FC_DEVICE fc_u32 dest_bit(fc_i32 e, const ExpertRanks& x) {
     const fc_u32 u = (fc_u32)e; // a negative id is past num as well
     fc_u32 r = (fc_u32)(((fc_u64)u * x.recip) >> 32); // e / per_rank or one more
@@ -285,7 +289,7 @@ FC_DEVICE fc_u32 dest_bit(fc_i32 e, const ExpertRanks& x) {
 // Step 1 for tokens chunk + i * nt + t (i < RUN): byte i * nt + t of masks.
 // Neighbouring threads take neighbouring tokens, so a small batch's ids are
 // a load a thread: a lane taking 8 tokens in a row spent ~2.7 us more at 8
-// tokens (2x H200, session 12).
+// tokens (2x H200).
 FC_DEVICE void chunk_masks(const FcEpArgs& a, fc_u32 chunk, fc_u8* masks) {
     const fc_u32 t = fc_thread_id(), nt = fc_block_threads();
     const ExpertRanks x = expert_ranks(a);
@@ -293,13 +297,13 @@ FC_DEVICE void chunk_masks(const FcEpArgs& a, fc_u32 chunk, fc_u8* masks) {
     // Top-4 and top-8 rows of ids are one or two 16-byte vectors. (Loading
     // the last token's ids in place of those past the end, to skip the
     // branches, sent every block's threads to one L2 line: 5.7 us at 1 token,
-    // 2x H200, session 12.)
+    // 2x H200.)
     if ((a.topk == 4u || a.topk == 8u) && (a.topk_idx & 15u) == 0) {
         // Runs past the last token (the same for every thread) are skipped
         // whole; within the others a missing id reads as -1 (no rank), so
         // the masks take no branch per token or per id (a branch around each
         // top-8 half and each token: 128 tokens 20.00-20.02 against
-        // 19.88-19.91 us a dispatch + combine, 2x H200, session 18, call b).
+        // 19.88-19.91 us a dispatch + combine, 2x H200).
         const fc_u32 left = a.num_tokens - chunk;
         const fc_u32 runs = left >= FC_EP_LAYOUT_RUN * nt ? FC_EP_LAYOUT_RUN : (left + nt - 1u) / nt;
         const bool top8 = a.topk == 8u;
@@ -491,7 +495,7 @@ FC_HEAP_KERNEL(fc_ep_layout, FcEpArgs) {
 // neighbouring units, 2048 warps over 4 pieces a row, a warp keeps one piece
 // of every row it takes; the metadata on the first, full piece made those
 // warps the slowest: 4096 tokens, the dispatch alone 100.33-100.38 against
-// 100.81-100.82 us, 2x H200, session 16, call e). Each block then sets its flag word for this
+// 100.81-100.82 us, 2x H200). Each block then sets its flag word for this
 // source at every rank to the epoch, block 0's with the rows it sent there
 // (FC_EP_COUNT_BITS; after a block barrier: the release covers the block's
 // puts), and block 0 waits until every source's every block's word reaches
@@ -515,7 +519,7 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
     // Block 0's thread r < world signals rank r with the rows this rank
     // sends it (FC_EP_COUNT_BITS): no count travels on its own. A count
     // stored to a peer before the puts held up the warp that made it for
-    // ~1-1.5 us (phase stamps, 2x H200, session 14), and each receiver read
+    // ~1-1.5 us (phase stamps, 2x H200), and each receiver read
     // recv_counts after the signals, one more load at the dispatch's end.
     const bool counter = fc_block_id() == 0 && t < world;
     fc_u32 sends = 0;
@@ -580,7 +584,7 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
         // up, every rank's warps put to rank 0 first. At world 4, a
         // dispatch + combine at 128 / 512 / 4096 tokens bf16 took 41.3-41.6
         // / 132.1 / 928.8-929.0 against 48.3 / 149.6-149.8 / 945.0-945.2
-        // us (4x H200, session 21, call e).
+        // us (4x H200).
 #pragma unroll 1 // unrolled over FC_MAX_RANKS, the loop's code kept the fast path apart (see cold_put_warp)
         for (fc_u32 i = 1; i <= world; ++i) {
             const fc_u32 r = rank_after(me, i, world);
@@ -622,7 +626,7 @@ FC_DEVICE void dispatch(const FcEpArgs& a) {
     // Each block sets its own word at every rank to the epoch, after a
     // block barrier (the release covers the block's puts). One word per
     // source that every block added 1 to took 0.1-0.5 us longer up to 128
-    // tokens (2x H200, session 14), we think because a peer's adds to one
+    // tokens (2x H200), we think because a peer's adds to one
     // word queue at its L2 behind each other (not measured apart).
     fc_barrier();
     const fc_u64 mark = epoch << FC_EP_COUNT_BITS;
@@ -663,7 +667,7 @@ FC_HEAP_KERNEL(fc_ep_dispatch, FcEpArgs) {
 }
 // The dispatch with its own layout, for up to FC_EP_LAYOUT_RUN tokens a
 // thread (one chunk): no layout kernel before it (3.7 to 4.4 us up to 128
-// tokens on 2x H100, session 10).
+// tokens on 2x H100).
 FC_HEAP_KERNEL(fc_ep_dispatch_layout, FcEpArgs) {
     // Inputs of an empty batch may be empty views: nothing to touch.
     fc_ep::begin(a.num_tokens != 0 ? a.topk_idx : 0, a.num_tokens != 0 ? a.x : 0);
@@ -696,9 +700,9 @@ FC_HEAP_KERNEL(fc_ep_dispatch_layout, FcEpArgs) {
 // dispatch writes; the row counts they combine from are their own copies
 // (FC_EP_FLAG_SEEN, taken by the dispatch), which no peer writes. A rank's
 // next combine puts into a peer's inbox only after that peer's next
-// dispatch, which follows its sums that emptied the inbox. Session 11's
-// phase stamps put the flag round trip that ended this kernel at ~3 us of a
-// 26 us dispatch + combine at 128 tokens (2x H200).
+// dispatch, which follows its sums that emptied the inbox. A flag round
+// trip to end this kernel would cost ~3 us of a 26 us dispatch + combine at
+// 128 tokens (phase stamps, 2x H200).
 //
 // The plain combine ends as the dispatch does: after a block barrier, each
 // block adds 1 to every rank's combine flag for this rank, and block 0
@@ -710,21 +714,17 @@ namespace fc_ep {
 // The combine's blocks in two roles, so that the sums run while the puts do:
 // the first put_eighths() eighths of the grid put rows, the rest sum (a
 // grid of one block does both, in turn). Whole blocks, not half of each
-// block's warps (session 10): a putting warp's stores to a peer drain at the
-// link's pace, and a summing warp's loads on the same multiprocessor queued
-// behind them, so at 4096 tokens the sums ended ~100 us after the puts (2x
-// H200, session 11's phase stamps). Ids and counts span the role's blocks.
+// block's warps: a putting warp's stores to a peer drain at the link's
+// pace, and a summing warp's loads on the same multiprocessor queued behind
+// them, so at 4096 tokens the sums ended ~100 us after the puts (2x H200,
+// phase stamps). Ids and counts span the role's blocks.
 // Eighths of the grid that put: fewer putting blocks still keep the link
-// busy, and more summing blocks keep up with it. 2x H200, us a dispatch +
-// combine at 4096 tokens a rank, bf16 / fp8 (session 11, calls g and h, one
-// job each): 5/8 418.32 / 333.39, 4/8 370.46 / 296.84, 3/8 363.22 / 291.26
-// and 363.02 / 289.79, 2/8 355.35 / 284.64; below 512 tokens all level.
-// At world 4 too, since the puts go round the sources (see combine_ll):
-// when every rank put to one source at a time, that source's links were
-// full and one eighth of the grid did as well as two (session 12); going
-// round, 2/8 against 1/8 at 512 and 1024 tokens, bf16 150.3 / 267.0-267.3
-// against 154.5-154.8 / 277.9-278.8 us, fp8 117.8 / 209.2-209.3 against
-// 123.8-124.1 / 223.0 (4x H200, session 21, call b).
+// busy, and more summing blocks keep up with it. 2x H200, 4096 tokens a
+// rank, bf16 / fp8: 2/8 355.35 / 284.64 against 3/8 363.22 / 291.26 and
+// 4/8 370.46 / 296.84; below 512 tokens all level. World 4 (4x H200; the
+// puts go round the sources, see combine_ll), 2/8 against 1/8 at 512 and
+// 1024 tokens: bf16 150.3 / 267.0-267.3 against 154.5-154.8 / 277.9-278.8
+// us, fp8 117.8 / 209.2-209.3 against 123.8-124.1 / 223.0.
 //
 // Large batches up to world 4 (fc_ep_combine_ll_take, which the host
 // launches from TAKE_TOKENS a rank) take their sums in a different way: 5/8 of
@@ -738,7 +738,7 @@ namespace fc_ep {
 // of more putting blocks lost (64: 357.2-357.6 / 286.5-286.6): fewer
 // summing warps each took every Nth unit and fell behind the rows. Taken
 // from the counter, with 64 / 80 putting blocks, 340.7-341.1 / 340.3-340.4
-// bf16, 268.1-268.3 / 267.0-267.4 fp8 (2x H200, session 19, calls c-f);
+// bf16, 268.1-268.3 / 267.0-267.4 fp8 (2x H200);
 // from 1024 tokens down level or slower, and 0.7-2 us slower at 128
 // tokens (an atomic a unit, and fewer summing warps).
 // The roles are this rank's own affair (nothing counts blocks), so they may
@@ -747,19 +747,14 @@ namespace fc_ep {
 #define FC_EP_PUT_EIGHTHS 2u
 #endif
 // Eighths of the grid that put in fc_ep_combine_ll_take, at every world
-// that takes units. 2x H200, session 20, call c, 5 / 6 / 7 eighths: 4096
-// tokens bf16 339.7-340.0 / 339.3-339.4 / 347.7-348.0 us, fp8 266.9-267.0 /
-// 266.5 / 276.3-276.4; 2048 tokens bf16 176.2-176.6 / 177.0-177.2 /
-// 179.2-179.4 (4 eighths: 340.7-341.1 at 4096, session 19). World 4 (4x
-// H200, session 21), with the puts going round the sources: 5 / 4 eighths
-// (call i), 4096 tokens bf16 918.5-918.6 / 922.8-923.3, fp8 710.2-710.7 /
-// 715.4-715.6, 2048 tokens bf16 469.6-469.8 / 471.2-472.3; 4 / 3 (call e)
-// 939.0-939.2 / 945.0-945.2 at 4096 bf16; 3 / 2 (call b) 946.4-947.7 /
-// 963.4-964.5. (Source by source, 2 eighths had won over 5 there: session
-// 20, call h.) World 3 (192 experts; 4x H200, session 22, call b), 5 / 4 /
-// 6 eighths: 4096 tokens bf16 649.9-650.1 / 654.1-654.2 / 649.8-649.9, fp8
-// 502.9-503.1 / 507.4 / 502.2-502.3; 2048 tokens bf16 333.8-334.1 / 335.9
-// / 334.3, fp8 259.8-260.0 / 261.7-261.9 / 260.1-260.3.
+// that takes units: 5, as 6 was level and 4 or 7 slower. 4096 tokens bf16,
+// us: world 2 (2x H200), 5 / 6 / 7 eighths 339.7-340.0 / 339.3-339.4 /
+// 347.7-348.0 (fp8 and 2048 tokens alike; 4 eighths 340.7-341.1, in
+// another job); world 4 (4x H200), 5 / 4 eighths 918.5-918.6 / 922.8-923.3,
+// fp8 710.2-710.7 / 715.4-715.6 (BENCHMARKS.md, "EP dispatch + combine",
+// the world-4 note on the take kernel's share), fewer eighths slower still;
+// world 3 (192 experts, 4x H200), 5 / 4 / 6 eighths 649.9-650.1 /
+// 654.1-654.2 / 649.8-649.9 (fp8 and 2048 tokens alike).
 #ifndef FC_EP_TAKE_EIGHTHS
 #define FC_EP_TAKE_EIGHTHS 5u
 #endif
@@ -768,8 +763,7 @@ namespace fc_ep {
 // warp, not of the lanes that happened to finish their polls together: 512
 // and 1024 tokens 52.3 / 94.4-94.5 against 54.1-54.4 / 96.1-96.4 us bf16,
 // 41.8-41.9 / 75.5 against 43.4-43.6 / 76.6-77.2 fp8; at 128 tokens 20.1
-// against 19.3-19.5, the slowest lane's wait (2x H200, session 19, calls g
-// and h).
+// against 19.3-19.5, the slowest lane's wait (2x H200).
 #ifndef FC_EP_WHOLE_TOKENS
 #define FC_EP_WHOLE_TOKENS 512u
 #endif
@@ -876,7 +870,7 @@ FC_DEVICE void store16_any(char* p, const fc_vec16& v, bool aligned) {
 // Every load issues before the first check: with the check between them
 // each load waited for the one before (four round trips a look); issued
 // together, a dispatch + combine at 128 tokens took 19.44-19.48 against
-// 19.72-19.87 us, at 4096 346 against 349.5 (2x H200, session 18, call c).
+// 19.72-19.87 us, at 4096 346 against 349.5 (2x H200).
 // (v[k] of a pack still missing holds what the last look saw.)
 FC_DEVICE fc_u32 take_packs(const char* rows, fc_u64 step, fc_vec16 (&v)[FC_EP_SUM_PACKS], fc_u32 pending) {
 #pragma unroll
@@ -965,7 +959,7 @@ namespace fc_ep {
 // out are 16-byte aligned (the usual case), with no alignment test per pack,
 // and for any alignment, out of line (combine_ll_any). 4096 tokens bf16
 // 349.0-349.4 against 350.4-351.1 us, fp8 275.4-275.6 against 277.1-277.8;
-// 128 tokens level (2x H200, session 18, call b). TAKE (aligned only): the
+// 128 tokens level (2x H200). TAKE (aligned only): the
 // sums take units from the counter (see combine_roles), in a kernel of its
 // own (fc_ep_combine_ll_take).
 template <bool ALIGNED, bool TAKE>
@@ -987,8 +981,7 @@ FC_DEVICE void combine_ll(const FcEpArgs& a) {
         // holds world * max rows), and the loads are dropped when the count
         // does not reach the row. A warp's first unit goes out before the
         // counts that bound the loop: 0.05-0.15 us off a 128-token dispatch +
-        // combine, in each of three jobs on 2x H100 (session 15; session 14
-        // had seen 0.05-0.2 and left it out). Plain 16-byte stores, as the
+        // combine, in each of three jobs on 2x H100. Plain 16-byte stores, as the
         // dispatch's: each 32-bit element is single-copy atomic, which is
         // all a Lamport reader needs (it checks every 16-bit half).
         //
@@ -999,7 +992,7 @@ FC_DEVICE void combine_ll(const FcEpArgs& a) {
         // of all the others at once. Source by source (every rank putting
         // to rank 0 first, then to rank 1, ...), a dispatch + combine at
         // 4096 tokens took 1313-1317 against 963-964 us at world 4 and 834
-        // against 657.5 at world 3 (bf16; 4x H200, session 21, call b).
+        // against 657.5 at world 3 (bf16; 4x H200).
         const fc_u64 pieces = fc_ep::pieces_of(row_bytes);
         const fc_u32 peers = world - 1u;
         fc_ep::BackLoad cur;
@@ -1013,7 +1006,7 @@ FC_DEVICE void combine_ll(const FcEpArgs& a) {
         }
         // Only rows past the fewest any source gets test their own source's
         // count (at world 2, none: a count a unit cost 0.1-0.2 us up to 512
-        // tokens, 2x H200, session 21, call d).
+        // tokens, 2x H200).
         const fc_ep::RowSpan span = fc_ep::row_span(a, peers);
         const fc_u64 units = span.most * pieces * peers;
         for (fc_u64 u = w.put_id; u < units; u += w.put_count) {
@@ -1149,9 +1142,9 @@ FC_HEAP_KERNEL(fc_ep_combine_ll, FcEpArgs) {
 // launches it from TAKE_TOKENS a rank up to world 4 (src/ep/mod.rs). A
 // kernel of its own, because either way inside one kernel cost: one body
 // choosing at run time took 0.3-0.4 us longer at 128 tokens, where it never
-// takes (session 19, call i), and the take body out of line (a call) lost
-// its gain (4096 tokens bf16 346.8-347.0 against the head's 346.1-346.9
-// us, fp8 273.1-273.3 against 272.4-273.0; 2x H200, session 20, call a).
+// takes, and the take body out of line (a call) lost its gain (4096 tokens
+// bf16 346.8-347.0 against 346.1-346.9 us inline, fp8 273.1-273.3 against
+// 272.4-273.0; 2x H200).
 FC_HEAP_KERNEL(fc_ep_combine_ll_take, FcEpArgs) {
     fc_ep::begin(a.x, a.recv_src);
     if (((a.x | a.out) & 15u) != 0)

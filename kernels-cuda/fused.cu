@@ -157,9 +157,10 @@ FC_DEVICE fc_u32 fu_code2(float q0, float q1) {
 template <int PAT>
 FC_DEVICE void fu_store_quant(char* at, const float (&y)[8], float scale) {
     // A scale outside [2^-30, 2^30] (a caller's static one) divides, and
-    // so does INT8: measured on 2x H200 (run15-session7 d -> e), the
-    // reciprocal took FP8 rows 1-2048 x 4096 down 10-18%, but 2048 x 8192
-    // INT8 rows up 5% (244.9 -> 257.2 us).
+    // so does INT8: measured on 2x H200 (the bench of BENCHMARKS.md, "Fused
+    // all-reduce + residual + RMSNorm, beside FlashInfer"), the reciprocal
+    // took FP8 rows 1-2048 x 4096 down 10-18%, but 2048 x 8192 INT8 rows up
+    // 5% (244.9 -> 257.2 us).
     const bool fast = PAT != FU_PAT_RMS_I8TOK && scale >= 0x1p-30f && scale <= 0x1p30f;
     const float rcp = fast ? fc_frcp(scale) : 0.0f;
     fc_u32 w[2] = {0u, 0u};
@@ -407,7 +408,7 @@ FC_DEVICE bool fu_row_at(const FuPieces& m, fc_u64 row_bytes, fc_u64 v, const ch
 // The epilogue with the whole block on one row at a time, for blocks that
 // own few rows (one group per row would leave most of the block idle and
 // walk each row in a chain of dependent loads: 13.9 us for one 4096-wide
-// row on H200, run 9). Same results bit for bit: the elementwise steps
+// row on H200). Same results bit for bit: the elementwise steps
 // (all-reduce in rank order, residual add, norm, quantization) may run on
 // any thread; the sum of squares keeps its order (group 0, lane l over packs
 // l, l + 32, ... of the stored residual, then the butterfly); the row's
@@ -715,9 +716,9 @@ FC_DEVICE float fu_block_max(float amax, float* shared) {
 // its own arrival (common.cuh, "Lamport area"), so no flag round trip and
 // no grid barrier sit between a rank's rows and the epilogue that reads them
 // (the push one-shot's arrive_wait was most of its time at a few tokens).
-// The rows travel as they are: the LL all-reduce's lines, which this kernel
-// used first, carry 8 data bytes in 16, and from 32 rows of 4096 the kernel
-// was bound by those bytes (2x H200, run15-session7). The whole call is one
+// The rows travel as they are: the LL all-reduce's lines carry 8 data bytes
+// in 16, and from 32 rows of 4096 a kernel on them was bound by those bytes
+// (2x H200). The whole call is one
 // epoch: the host takes this kind only when every row fits one source's
 // part of the area (tokens * row_bytes <= lamport_stride) and a row fits
 // FU_LL_PACKS packs a thread. Block b owns rows [b*per, (b+1)*per), one row

@@ -51,7 +51,7 @@ fn run(world: usize) {
         // reduce-to threshold (8 MiB), with room for the rest. Autotune off:
         // the suite checks the kinds the library picks (by the epochs they
         // take), which a table cached by an earlier bench on the machine
-        // would override (a large all-to-all routed to NCCL, session 13).
+        // would override (such a table can route a large all-to-all to NCCL).
         |o| {
             o.with_heap_bytes(((world * 24) << 20).max(64 << 20))
                 .with_autotune(false)

@@ -108,7 +108,7 @@ def run_example(name: str) -> str:
 
 
 def test_windows_example_runs():
-    """python/examples/host_windows.py (the README's window example)."""
+    """python/examples/host_windows.py (the window example of docs/usage.md, "Python")."""
     out = run_example("host_windows.py")
     assert sorted(re.findall(r"rank (\d): got", out)) == ["0", "1", "2"], out
 
@@ -130,7 +130,7 @@ def test_ep_peer_never_dispatches():
 
 
 def test_ep_example_runs():
-    """python/examples/host_ep.py (the README's EP example)."""
+    """python/examples/host_ep.py (the EP example of docs/usage.md, "EP dispatch and combine")."""
     out = run_example("host_ep.py")
     assert sorted(re.findall(r"rank (\d): sent", out)) == ["0", "1"], out
     assert out.count("combined rows match") == 2, out

@@ -485,16 +485,18 @@ fn default_all_reduce(backend: BackendKind, world: usize) -> Vec<Step> {
 /// library, except blocks the LL kinds carry, which beat it
 /// ([`ll_max_block_bytes`]).
 ///
-/// Measured on 2x H200 (NV18), bf16, CUDA-graph replay, world 2,
-/// `ferrocomm-bench --coll all --algo auto,nccl --graph` (bench/2026-11-23-h200x2/run8),
-/// kernels / NCCL called directly, us, by the bench's size (all-gather's
-/// output, reduce-scatter's input: two blocks; reduce's buffer: one block):
+/// Measured on 2x H200 (NV18), bf16, CUDA-graph replay, world 2, with the
+/// inbox kernels at every size (the bench and method of BENCHMARKS.md,
+/// "All-gather, reduce-scatter, all-to-all"; the page's tables show `auto`,
+/// which gives these sizes to the LL kinds), kernels / NCCL called directly,
+/// us, by the bench's size (all-gather's output, reduce-scatter's input: two
+/// blocks; reduce's buffer: one block):
 ///
 /// ```text
-///            4K      64K     256K    512K    1M      4M      16M     64M
-/// all-gather 6.6/5.5 8.2/6.5 8.4/7.1 8.6/8.1 9.4/10.7 14.3/25.5 35.5/44.9 120.5/122.8
-/// red-scat.  6.5/5.5 7.9/6.3 8.2/6.9 8.3/7.8 8.7/9.9  13.6/23.5 34.8/50.9 117.8/163.3
-/// reduce     6.0/4.8 7.1/5.3 7.3/6.3 7.7/7.8 8.6/10.7 17.3/22.0 51.4/56.1 193.7/195.5
+///            4K      512K    1M
+/// all-gather 6.6/5.5 8.6/8.1 9.4/10.7
+/// red-scat.  6.5/5.5 8.3/7.8 8.7/9.9
+/// reduce     6.0/4.8 7.7/7.8 8.6/10.7
 /// ```
 ///
 /// The kernels' push, flag and copy-out cost about 1 us more than NCCL's
@@ -508,16 +510,15 @@ pub(crate) const CUSTOM_MIN_BLOCK_BYTES: usize = 512 << 10;
 /// kind with an agreed block) that `auto` gives NCCL/RCCL: below it the
 /// kernels are level or ahead, above it NCCL's copy is faster.
 ///
-/// Measured on 2x H200 (NV18), bf16, graph replay, world 2, `ferrocomm-bench
-/// --coll all --algo auto,nccl --graph` (bench/2026-11-23-h200x2/run14-session6,
-/// `collbench_w2.log`), kernels (LL to 256 KiB a peer, then the inbox
-/// exchange) / NCCL called directly, us, by the per-peer block:
+/// Measured on 2x H200 (NV18), bf16, graph replay, world 2, the kernels
+/// forced at every size (LL to 256 KiB a peer, then the inbox exchange) /
+/// NCCL called directly, us, whole calls (input of 2 blocks), by the
+/// per-peer block (the bench and method of BENCHMARKS.md, "All-gather,
+/// reduce-scatter, all-to-all", whose table shows `auto`, NCCL from 16 MiB):
 ///
 /// ```text
-/// 2K 1.77/3.20 (x2: 3.55/6.40 for the call)   32K 4.37/7.81   256K 5.80/9.63
-/// 512K 9.43/12.55   4M 21.96/24.96   8M 37.14/37.51   16M 67.39/64.17   32M 123.27/110.72
+/// 4M 21.96/24.96   8M 37.14/37.51   16M 67.39/64.17   32M 123.27/110.72
 /// ```
-/// (whole calls, input of 2 blocks.)
 pub(crate) const A2A_VENDOR_MIN_BLOCK_BYTES: usize = 16 << 20;
 
 /// Largest agreed per-peer block (bytes) the exchange and the reduce-to
@@ -528,25 +529,26 @@ pub(crate) const A2A_VENDOR_MIN_BLOCK_BYTES: usize = 16 << 20;
 ///
 /// Measured on 2x H200 (NV18), bf16, graph replay, `ferrocomm-bench --coll
 /// all_gather,reduce_scatter,reduce --algo auto,nccl --graph` with
-/// `FERROCOMM_COLL_ROUTE=custom` and LL forced up to 4 MiB a peer, off, or
-/// at its default (bench/2026-11-23-h200x2/run13-session5), us, LL / inbox
+/// `FERROCOMM_COLL_ROUTE=custom` and LL forced on or off (the method of
+/// BENCHMARKS.md, "All-gather, reduce-scatter, all-to-all"), us, LL / inbox
 /// kernels / NCCL called directly, by the per-peer block:
 ///
 /// ```text
-///             512B            32K             128K            256K             512K
-/// all-gather  3.52/6.56/5.18  4.32/8.14/6.33  4.99/8.36/6.95  5.79/8.63/8.00   8.88/9.39/10.60
-/// red-scat.   3.39/6.52/5.29  4.25/7.90/6.28  5.20/8.15/6.95  6.09/8.22/7.87   9.10/8.67/10.01
-/// reduce      3.14/5.98/4.83  4.05/7.00/5.47  4.88/7.28/6.44  6.11/7.69/7.92   8.52/8.64/10.87
+///             256K             512K
+/// all-gather  5.79/8.63/8.00   8.88/9.39/10.60
+/// red-scat.   6.09/8.22/7.87   9.10/8.67/10.01
+/// reduce      6.11/7.69/7.92   8.52/8.64/10.87
 /// ```
 ///
-/// LL wins to 256 KiB a peer in every row; at 512 KiB the inbox kinds catch
-/// up (reduce-scatter 8.67 against 9.10). World 4, measured on 4x H100
-/// (bench/2026-11-27-h100x4/run16-session8/d, graph replay, bf16, us, LL /
-/// inbox kernels at 128 KiB and 256 KiB a peer): all-gather 7.03 / 10.51,
-/// 9.13 / 12.88; reduce-scatter 7.03 / 11.75, 9.27 / 12.02; all-to-all
-/// 7.02 / 13.42, 9.16 / 13.69 (NCCL 9.4-13.6); autotune put the LL step at
-/// 256 KiB there too. World 3 sits between (not measured); above 4, 32 KiB
-/// (not measured).
+/// LL wins to 256 KiB a peer in every row (by more at smaller blocks); at
+/// 512 KiB the inbox kinds catch up (reduce-scatter 8.67 against 9.10).
+/// World 4, 4x H100 (graph replay, bf16, us, LL / inbox kernels at 128 KiB
+/// and 256 KiB a peer: autotune's table against the static one, BENCHMARKS.md,
+/// "Autotune at init"): all-gather 7.03 / 10.51, 9.13 / 12.88;
+/// reduce-scatter 7.03 / 11.75, 9.27 / 12.02; all-to-all 7.02 / 13.42,
+/// 9.16 / 13.69 (NCCL 9.4-13.6); autotune put the LL step at 256 KiB there
+/// too.
+/// World 3 sits between (not measured); above 4, 32 KiB (not measured).
 pub(crate) fn ll_max_block_bytes(world: usize) -> usize {
     match world {
         0..=4 => 256 << 10,
@@ -562,9 +564,10 @@ impl DispatchTable {
         let ladders: [Ladders; 9] = std::array::from_fn(|world| Ladders::default_for(backend, world));
         DispatchTable {
             ladders,
-            // Never by default: on 4x H200 (BENCHMARKS.md run 2) two-shot push
-            // matches or beats NCCL's busbw at every size up to 256 MiB, so
-            // handing large payloads over would only cost determinism.
+            // Never by default: on 4x H200 (BENCHMARKS.md, "All-reduce",
+            // "World 4 (4x H200)") two-shot push matches or beats NCCL's
+            // busbw at every size up to 256 MiB, so handing large payloads
+            // over would only cost determinism.
             // NCCL stays reachable with `algo = nccl`.
             ccl_min_bytes: usize::MAX,
             qr_min_bytes: std::array::from_fn(|_| match backend {
@@ -574,7 +577,7 @@ impl DispatchTable {
                 // `algo = quick-reduce-<codec>`, the reference for GPUs.
                 BackendKind::Host => usize::MAX,
                 // From 4 MiB every codec matches or beats the push two-shot on
-                // H200 (bf16, graph replay, us; BENCHMARKS.md):
+                // H200 (bf16, graph replay, us; BENCHMARKS.md, "Quick-reduce"):
                 //   w4  2 MiB: two-shot 19.2, int4 21.0, int8 22.0
                 //       4 MiB: two-shot 28.5, int4 25.0, int6 27.9, int8 27.6, fp8 28.8
                 //   w2  2 MiB: two-shot 14.7, int4 16.2; 4 MiB: 20.9 vs int4 18.8, int8 19.8

@@ -153,17 +153,18 @@ impl FusedKind {
 /// Payloads (tokens x hidden x element size, bytes) from which dispatch
 /// takes the two-shot, at world 2 and at larger worlds.
 //
-// World 2, measured on 2x H200 (bf16, graph replay, us, one-shot / two-shot;
-// bench/2026-11-23-h200x2/run9/fused_w2_h4096.log, every pattern alike):
-// 1 MiB (128 x 4096) rms 22.7 / 34.8, 16 MiB (2048 x 4096) rms 112.4 / 97.6;
-// hidden 8192: 2 MiB (128 rows) one-shot ahead, 32 MiB two-shot ahead
-// (fused_w2_h8192.log). The 4 MiB threshold sits between. World 4,
-// measured on 4x H100 (rms, bf16, graph replay, us, push one-shot /
-// two-shot; bench/2026-11-27-h100x4/run16-session8/b/fused_w4_h*.log):
-// 1 MiB 22.2 / 25.6 (128 x 4096), 21.8 / 35.0 (64 x 8192); 2 MiB 37.2 /
-// 30.8 (256 x 4096), 36.1 / 39.8 (128 x 8192); 4 MiB 64.2 / 40.6, 68.0 /
-// 48.5. The 1 MiB it had (the all-reduce's crossover, unmeasured) lost up
-// to 38%; 2 MiB is the split.
+// World 2, measured on 2x H200 (bf16, graph replay, us, push one-shot /
+// two-shot, every pattern alike; the bench of BENCHMARKS.md, "Fused
+// all-reduce + residual + RMSNorm, beside FlashInfer", whose world-2 table
+// times the LL one-shot): 1 MiB (128 x 4096) rms 22.7 / 34.8, 16 MiB (2048 x
+// 4096) rms 112.4 / 97.6; hidden 8192: 2 MiB (128 rows) one-shot ahead,
+// 32 MiB two-shot ahead. The 4 MiB threshold sits between. World 4, 4x H100
+// (rms, bf16, graph replay, us, push one-shot / two-shot; the same section,
+// "World 4", `bench/fused-4x-h100-2026-11-27/`): 1 MiB 22.07 / 25.85 (128 x
+// 4096), 21.49 / 34.96 (64 x 8192); 2 MiB 36.97 / 31.09 (256 x 4096),
+// 35.89 / 39.63 (128 x 8192); 4 MiB 63.82 / 40.71, 67.81 / 48.44. A 1 MiB
+// threshold (the all-reduce's crossover) would take the two-shot where it
+// is up to 63% slower; 2 MiB is the split.
 pub const FUSED_TWOSHOT_MIN_BYTES: [usize; 2] = [4 << 20, 2 << 20];
 
 /// Payloads (bytes in all) up to which dispatch takes the LL one-shot, at
@@ -172,16 +173,17 @@ pub const FUSED_TWOSHOT_MIN_BYTES: [usize; 2] = [4 << 20, 2 << 20];
 //
 // Since the rows travel as they are (Lamport area), the LL one-shot is the
 // fastest fused kind wherever it fits. rms, bf16, graph replay, us, LL /
-// push one-shot / two-shot. World 2 on 2x H100
-// (bench/2026-11-27-h100x2/run17-session9/b/fused_w2_h*.log): 64 x 4096
-// (512 KiB) 7.50 / 10.35 / 16.28; 256 x 4096 (2 MiB) 13.78 / 23.84 / 20.65;
-// 512 x 4096 (4 MiB) 24.81 / 35.67 / 32.62; 256 x 8192 (4 MiB) 23.30 /
-// 40.41 / 31.33 (res alike: 19.65 / 28.32 / 24.26 at 512 x 4096). World 4
-// on 4x H100 (run17-session9/c): 128 x 4096 (1 MiB) 16.22 / 22.07 / 25.85;
-// 256 x 4096 (2 MiB) 27.65 / 36.97 / 31.09; 128 x 8192 (2 MiB) 27.18 /
-// 35.89 / 39.63 (res at 2 MiB: 25.27 / 28.87 / 22.65 and 25.33 / 28.73 /
-// 25.05, the only rows where LL is not first). On LL lines (before) the
-// crossover was 256 KiB at world 2.
+// push one-shot / two-shot (BENCHMARKS.md, "Fused all-reduce + residual +
+// RMSNorm, beside FlashInfer"). World 2 on 2x H100 (the bench of that
+// section): 64 x 4096 (512 KiB) 7.50 / 10.35 / 16.28; 256 x 4096 (2 MiB)
+// 13.78 / 23.84 / 20.65; 512 x 4096 (4 MiB) 24.81 / 35.67 / 32.62; 256 x
+// 8192 (4 MiB) 23.30 / 40.41 / 31.33 (res alike: 19.65 / 28.32 / 24.26 at
+// 512 x 4096). World 4 on 4x H100 (its "World 4" table and logs): 128 x
+// 4096 (1 MiB) 16.22 / 22.07 / 25.85; 256 x 4096 (2 MiB) 27.65 / 36.97 /
+// 31.09; 128 x 8192 (2 MiB) 27.18 / 35.89 / 39.63 (res at 2 MiB: 25.27 /
+// 28.87 / 22.65 and 25.33 / 28.73 / 25.05, the only rows where LL is not
+// first). Carried on LL lines (8 data bytes in 16), the one-shot lost to
+// the others from 256 KiB at world 2.
 pub const FUSED_LL_MAX_BYTES: [usize; 2] = [4 << 20, 2 << 20];
 
 /// The fused kernel dispatch picks for `tokens` rows of `bytes` in all at
@@ -513,8 +515,9 @@ impl FusedCall {
             // A block a row, on every multiprocessor: each block waits for
             // its rows' lines alone, so more blocks are more bytes in
             // flight (rms 128 x 4096 on 2x H200: 15.97 us at the LL
-            // all-reduce's cap of 64 blocks, 13.14 at 128; run15-session7
-            // c and d).
+            // all-reduce's cap of 64 blocks, 13.14 at 128; the bench of
+            // BENCHMARKS.md, "Fused all-reduce + residual + RMSNorm, beside
+            // FlashInfer").
             FusedKind::OneShotLl => (rows as u32).min(grids.resident_blocks()),
             _ => grid.grid.min(rows as u32),
         }

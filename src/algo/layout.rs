@@ -171,7 +171,8 @@ pub const fn qr_stride(slot_bytes: usize, world: usize) -> usize {
 /// Codec blocks per quick-reduce segment (a run of them fills at most one
 /// inbox): what fits the inbox, and no more than a chunk of `chunk_bytes`
 /// encoded bytes (all segments together) holds. Smaller chunks keep a
-/// chunk's inboxes and results in L2 (measured on H200, BENCHMARKS.md).
+/// chunk's inboxes and results in L2 (measured on H200: BENCHMARKS.md,
+/// "Quick-reduce", paragraph "Chunk cap").
 pub const fn qr_segment_blocks(code_bytes: usize, slot_bytes: usize, world: usize, chunk_bytes: usize) -> usize {
     let fit = qr_stride(slot_bytes, world) / (code_bytes + 2);
     let want = chunk_bytes / world / (code_bytes + 2);

@@ -87,23 +87,24 @@ pub const EP_KERNELS: [&str; 7] = [
 /// peer), so the ranks of one buffer need GPUs of one model.
 ///
 /// Measured on 2x H200, `FERROCOMM_EP_BLOCKS=b ferrocomm-bench --ep --graph`
-/// (bench/2026-11-23-h200x2/run14-session6, c and d), dispatch + combine us
-/// at 4096 tokens a rank, bf16 / fp8: 8 blocks 1655 / 1563, 32: 709 / 627,
-/// 64: 556 / 477, 128 (the most a launch takes): 491 / 410; to 1024 tokens
-/// 64 and 128 are level, and the grid changes nothing below 512 tokens.
+/// (the bench of BENCHMARKS.md, "EP dispatch + combine", on an earlier
+/// build), dispatch + combine us at 4096 tokens a rank, bf16 / fp8: 8 blocks
+/// 1655 / 1563, 32: 709 / 627, 64: 556 / 477, 128 (the most a launch
+/// takes): 491 / 410; to 1024 tokens 64 and 128 are level, and the grid
+/// changes nothing below 512 tokens.
 pub const EP_GPU_BLOCKS: u32 = 128;
 // A dispatch block has its own flag word, MAX_BLOCKS a source (layout.rs).
 const _: () = assert!(EP_GPU_BLOCKS as usize <= crate::algo::layout::MAX_BLOCKS);
 
 /// Tokens a rank from which, up to world [`TAKE_MAX_WORLD`], the one-kernel
 /// combine's sums take their units from a counter (`fc_ep_combine_ll_take`,
-/// see `combine_roles` in `kernels-cuda/ep.cu`). A dispatch + combine, bf16
-/// (session 20): 4096 tokens 340.0-340.2 against 346.5-347.1 us at world 2
-/// (2x H200, call b), 826.7-827.4 against 841.1-844.5 at world 3 and
-/// 1330.6-1334.4 against 1387.9-1390.3 at world 4 (4x H200, calls g and h;
-/// before the combine's puts went round the sources, session 21);
-/// 2048 tokens 2.5, 9 and 20 us faster. Below 2048 the counter measured
-/// level or slower (2x H200, session 19, call d).
+/// see `combine_roles` in `kernels-cuda/ep.cu`). A dispatch + combine, bf16,
+/// counter against none (the bench of BENCHMARKS.md, "EP dispatch +
+/// combine"): 4096 tokens 340.0-340.2 against 346.5-347.1 us at world 2 (2x
+/// H200), 826.7-827.4 against 841.1-844.5 at world 3 and 1330.6-1334.4
+/// against 1387.9-1390.3 at world 4 (4x H200, a build whose combine still
+/// put in rank order); 2048 tokens 2.5, 9 and 20 us faster. Below 2048 the
+/// counter measured level or slower (2x H200).
 const TAKE_TOKENS: usize = 2048;
 /// The largest world that takes units: not measured above 4 (no 8-GPU
 /// machine was lent).

@@ -71,8 +71,8 @@ extern "C" fn quiesce_global_pool() {
 /// function-local statics, on first use inside a compile. Those would run
 /// before a hook registered earlier, under a worker still compiling. The
 /// child of the cold-start test segfaulted at exit in every run that way
-/// (2x H200, session 17: the main thread inside this hook, waiting, and a
-/// worker faulting inside `nvrtcCompileProgram`): with a warm disk cache its
+/// (2x H200: the main thread inside this hook, waiting, and a worker
+/// faulting inside `nvrtcCompileProgram`): with a warm disk cache its
 /// first task was a load from disk, after which the hook was armed for the
 /// last time. Registering after every task puts the hook ahead of whatever
 /// a finished task registered; each registration is one entry in libc's
@@ -98,7 +98,7 @@ const LAST_DEVICE_WAIT: Duration = Duration::from_secs(20);
 /// last pauses it and waits for the tasks running, so that a process that
 /// exits after dropping its devices has no worker inside the vendor
 /// libraries while their destructors run (the cold-start test's child still
-/// crashed in 1 of 6 runs on 2x H200 with the exit hook alone, session 17).
+/// crashed in 1 of 6 runs on 2x H200 with the exit hook alone).
 /// The wait is at most one compile or load a worker; queued tasks stay
 /// queued for the next device, or for a module that waits on them
 /// ([`Pool::resume`]).

@@ -49,7 +49,8 @@ fn blocks_for(bytes: usize, cap: usize) -> u32 {
 /// The device put's cap: the most a device-API launch takes. A block's
 /// stores to a peer drain at a rate of their own: at 256 MiB, graph replay,
 /// 32 blocks put 351.9-352.2 GB/s, 64 362.5-362.8 and 128 366.4-366.5,
-/// against the copy engine's 390.7 (2x H200, session 20, call j).
+/// against the copy engine's 390.7 (2x H200; BENCHMARKS.md, "Heap put",
+/// `bench/heap-put-2x-h200-2026-11-28/put-grid.log`).
 const PUT_MAX_BLOCKS: usize = MAX_BLOCKS;
 
 /// The user all-gather's cap (the heap suite checks its output at grids up
