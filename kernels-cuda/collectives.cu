@@ -295,7 +295,7 @@ FC_DEVICE void store_line(char* buf, fc_u64 e0, fc_u64 hi, bool aligned4, fc_u32
 // still missing. A poll loads every pending line before it tests any: with
 // each test between the loads (ll_load), the sm_90 code issued one source's
 // load only after the previous one had returned, so at world >= 3 a poll
-// took a round trip per source (session 19; not timed at world >= 3).
+// took a round trip per source (not timed at world >= 3).
 FC_DEVICE bool ll_wait(const FcParams& p, const char* line, fc_u64 stride, fc_u32 s0, fc_u32 flag, fc_u32 epoch,
                        fc_u32 pending, fc_vec16 (&v)[4]) {
     const fc_u64 start = fc_globaltimer_ns();

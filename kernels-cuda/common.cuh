@@ -487,7 +487,7 @@ FC_DEVICE fc_u64 ll_unit(fc_u32 word, fc_u32 flag) { return ((fc_u64)flag << 32)
 // A line as loaded (ll_fetch), and whether both its units carry `flag`
 // (ll_arrived), apart: a reader of several lines issues every load before
 // it tests any, or each test waits for its load before the next load
-// issues (ll_wait's compiled polls did, session 19).
+// issues (ll_wait's compiled polls did).
 struct LlLine {
     fc_u64 a, b;
 };

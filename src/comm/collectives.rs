@@ -1244,7 +1244,8 @@ fn takes_ll<D: Device>(s: &Submit<'_, D>, dtype: DType, l: &Lists, agreed: usize
 ///
 /// Measured on 2x H200, bf16, graph replay, `FERROCOMM_DIRECT_MIN_BYTES=0
 /// ferrocomm-bench --coll all_gather,reduce_scatter,reduce --operands both`
-/// (bench/2026-11-23-h200x2/run13-session5), us, plain operands (inbox
+/// (the bench and method of BENCHMARKS.md, "All-gather, reduce-scatter,
+/// all-to-all"; the page does not carry this sweep), us, plain operands (inbox
 /// kinds, LL below 256 KiB) / heap operands (direct), by per-peer block:
 ///
 /// ```text

@@ -501,7 +501,7 @@ impl<D: Device> Communicator<D> {
     /// Ranks that share a process share the driver's module-loading lock.
     /// With kernels loaded lazily, one rank's load could wait on a peer's
     /// kernel that spins for this rank's launch: the thread-rank suite
-    /// stalled that way on 4x H100 (BENCHMARKS.md, eighth session: a fused
+    /// stalled that way on 4x H100 (BENCHMARKS.md, "Known problem: the thread-rank suite stalls": a fused
     /// kernel active on one GPU, the peer's thread and the compile pool
     /// inside the driver's lock), and CUDA's lazy-loading guide warns of it
     /// for kernels that must run concurrently. Loading everything before
