@@ -201,6 +201,20 @@ if [[ " $STEPS " == *" shared "* ]] && command -v torchrun >/dev/null; then
     # dropped works), FERROCOMM_FUZZ_TRIALS trials (300 by default).
     step shared_fuzz "${shared[@]}" torchrun --nproc_per_node=2 --no-python "$BIN/ferrocomm-worker" \
         fuzz --backend cuda --timeout-secs 60
+    # Mismatched calls: a different collective (LL against the flags) and
+    # all-to-all splits that disagree, both a mismatch on both ranks.
+    for coll in crossed all_to_all; do
+        step "shared_mismatch_$coll" "${shared[@]}" torchrun --nproc_per_node=2 --no-python \
+            "$BIN/ferrocomm-worker" mismatch --coll "$coll" --backend cuda --timeout-secs 20
+    done
+    # Autotune measures once per shape: a second communicator reads the
+    # table the first cached (COLD START's "communicator" time).
+    tuned="$(mktemp -d)"
+    cp "${FERROCOMM_CACHE_DIR:-/nonexistent}"/* "$tuned"/ 2>/dev/null
+    for k in first again; do
+        step "shared_autotune_$k" "${shared[@]}" FERROCOMM_AUTOTUNE=1 FERROCOMM_CACHE_DIR="$tuned" torchrun \
+            --nproc_per_node=2 --no-python "$BIN/ferrocomm-worker" coldstart --backend cuda --timeout-secs 60
+    done
     if command -v compute-sanitizer >/dev/null; then
         for tool in memcheck racecheck; do
             wrapper="/tmp/ferrocomm-sanitize-shared-$tool.sh"

@@ -46,6 +46,12 @@ fn fuzz(world: usize, trials: usize) {
             r.failures
         );
         assert_eq!(r.trials, cfg.trials, "world {world}, rank {rank}: not every trial ran");
+        // The host backend runs every call.
+        assert!(
+            r.refused.is_empty(),
+            "world {world}, rank {rank}: refused {:#?}",
+            r.refused
+        );
         if rank == 0 {
             eprintln!(
                 "world {world}: {} trials, {} bytes checked: {:?}",

@@ -114,12 +114,21 @@ fn mismatched_counts_are_an_error_not_garbage() {
 fn mismatched_all_to_all_splits_are_an_error_naming_the_peer() {
     let outs = run(&["mismatch", "--coll", "all_to_all", "--timeout-secs", "2"], 3, 60);
     assert_all_ok(&outs);
-    // Rank 1 receives what rank 0 sends: it sees the disagreement first.
-    assert!(
-        outs[1].stdout.contains("collective mismatch") && outs[1].stdout.contains("rank 0"),
-        "rank 1: {}",
-        outs[1].stdout
-    );
+    // Ranks 0 and 1 disagree about what 0 sends 1: both see it, naming
+    // each other.
+    for (rank, peer) in [(0, 1), (1, 0)] {
+        let out = &outs[rank].stdout;
+        assert!(
+            out.contains("collective mismatch") && out.contains(&format!("rank {peer}")),
+            "rank {rank}: {out}"
+        );
+    }
+}
+
+#[test]
+fn a_different_collective_is_a_mismatch_not_a_timeout() {
+    let outs = run(&["mismatch", "--coll", "crossed", "--timeout-secs", "20"], 3, 60);
+    assert_all_ok(&outs);
 }
 
 #[test]

@@ -10,9 +10,11 @@
 //!   the timeout.
 //! - `stall`: the victim sleeps past the timeout; the others must get a
 //!   timeout naming it.
-//! - `mismatch`: rank 0 passes a different count (`--coll all_reduce`) or
-//!   different all-to-all splits (`--coll all_to_all`); every rank must get
-//!   an error.
+//! - `mismatch`: rank 0 passes a different count (`--coll all_reduce`),
+//!   different all-to-all splits (`--coll all_to_all`: ranks 0 and 1 must
+//!   both see the mismatch), or calls all-reduce where the others call an
+//!   all-gather of the same bytes (`--coll crossed`: a mismatch, well
+//!   before the timeout); every rank must get an error.
 //! - `finalize`: use after finalize, double finalize and abort return errors.
 //! - `replay`: capture one all-reduce per algorithm into a graph and replay it
 //!   `--replays` times, changing the input before every replay and checking
@@ -272,8 +274,12 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
             comm.finalize()?;
             if r.is_clean() && r.trials == cfg.trials {
                 Ok(format!(
-                    "rank={rank} fuzz trials={} wrong=0 clobbered=0 disagreements=0 errors=0 bytes_checked={} calls={:?}",
-                    r.trials, r.bytes_checked, r.calls
+                    "rank={rank} fuzz trials={} wrong=0 clobbered=0 disagreements=0 errors=0 refused={} \
+                     bytes_checked={} calls={:?}",
+                    r.trials,
+                    r.refused.len(),
+                    r.bytes_checked,
+                    r.calls
                 ))
             } else {
                 Err(Error::Aborted(format!(
@@ -371,16 +377,29 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
                     let out = whole.slice(4096 * world, 16 * world)?;
                     comm.all_to_all_v_single(out, inp, &recvs, &sends, &Call::new())?
                 }
+                "crossed" => {
+                    let n = 4096 * world;
+                    if rank == 0 {
+                        comm.all_reduce(whole.slice(0, n)?, ReduceOp::Sum, &Call::new())?
+                    } else {
+                        let out = whole.slice(0, n)?;
+                        comm.all_gather_single(out, out.slice(rank * 4096, 4096)?, &Call::new())?
+                    }
+                }
                 _ => {
                     let count = if rank == 0 { 1000 } else { 4096 };
                     comm.all_reduce(whole.slice(0, count)?, ReduceOp::Sum, &Call::new())?
                 }
             };
             match work.wait(None) {
-                // All-to-all: the receiver of the mismatched block detects it;
-                // the sender's own data is whole (what it received agrees).
-                Ok(()) if a.coll == "all_to_all" && rank != 1 => Ok("completed: rank 1 detects".into()),
+                // All-to-all: the pair that disagrees (ranks 0 and 1) both
+                // detect it; the other ranks' blocks agree.
+                Ok(()) if a.coll == "all_to_all" && rank > 1 => Ok("completed: ranks 0 and 1 detect".into()),
                 Ok(()) => Err(Error::Aborted("mismatched calls completed silently".into())),
+                // Crossed protocols are a mismatch, seen before the deadline.
+                Err(e @ Error::Timeout { .. }) if a.coll == "crossed" => Err(Error::Aborted(format!(
+                    "a different collective became a timeout, not a mismatch: {e}"
+                ))),
                 Err(e @ (Error::Mismatch { .. } | Error::Timeout { .. })) => {
                     Ok(format!("elapsed_ms={} error={e}", start.elapsed().as_millis()))
                 }

@@ -69,6 +69,10 @@ pub struct FuzzReport {
     pub disagreements: usize,
     /// Errors from calls that should have succeeded.
     pub errors: Vec<String>,
+    /// Calls refused up front, alike on every rank, as `Unsupported` (a
+    /// premul_sum all-reduce on a GPU without NCCL/RCCL, say): listed, not
+    /// failures.
+    pub refused: Vec<String>,
     /// The first few failures, each naming its trial.
     pub failures: Vec<String>,
     /// Calls made, per collective.
@@ -661,6 +665,14 @@ pub fn run_fuzz<D: Device>(comm: &Communicator<D>, store: &dyn Store, cfg: &Fuzz
             (Some(w), false) => w.wait(Some(cfg.timeout)),
             _ => Ok(()),
         });
+        if let Err(Error::Unsupported(why)) = &outcome {
+            report
+                .refused
+                .push(format!("trial {trial} ({}): {why}", plan.describe(world)));
+            report.trials += 1;
+            hashes.push(0);
+            continue;
+        }
         if let Err(e) = outcome {
             let what = format!("rank {rank}, trial {trial} ({}): {e}", plan.describe(world));
             eprintln!("fuzz: {what}");
