@@ -553,9 +553,10 @@ FC_DEVICE bool ll_check_record(const FcParams& p, char* own, fc_u32 parity, fc_u
             }
             if (now >= look) {
                 look = now + FC_SLOW_WAIT_NS;
-                // The source started this epoch on the flags (phase 0) with
-                // another fingerprint: a different call.
-                if (arrived(fc_ld_acquire_sys(flag_ptr(p, own, 0, b, t)), epoch) &&
+                // The source started this epoch (exactly: one already past it
+                // left another launch's fingerprint in this parity's slot) on
+                // the flags with another fingerprint: a different call.
+                if (fc_ld_acquire_sys(flag_ptr(p, own, 0, b, t)) == epoch &&
                     fc_ld_volatile_u64(fp_ptr(p, own, parity, b, t)) != p.fingerprint) {
                     raise_mismatch(p, t, epoch);
                     return false;

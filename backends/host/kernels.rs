@@ -486,10 +486,11 @@ impl Launch<'_> {
         // SAFETY: flag, fingerprint and LL record slots lie inside our own
         // live workspace.
         unsafe {
+            // Exactly this epoch: a source already past it (done with an LL
+            // launch at this epoch, now in a flag launch at the next) left
+            // another launch's fingerprint in this parity's slot.
             let flag = atomic_u32(self.flag_addr(own, 0, src)).load(Ordering::Acquire);
-            if flag.wrapping_sub(self.epoch) as i32 >= 0
-                && atomic_u64(self.fp_addr(own, src)).load(Ordering::Relaxed) != fp
-            {
+            if flag == self.epoch && atomic_u64(self.fp_addr(own, src)).load(Ordering::Relaxed) != fp {
                 return true;
             }
             let rec = self.ll_fp_addr(self.me(), src);
