@@ -6,7 +6,8 @@
 //!
 //! Layers, top to bottom (each calls only the one below):
 //! 1. [`comm`]: the [`Communicator`] and its [`Work`] handles;
-//! 2. [`algo`]: dispatch and the host-side protocols (workspace, epochs);
+//! 2. [`plan`]: how each call runs, decided in one place; [`algo`]: the
+//!    host-side protocols (workspace, epochs, launches);
 //! 3. [`device`]: the device trait; [`heap`]: the symmetric heap and the
 //!    device API's context;
 //! 4. [`backends`]: host, cuda, hip (and `ccl`, the NCCL/RCCL table);
@@ -40,13 +41,14 @@ pub mod error;
 pub mod heap;
 #[doc(hidden)]
 pub mod log;
+pub mod plan;
 #[doc(hidden)]
 pub mod testing;
 
 pub use comm::{
-    Axis, Call, CollAlgo, CollRoute, Collective, CommOptions, Communicator, DtypeClass, Fusion, FusionPattern, Ladders,
-    Mapping, MixedComm, MixedMode, MixedOp, MoeFinalize, P2p, Reduction, Registration, Tensor, Timing, Topology,
-    TuneReport, TuneSource, UserModule, Window, Work,
+    Algorithm, Axis, Call, Collective, CommOptions, Communicator, DtypeClass, Fusion, FusionPattern, Ladders, Mapping,
+    MixedComm, MixedMode, MixedOp, MoeFinalize, P2p, Reduction, Registration, Tensor, Timing, Topology, TuneReport,
+    TuneSource, UserModule, Window, Work,
 };
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};

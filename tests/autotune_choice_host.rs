@@ -16,11 +16,11 @@ use std::sync::{Barrier, Mutex};
 use std::time::Duration;
 
 use ferrocomm::algo::kernels::kernel_name;
-use ferrocomm::algo::{step_for, AlgoChoice, Algorithm};
 use ferrocomm::backends::host::{launches, HostBuffer, HostDevice};
+use ferrocomm::plan::step_for;
 use ferrocomm::testing::harness::run_thread_ranks;
 use ferrocomm::{
-    Call, CollAlgo, Collective, CommOptions, Communicator, DType, DtypeClass, ReduceOp, Result, Tensor, TuneReport,
+    Algorithm, Call, Collective, CommOptions, Communicator, DType, DtypeClass, ReduceOp, Result, Tensor, TuneReport,
     TuneSource,
 };
 
@@ -56,7 +56,7 @@ fn kernels() -> Vec<String> {
         "fc_exchange_direct".to_string(),
     ];
     for dtype in [DType::BF16, DType::F32] {
-        for kind in Algorithm::CUSTOM.iter().filter_map(|a| a.kernel_kind()) {
+        for kind in Algorithm::ALL_REDUCE_KERNELS.iter().filter_map(|a| a.all_reduce_kind()) {
             k.push(kernel_name(kind, dtype, ReduceOp::Sum));
         }
         for kind in ["reduce_to", "reduce_to_ll", "reduce_to_direct"] {
@@ -143,20 +143,21 @@ fn run(
             comm.reduce_scatter_single(ta.slice(0, n)?, tb.slice(0, n * WORLD)?, ReduceOp::Sum, call)?
         }
         Collective::AllToAll => comm.all_to_all_single(ta.slice(0, n * WORLD)?, tb.slice(0, n * WORLD)?, call)?,
+        other => panic!("no ladder for {other}"),
     };
     w.wait(None)
 }
 
 /// The kernel a table's choice launches.
 fn ar_kernel(algo: Algorithm, dtype: DType) -> String {
-    kernel_name(algo.kernel_kind().expect("a kernel"), dtype, ReduceOp::Sum)
+    kernel_name(algo.all_reduce_kind().expect("a kernel"), dtype, ReduceOp::Sum)
 }
 
-fn coll_kernel(coll: Collective, kind: CollAlgo, dtype: DType) -> String {
+fn coll_kernel(coll: Collective, kind: Algorithm, dtype: DType) -> String {
     match (coll, kind) {
-        (Collective::ReduceScatter, CollAlgo::Ll) => format!("fc_reduce_to_ll_{}_sum", dtype.name()),
+        (Collective::ReduceScatter, Algorithm::Ll) => format!("fc_reduce_to_ll_{}_sum", dtype.name()),
         (Collective::ReduceScatter, _) => format!("fc_reduce_to_{}_sum", dtype.name()),
-        (_, CollAlgo::Ll) => "fc_exchange_ll".into(),
+        (_, Algorithm::Ll) => "fc_exchange_ll".into(),
         _ => "fc_exchange".into(),
     }
 }
@@ -293,7 +294,7 @@ fn an_injected_table_is_what_dispatch_runs_and_explicit_choices_win() {
             ["fc_exchange"],
             "LL cannot carry it"
         );
-        let inbox = Call::new().coll_algo(CollAlgo::Inbox);
+        let inbox = Call::new().coll_algo(Algorithm::Inbox);
         assert_eq!(kinds(ReduceScatter, bf16, 4000, &inbox)?, ["fc_reduce_to_bf16_sum"]);
         assert_eq!(kinds(AllGather, f32, 64000, &inbox)?, ["fc_exchange"]);
         // No NCCL/RCCL on the host: a vendor choice leaves it to the table.
@@ -306,7 +307,7 @@ fn an_injected_table_is_what_dispatch_runs_and_explicit_choices_win() {
         // An unreadable hint is an error before anything runs, on every rank.
         assert!(run(comm, b, AllGather, f32, 4000, &Call::new().hint("coll_algo", "fast")).is_err());
         // All-reduce: `Call::algo` and the `algo` hint.
-        let fixed = Call::new().algo(AlgoChoice::Fixed(Algorithm::TwoShotPush));
+        let fixed = Call::new().algo(Algorithm::TwoShotPush);
         assert_eq!(kinds(AllReduce, bf16, 4000, &fixed)?, ["fc_twoshot_push_bf16_sum"]);
         let hinted = Call::new().hint("algo", "oneshot-ll");
         assert_eq!(kinds(AllReduce, f32, 4000, &hinted)?, ["fc_oneshot_ll_f32_sum"]);
@@ -316,7 +317,7 @@ fn an_injected_table_is_what_dispatch_runs_and_explicit_choices_win() {
         let r = r.as_ref().unwrap();
         assert!(matches!(r.source, TuneSource::Cached(_)), "{:?}", r.source);
         assert!(r.timings.is_empty());
-        assert_eq!(r.table.coll(AllGather, DtypeClass::Wide)[0].algo, CollAlgo::Inbox);
+        assert_eq!(r.table.coll(AllGather, DtypeClass::Wide)[0].algo, Algorithm::Inbox);
     }
 
     // Options win over the table: FERROCOMM_COLL_LL_BYTES (0: no LL; a
@@ -329,7 +330,7 @@ fn an_injected_table_is_what_dispatch_runs_and_explicit_choices_win() {
         assert_eq!(kinds(AllGather, f32, 64000)?, ["fc_exchange"]);
         assert_eq!(kinds(AllToAll, f32, 4000)?, ["fc_exchange"]);
         // The call still wins over the option.
-        let ll = Call::new().coll_algo(CollAlgo::Ll);
+        let ll = Call::new().coll_algo(Algorithm::Ll);
         assert_eq!(
             probe.kinds(rank, || run(comm, b, AllToAll, f32, 4000, &ll))?,
             ["fc_exchange_ll"]
@@ -337,9 +338,7 @@ fn an_injected_table_is_what_dispatch_runs_and_explicit_choices_win() {
         Ok(())
     });
     assert!(matches!(source(&reports), TuneSource::Cached(_)));
-    let ll_8k = opts()
-        .with_coll_ll_bytes(8192)
-        .with_algo(AlgoChoice::Fixed(Algorithm::OneShotPush));
+    let ll_8k = opts().with_coll_ll_bytes(8192).with_algo(Algorithm::OneShotPush);
     with_pair(ll_8k, |comm, rank, b, probe| {
         let kinds = |coll, dtype, bytes| probe.kinds(rank, || run(comm, b, coll, dtype, bytes, &Call::new()));
         assert_eq!(kinds(AllGather, f32, 4000)?, ["fc_exchange_ll"], "the table says inbox");

@@ -7,7 +7,7 @@ use std::time::Duration;
 use ferrocomm::backends::host::HostDevice;
 use ferrocomm::testing::harness::run_thread_ranks;
 use ferrocomm::{
-    Call, CollAlgo, Collective, CommOptions, Communicator, DType, DtypeClass, ReduceOp, Tensor, TuneSource,
+    Algorithm, Call, Collective, CommOptions, Communicator, DType, DtypeClass, ReduceOp, Tensor, TuneSource,
 };
 
 #[test]
@@ -56,13 +56,13 @@ fn autotune_measures_once_then_reads_its_cache() {
         assert_eq!(table.all_reduce(class).last().map(|s| s.max_bytes), Some(usize::MAX));
         for coll in [Collective::AllGather, Collective::ReduceScatter, Collective::AllToAll] {
             // No NCCL/RCCL on the host: never its choice.
-            assert!(table.coll(coll, class).iter().all(|s| s.algo != CollAlgo::Vendor));
+            assert!(table.coll(coll, class).iter().all(|s| s.algo != Algorithm::Vendor));
         }
     }
     // Every collective with a choice was timed, in both classes where the
     // dtype matters, every candidate at every size.
     let timings = &first[0].timings;
-    for coll in Collective::ALL {
+    for coll in Collective::TUNED {
         for class in DtypeClass::ALL {
             let n = timings
                 .iter()

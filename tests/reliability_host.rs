@@ -209,7 +209,7 @@ fn world_too_large_or_bad_rank_is_an_error() {
     let quantized = CommOptions::default().with_quantization(ferrocomm::codec::Quantization::Int4);
     let comm = Communicator::new(HostDevice::new(0).unwrap(), store, 0, 1, quantized).unwrap();
     let buf = comm.alloc(64).unwrap();
-    let qr = ferrocomm::algo::AlgoChoice::Fixed(ferrocomm::algo::Algorithm::QuickReduce(ferrocomm::codec::Codec::Int4));
+    let qr = ferrocomm::Algorithm::QuickReduce(ferrocomm::codec::Codec::Int4);
     let e = comm
         .all_reduce(Tensor::of(&buf, DType::F32), ReduceOp::Sum, &Call::new().algo(qr))
         .err();

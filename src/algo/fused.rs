@@ -186,22 +186,6 @@ pub const FUSED_TWOSHOT_MIN_BYTES: [usize; 2] = [4 << 20, 2 << 20];
 // the others from 256 KiB at world 2.
 pub const FUSED_LL_MAX_BYTES: [usize; 2] = [4 << 20, 2 << 20];
 
-/// The fused kernel dispatch picks for `tokens` rows of `bytes` in all at
-/// `world` ranks: the LL one-shot up to [`FUSED_LL_MAX_BYTES`], the two-shot
-/// from [`FUSED_TWOSHOT_MIN_BYTES`] up when every rank owns at least one
-/// row, the push one-shot between. The caller falls back to the push
-/// one-shot when the rows do not fit the chosen kind's workspace.
-pub fn choose_fused(bytes: usize, tokens: usize, world: usize) -> FusedKind {
-    let big = (world > 2) as usize;
-    if world > 1 && bytes <= FUSED_LL_MAX_BYTES[big] {
-        FusedKind::OneShotLl
-    } else if world > 1 && tokens >= world && bytes >= FUSED_TWOSHOT_MIN_BYTES[big] {
-        FusedKind::TwoShot
-    } else {
-        FusedKind::OneShot
-    }
-}
-
 /// What a fused kernel all-reduces: each rank's rows as given, or rows it
 /// first computes from MoE expert outputs (the MoE-finalize prologue).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -634,21 +618,6 @@ mod tests {
     fn min_scales_are_the_rounded_quotients() {
         assert_eq!(fp8_min_scale(), 1.0f32 / 229_376.0);
         assert_eq!(int8_min_scale(), 1.0f32 / 65_024.0);
-    }
-
-    #[test]
-    fn dispatch_takes_ll_for_small_and_the_two_shot_for_large_payloads() {
-        assert_eq!(choose_fused(8 << 10, 1, 2), FusedKind::OneShotLl);
-        assert_eq!(choose_fused(1 << 20, 128, 2), FusedKind::OneShotLl);
-        assert_eq!(choose_fused(4 << 20, 512, 2), FusedKind::OneShotLl);
-        assert_eq!(choose_fused(8 << 20, 1024, 2), FusedKind::TwoShot);
-        assert_eq!(choose_fused(8 << 20, 1, 2), FusedKind::OneShot);
-        assert_eq!(choose_fused(8 << 10, 1, 1), FusedKind::OneShot);
-        assert_eq!(choose_fused(16 << 20, 2048, 2), FusedKind::TwoShot);
-        assert_eq!(choose_fused(16 << 20, 2048, 1), FusedKind::OneShot);
-        assert_eq!(choose_fused(16 << 20, 3, 4), FusedKind::OneShot);
-        assert_eq!(choose_fused(2 << 20, 256, 4), FusedKind::OneShotLl);
-        assert_eq!(choose_fused(4 << 20, 512, 4), FusedKind::TwoShot);
     }
 
     #[test]

@@ -99,6 +99,13 @@ pub const fn aux_offset(parity: usize, block: usize, k: usize, src: usize) -> us
     AUX_OFFSET + (((parity * MAX_BLOCKS + block) * AUX_WORDS + k) * MAX_RANKS + src) * 8
 }
 
+/// The largest per-peer block (bytes) one source's LL lines carry: 8 data
+/// bytes per 16-byte line, in a quarter of a slot over the world. What the
+/// LL kinds can run at all, whatever a table or an option asks.
+pub(crate) const fn ll_capacity(slot_bytes: usize, world: usize) -> usize {
+    ll_stride(slot_bytes, world) / 2
+}
+
 /// Offset of the LL area (right after the data slots).
 pub const fn ll_offset(slot_bytes: usize) -> usize {
     DATA_OFFSET + SLOTS * slot_bytes

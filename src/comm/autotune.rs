@@ -10,7 +10,7 @@
 //! - all-reduce: ferrocomm's five kernels by payload, per dtype class
 //!   (measured with bf16 and f32 sums);
 //! - all-gather, reduce-scatter and all-to-all without splits: LL, inbox
-//!   or NCCL/RCCL ([`CollAlgo`]) by bytes per peer. Reduce-scatter per dtype
+//!   or NCCL/RCCL (the data kinds of [`Algorithm`]) by bytes per peer. Reduce-scatter per dtype
 //!   class (bf16 and f32 sums); all-gather and all-to-all move bytes
 //!   whatever the dtype, so one measurement (bf16) serves both classes.
 //!
@@ -36,16 +36,16 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::call::Call;
-use super::collectives::ll_capacity;
 use super::communicator::Communicator;
 use super::tensor::Tensor;
 use super::work::Work;
 use crate::algo::kernels::{kernel_name, KernelKind};
-use crate::algo::{step_for, well_formed, AlgoChoice, Algorithm, CollAlgo, Collective, DtypeClass, Ladders, Step};
+use crate::algo::layout::ll_capacity;
 use crate::bootstrap::store_all_gather;
 use crate::device::{BackendKind, Device};
 use crate::dtype::ReduceOp;
 use crate::error::{Error, Result};
+use crate::plan::{step_for, well_formed, Algorithm, Collective, DtypeClass, Ladders, Step};
 
 /// Where a communicator's dispatch table came from.
 #[derive(Debug, Clone, PartialEq)]
@@ -67,7 +67,7 @@ pub struct Timing {
     pub class: DtypeClass,
     /// The payload for all-reduce, bytes per peer for the others.
     pub bytes: usize,
-    /// An [`Algorithm`]'s name for all-reduce, a [`CollAlgo`]'s otherwise.
+    /// The candidate's name ([`Algorithm::name`]).
     pub candidate: &'static str,
     pub median_us: f64,
 }
@@ -92,22 +92,6 @@ impl TuneReport {
     }
 }
 
-/// A candidate of one collective.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Candidate {
-    AllReduce(Algorithm),
-    Coll(CollAlgo),
-}
-
-impl Candidate {
-    fn name(self) -> &'static str {
-        match self {
-            Candidate::AllReduce(a) => a.name(),
-            Candidate::Coll(c) => c.name(),
-        }
-    }
-}
-
 /// One size of one collective and class, and the candidates timed there.
 #[derive(Debug, Clone, PartialEq)]
 struct Case {
@@ -115,7 +99,7 @@ struct Case {
     class: DtypeClass,
     /// The payload (all-reduce) or bytes per peer.
     bytes: usize,
-    candidates: Vec<Candidate>,
+    candidates: Vec<Algorithm>,
 }
 
 /// What the plan depends on; the same on every rank (the deterministic
@@ -201,16 +185,15 @@ fn plan(f: &PlanFacts) -> Vec<Case> {
     let mut cases = Vec::new();
     for class in DtypeClass::ALL {
         for &bytes in &ar_sizes {
-            let mut c: Vec<Candidate> = [
+            let mut c: Vec<Algorithm> = [
                 Algorithm::OneShot,
                 Algorithm::TwoShot,
                 Algorithm::OneShotPush,
                 Algorithm::TwoShotPush,
             ]
-            .map(Candidate::AllReduce)
             .to_vec();
             if bytes <= LL_AR_MAX_BYTES {
-                c.push(Candidate::AllReduce(Algorithm::OneShotLl));
+                c.push(Algorithm::OneShotLl);
             }
             cases.push(Case {
                 coll: Collective::AllReduce,
@@ -229,11 +212,11 @@ fn plan(f: &PlanFacts) -> Vec<Case> {
             for &bytes in &coll_sizes {
                 let mut c = Vec::new();
                 if bytes <= f.ll_room.min(LL_COLL_MAX_BYTES) {
-                    c.push(Candidate::Coll(CollAlgo::Ll));
+                    c.push(Algorithm::Ll);
                 }
-                c.push(Candidate::Coll(CollAlgo::Inbox));
+                c.push(Algorithm::Inbox);
                 if f.vendor && !(coll == Collective::ReduceScatter && f.deterministic) {
-                    c.push(Candidate::Coll(CollAlgo::Vendor));
+                    c.push(Algorithm::Vendor);
                 }
                 cases.push(Case {
                     coll,
@@ -361,7 +344,7 @@ struct Measured {
     coll: Collective,
     class: DtypeClass,
     bytes: usize,
-    candidate: Candidate,
+    candidate: Algorithm,
     us: f64,
 }
 
@@ -378,12 +361,12 @@ fn kernels_of(cases: &[Case]) -> Vec<String> {
         let dtype = case.class.representative();
         for c in &case.candidates {
             let kind = match (case.coll, c) {
-                (_, Candidate::AllReduce(a)) => a.kernel_kind(),
-                (_, Candidate::Coll(CollAlgo::Vendor)) => None,
-                (Collective::ReduceScatter, Candidate::Coll(CollAlgo::Ll)) => Some(KernelKind::ReduceToLl),
-                (Collective::ReduceScatter, Candidate::Coll(_)) => Some(KernelKind::ReduceTo),
-                (_, Candidate::Coll(CollAlgo::Ll)) => Some(KernelKind::ExchangeLl),
-                (_, Candidate::Coll(_)) => Some(KernelKind::Exchange),
+                (Collective::AllReduce, a) => a.all_reduce_kind(),
+                (_, Algorithm::Vendor) => None,
+                (Collective::ReduceScatter, Algorithm::Ll) => Some(KernelKind::ReduceToLl),
+                (Collective::ReduceScatter, _) => Some(KernelKind::ReduceTo),
+                (_, Algorithm::Ll) => Some(KernelKind::ExchangeLl),
+                (_, _) => Some(KernelKind::Exchange),
             };
             if let Some(kind) = kind {
                 add(kernel_name(kind, dtype, ReduceOp::Sum));
@@ -433,14 +416,15 @@ fn measure<D: Device>(comm: &Communicator<D>, cases: &[Case]) -> Result<Vec<Meas
                 comm.reduce_scatter_single(ta.slice(0, n)?, tb.slice(0, n * world)?, ReduceOp::Sum, call)
             }
             Collective::AllToAll => comm.all_to_all_single(ta.slice(0, n * world)?, tb.slice(0, n * world)?, call),
+            other => Err(Error::invalid(format!("autotune has no ladder for {other}"))),
         }
     };
     let mut out = Vec::new();
     for case in cases {
         for &candidate in &case.candidates {
             let call = match candidate {
-                Candidate::AllReduce(algo) => Call::on(stream).algo(AlgoChoice::Fixed(algo)),
-                Candidate::Coll(kind) => Call::on(stream).coll_algo(kind),
+                algo if case.coll == Collective::AllReduce => Call::on(stream).algo(algo),
+                kind => Call::on(stream).coll_algo(kind),
             };
             // One eager call loads what the candidate needs (and connects
             // NCCL) outside the capture; then a graph of `ops` calls.
@@ -495,26 +479,20 @@ fn table_from(measured: &[Measured], defaults: &Ladders) -> Ladders {
         let rows: Vec<(usize, Algorithm, f64)> = measured
             .iter()
             .filter(|m| m.coll == Collective::AllReduce && m.class == class)
-            .filter_map(|m| match m.candidate {
-                Candidate::AllReduce(a) => Some((m.bytes, a, m.us)),
-                Candidate::Coll(_) => None,
-            })
+            .map(|m| (m.bytes, m.candidate, m.us))
             .collect();
         if !rows.is_empty() {
             let static_choice = |b: usize| step_for(defaults.all_reduce(class), b).map(|s| s.algo);
             table.all_reduce[class.index()] = ladder_from(&rows, Algorithm::TwoShotPush, static_choice);
         }
         for coll in [Collective::AllGather, Collective::ReduceScatter, Collective::AllToAll] {
-            let rows: Vec<(usize, CollAlgo, f64)> = measured
+            let rows: Vec<(usize, Algorithm, f64)> = measured
                 .iter()
                 .filter(|m| m.coll == coll && (m.class == class || !coll.reduces()))
-                .filter_map(|m| match m.candidate {
-                    Candidate::Coll(c) => Some((m.bytes, c, m.us)),
-                    Candidate::AllReduce(_) => None,
-                })
+                .map(|m| (m.bytes, m.candidate, m.us))
                 .collect();
             let static_choice = |b: usize| step_for(defaults.coll(coll, class), b).map(|s| s.algo);
-            let tuned = ladder_from(&rows, CollAlgo::Inbox, static_choice);
+            let tuned = ladder_from(&rows, Algorithm::Inbox, static_choice);
             if let (false, Some(ladder)) = (rows.is_empty(), table.coll_mut(coll, class)) {
                 *ladder = tuned;
             }
@@ -584,11 +562,11 @@ fn encode_ladder<A: std::fmt::Display>(ladder: &[Step<A>]) -> String {
 /// `<collective> <class> <max_bytes>:<algo>,...,max:<algo>`, e.g.
 /// `all_reduce narrow 262144:oneshot-ll,4194304:oneshot-push,max:twoshot-push`
 /// or `all_gather wide 262144:ll,524287:vendor,max:inbox`. All-reduce names
-/// [`Algorithm`]s (ferrocomm's kernels only), the others [`CollAlgo`]s;
+/// [`Algorithm`]s: ferrocomm's kernels for all-reduce, the data kinds for the others;
 /// all-reduce counts the payload, the others bytes per peer.
 pub(crate) fn encode(table: &Ladders) -> String {
     let mut lines = Vec::new();
-    for coll in Collective::ALL {
+    for coll in Collective::TUNED {
         for class in DtypeClass::ALL {
             let ladder = match coll {
                 Collective::AllReduce => encode_ladder(table.all_reduce(class)),
@@ -650,10 +628,15 @@ pub(crate) fn decode(s: &str) -> Result<Ladders> {
             return Err(Error::invalid(format!("autotune table: {coll} {class} twice")));
         }
         match table.coll_mut(coll, class) {
-            Some(slot) => *slot = decode_ladder(ladder, |a| a.parse::<CollAlgo>())?,
+            Some(slot) => {
+                *slot = decode_ladder(ladder, |a| match a.parse::<Algorithm>()? {
+                    algo if Algorithm::DATA_KINDS.contains(&algo) => Ok(algo),
+                    other => Err(Error::invalid(format!("{other} in an autotune {coll} ladder"))),
+                })?
+            }
             None => {
-                table.all_reduce[class.index()] = decode_ladder(ladder, |a| match a.parse::<AlgoChoice>()? {
-                    AlgoChoice::Fixed(algo) if Algorithm::CUSTOM.contains(&algo) => Ok(algo),
+                table.all_reduce[class.index()] = decode_ladder(ladder, |a| match a.parse::<Algorithm>()? {
+                    algo if Algorithm::ALL_REDUCE_KERNELS.contains(&algo) => Ok(algo),
                     _ => Err(Error::invalid(format!(
                         "autotune table: all-reduce step {a:?} is not one of ferrocomm's kernels"
                     ))),
@@ -661,11 +644,11 @@ pub(crate) fn decode(s: &str) -> Result<Ladders> {
             }
         }
     }
-    if seen.len() != Collective::ALL.len() * DtypeClass::ALL.len() {
+    if seen.len() != Collective::TUNED.len() * DtypeClass::ALL.len() {
         return Err(Error::invalid(format!(
             "autotune table has {} of the {} ladders",
             seen.len(),
-            Collective::ALL.len() * DtypeClass::ALL.len()
+            Collective::TUNED.len() * DtypeClass::ALL.len()
         )));
     }
     Ok(table)
@@ -798,11 +781,11 @@ mod tests {
         t.reduce_scatter[0] = vec![
             Step {
                 max_bytes: 4096,
-                algo: CollAlgo::Ll,
+                algo: Algorithm::Ll,
             },
             Step {
                 max_bytes: usize::MAX,
-                algo: CollAlgo::Inbox,
+                algo: Algorithm::Inbox,
             },
         ];
         let text = encode(&t);
@@ -870,7 +853,7 @@ mod tests {
         let l = ladder_from(&t, TwoShotPush, |_| None);
         assert_eq!(encode_ladder(&l), "4096:oneshot-ll,16384:oneshot-push,max:twoshot-push");
         assert_eq!(
-            encode_ladder(&ladder_from::<CollAlgo>(&[], CollAlgo::Inbox, |_| None)),
+            encode_ladder(&ladder_from::<Algorithm>(&[], Algorithm::Inbox, |_| None)),
             "max:inbox"
         );
     }
@@ -901,22 +884,21 @@ mod tests {
             candidate,
             us,
         };
-        use Candidate::{AllReduce as Ar, Coll};
         use Collective::*;
         use DtypeClass::*;
         let measured = [
-            m(AllReduce, Narrow, 4096, Ar(Algorithm::OneShotLl), 3.0),
-            m(AllReduce, Narrow, 4096, Ar(Algorithm::OneShot), 4.0),
-            m(AllReduce, Wide, 4096, Ar(Algorithm::OneShotLl), 5.0),
-            m(AllReduce, Wide, 4096, Ar(Algorithm::OneShot), 4.0),
-            m(AllGather, Narrow, 4096, Coll(CollAlgo::Ll), 2.0),
-            m(AllGather, Narrow, 4096, Coll(CollAlgo::Vendor), 3.0),
-            m(AllGather, Narrow, 1 << 20, Coll(CollAlgo::Inbox), 9.0),
-            m(AllGather, Narrow, 1 << 20, Coll(CollAlgo::Vendor), 8.0),
-            m(ReduceScatter, Narrow, 4096, Coll(CollAlgo::Ll), 2.0),
-            m(ReduceScatter, Narrow, 4096, Coll(CollAlgo::Inbox), 3.0),
-            m(ReduceScatter, Wide, 4096, Coll(CollAlgo::Ll), 4.0),
-            m(ReduceScatter, Wide, 4096, Coll(CollAlgo::Inbox), 3.0),
+            m(AllReduce, Narrow, 4096, Algorithm::OneShotLl, 3.0),
+            m(AllReduce, Narrow, 4096, Algorithm::OneShot, 4.0),
+            m(AllReduce, Wide, 4096, Algorithm::OneShotLl, 5.0),
+            m(AllReduce, Wide, 4096, Algorithm::OneShot, 4.0),
+            m(AllGather, Narrow, 4096, Algorithm::Ll, 2.0),
+            m(AllGather, Narrow, 4096, Algorithm::Vendor, 3.0),
+            m(AllGather, Narrow, 1 << 20, Algorithm::Inbox, 9.0),
+            m(AllGather, Narrow, 1 << 20, Algorithm::Vendor, 8.0),
+            m(ReduceScatter, Narrow, 4096, Algorithm::Ll, 2.0),
+            m(ReduceScatter, Narrow, 4096, Algorithm::Inbox, 3.0),
+            m(ReduceScatter, Wide, 4096, Algorithm::Ll, 4.0),
+            m(ReduceScatter, Wide, 4096, Algorithm::Inbox, 3.0),
         ];
         let defaults = Ladders::default_for(BackendKind::Cuda, 2);
         let t = table_from(&measured, &defaults);
@@ -942,17 +924,16 @@ mod tests {
                     for c in &cases {
                         for cand in &c.candidates {
                             match cand {
-                                Candidate::AllReduce(a) => {
-                                    assert_eq!(c.coll, Collective::AllReduce);
-                                    assert!(Algorithm::CUSTOM.contains(a));
+                                a if c.coll == Collective::AllReduce => {
+                                    assert!(Algorithm::ALL_REDUCE_KERNELS.contains(a));
                                     assert!(*a != Algorithm::OneShotLl || c.bytes <= LL_AR_MAX_BYTES);
                                 }
-                                Candidate::Coll(CollAlgo::Ll) => assert!(c.bytes <= f.ll_room, "{c:?}"),
-                                Candidate::Coll(CollAlgo::Vendor) => {
+                                Algorithm::Ll => assert!(c.bytes <= f.ll_room, "{c:?}"),
+                                Algorithm::Vendor => {
                                     assert!(vendor);
                                     assert!(!(det && c.coll == Collective::ReduceScatter), "{c:?}");
                                 }
-                                Candidate::Coll(CollAlgo::Inbox) => {}
+                                a => assert_eq!(*a, Algorithm::Inbox),
                             }
                         }
                     }
@@ -986,7 +967,7 @@ mod tests {
         assert!(cases
             .iter()
             .flat_map(|c| &c.candidates)
-            .all(|c| *c != Candidate::Coll(CollAlgo::Vendor)));
+            .all(|c| *c != Algorithm::Vendor));
     }
 
     #[test]

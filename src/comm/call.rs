@@ -4,10 +4,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::tensor::Tensor;
-use crate::algo::{AlgoChoice, CollAlgo};
 use crate::device::Device;
 use crate::dtype::ReduceOp;
 use crate::error::{Error, Result};
+use crate::plan::{parse_choice, Algorithm};
 
 /// Options of one collective call, as torchcomms has them: the stream it
 /// runs on, a timeout, and hints.
@@ -17,12 +17,12 @@ use crate::error::{Error, Result};
 /// - `timeout`: the bound on this call's waits (in kernels and in
 ///   [`super::Work::wait`]); the communicator's when unset.
 /// - `hints`: string pairs. ferrocomm reads `algo` (an all-reduce's, as
-///   `FERROCOMM_ALGO` takes it: `oneshot-ll`, `twoshot-push`, `nccl`, ...)
-///   and `coll_algo` (all-gather's, reduce-scatter's and all-to-all's:
-///   `ll`, `inbox`, `vendor` or `auto`; see [`Call::coll_algo`]); other keys
-///   are ignored, so hints meant for other backends do no harm. A value
-///   ferrocomm cannot read is an `InvalidArgument` error before anything
-///   runs.
+///   `FERROCOMM_ALGO` takes it: `oneshot-ll`, `twoshot-push`, `vendor`,
+///   ...) and `coll_algo` (the other collectives': `ll`, `inbox`, `kernels`,
+///   `vendor` or `auto`; see [`Call::coll_algo`]), both names of one
+///   [`Algorithm`]; other keys are ignored, so hints meant for other
+///   backends do no harm. A value ferrocomm cannot read is an
+///   `InvalidArgument` error before anything runs.
 ///
 /// Precedence: what a call asks for wins over the communicator's options
 /// (`FERROCOMM_ALGO`, `FERROCOMM_COLL_ROUTE`, `FERROCOMM_COLL_LL_BYTES`),
@@ -33,8 +33,8 @@ pub struct Call<'s, D: Device> {
     pub(crate) stream: Option<&'s D::Stream>,
     pub(crate) timeout: Option<Duration>,
     pub(crate) hints: BTreeMap<String, String>,
-    algo: Option<AlgoChoice>,
-    coll_algo: Option<CollAlgo>,
+    algo: Option<Algorithm>,
+    coll_algo: Option<Algorithm>,
 }
 
 impl<D: Device> Default for Call<'_, D> {
@@ -78,45 +78,63 @@ impl<'s, D: Device> Call<'s, D> {
         self
     }
 
-    /// Force an algorithm for this call (an all-reduce's; as the `algo` hint).
-    pub fn algo(mut self, algo: AlgoChoice) -> Self {
+    /// Force the all-reduce's algorithm for this call (as the `algo`
+    /// hint): one of its kernels, quick-reduce, [`Algorithm::Kernels`]
+    /// (the planner's choice among the kernels) or [`Algorithm::Vendor`].
+    /// One that cannot run the call is an error. Other collectives ignore it.
+    pub fn algo(mut self, algo: Algorithm) -> Self {
         self.algo = Some(algo);
         self
     }
 
-    /// Force how an all-gather, a reduce-scatter or an all-to-all runs (as
-    /// the `coll_algo` hint): on LL lines, through the inboxes, or through
-    /// NCCL/RCCL. A kind that cannot run the call (LL for a block larger
-    /// than its lines carry, or a premul_sum; NCCL/RCCL without the library,
-    /// or for a bitwise op) leaves it to the options and the table. It wins
-    /// over `FERROCOMM_COLL_ROUTE`, `FERROCOMM_COLL_LL_BYTES` and
-    /// `deterministic` (NCCL's reduce-scatter is not bitwise the
-    /// reference's). Heap operands that the direct kinds take
-    /// (`CommOptions::direct_min_bytes`) go direct whichever of the kernels'
-    /// kinds is chosen. Other collectives ignore it.
-    pub fn coll_algo(mut self, algo: CollAlgo) -> Self {
+    /// Force how the collectives other than all-reduce and broadcast run
+    /// (as the `coll_algo` hint): [`Algorithm::Ll`] (LL lines),
+    /// [`Algorithm::Inbox`], [`Algorithm::Kernels`] (either) or
+    /// [`Algorithm::Vendor`] (NCCL/RCCL). A kind that cannot run the call
+    /// (LL for a block larger than its lines carry, or a premul_sum;
+    /// NCCL/RCCL without the library, or for a bitwise op) leaves it to the
+    /// options and the table. It wins over `FERROCOMM_COLL_ROUTE`,
+    /// `FERROCOMM_COLL_LL_BYTES` and `deterministic` (NCCL's reduce-scatter
+    /// is not bitwise the reference's). Heap operands that the direct kinds
+    /// take (`CommOptions::direct_min_bytes`) go direct whichever of the
+    /// kernels' kinds is chosen.
+    pub fn coll_algo(mut self, algo: Algorithm) -> Self {
         self.coll_algo = Some(algo);
         self
     }
 
-    /// The kind asked for: [`Call::coll_algo`], else the `coll_algo` hint
-    /// (`auto`: none).
-    pub(crate) fn asked_coll_algo(&self) -> Result<Option<CollAlgo>> {
-        if self.coll_algo.is_some() {
-            return Ok(self.coll_algo);
-        }
-        match self.hints.get("coll_algo").map(|v| v.trim()) {
-            None => Ok(None),
-            Some(v) if v.eq_ignore_ascii_case("auto") || v.is_empty() => Ok(None),
-            Some(v) => v.parse().map(Some),
+    /// The other collectives' way asked for: [`Call::coll_algo`], else the
+    /// `coll_algo` hint (`auto`: none). One of another family is an error.
+    pub(crate) fn asked_coll_algo(&self) -> Result<Option<Algorithm>> {
+        let asked = match self.coll_algo {
+            Some(a) => Some(a),
+            None => self
+                .hints
+                .get("coll_algo")
+                .map(|v| parse_choice(v))
+                .transpose()?
+                .flatten(),
+        };
+        match asked {
+            Some(a) if !a.is_data() => Err(Error::invalid(format!(
+                "coll_algo {a} is an all-reduce algorithm (expected ll, inbox, kernels, vendor or auto)"
+            ))),
+            a => Ok(a),
         }
     }
 
-    /// The algorithm asked for: [`Call::algo`], else the `algo` hint.
-    pub(crate) fn asked_algo(&self) -> Result<Option<AlgoChoice>> {
-        match self.algo {
-            Some(a) => Ok(Some(a)),
-            None => self.hints.get("algo").map(|a| a.parse()).transpose(),
+    /// The all-reduce's algorithm asked for: [`Call::algo`], else the
+    /// `algo` hint (`auto`: none). One of another family is an error.
+    pub(crate) fn asked_algo(&self) -> Result<Option<Algorithm>> {
+        let asked = match self.algo {
+            Some(a) => Some(a),
+            None => self.hints.get("algo").map(|v| parse_choice(v)).transpose()?.flatten(),
+        };
+        match asked {
+            Some(a) if !a.is_all_reduce() => Err(Error::invalid(format!(
+                "algo {a} is not an all-reduce algorithm (the other collectives take it as coll_algo)"
+            ))),
+            a => Ok(a),
         }
     }
 }
@@ -199,15 +217,24 @@ mod tests {
         };
         assert_eq!(c(None).asked_coll_algo().unwrap(), None);
         assert_eq!(c(Some("auto")).asked_coll_algo().unwrap(), None);
-        assert_eq!(c(Some("ll")).asked_coll_algo().unwrap(), Some(CollAlgo::Ll));
-        assert_eq!(c(Some(" Inbox")).asked_coll_algo().unwrap(), Some(CollAlgo::Inbox));
-        assert_eq!(c(Some("vendor")).asked_coll_algo().unwrap(), Some(CollAlgo::Vendor));
-        assert!(matches!(
-            c(Some("fast")).asked_coll_algo(),
-            Err(Error::InvalidArgument(_))
-        ));
+        assert_eq!(c(Some("ll")).asked_coll_algo().unwrap(), Some(Algorithm::Ll));
+        assert_eq!(c(Some(" Inbox")).asked_coll_algo().unwrap(), Some(Algorithm::Inbox));
+        assert_eq!(c(Some("vendor")).asked_coll_algo().unwrap(), Some(Algorithm::Vendor));
+        assert_eq!(c(Some("nccl")).asked_coll_algo().unwrap(), Some(Algorithm::Vendor));
+        assert_eq!(c(Some("custom")).asked_coll_algo().unwrap(), Some(Algorithm::Kernels));
+        for bad in ["fast", "oneshot"] {
+            assert!(
+                matches!(c(Some(bad)).asked_coll_algo(), Err(Error::InvalidArgument(_))),
+                "{bad}"
+            );
+        }
         // The method wins over the hint.
-        let call = c(Some("ll")).coll_algo(CollAlgo::Vendor);
-        assert_eq!(call.asked_coll_algo().unwrap(), Some(CollAlgo::Vendor));
+        let call = c(Some("ll")).coll_algo(Algorithm::Vendor);
+        assert_eq!(call.asked_coll_algo().unwrap(), Some(Algorithm::Vendor));
+        // The all-reduce's hint takes its own family.
+        let ar = |v: &str| Call::<HostDevice>::new().hint("algo", v).asked_algo();
+        assert_eq!(ar("oneshot-ll").unwrap(), Some(Algorithm::OneShotLl));
+        assert_eq!(ar("auto").unwrap(), None);
+        assert!(matches!(ar("inbox"), Err(Error::InvalidArgument(_))));
     }
 }

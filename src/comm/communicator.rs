@@ -30,7 +30,7 @@ use super::topology::Topology;
 use super::vendor::Vendor;
 use super::work::Work;
 use crate::algo::kernels::{COLLECTIVES, QUICK_REDUCE};
-use crate::algo::{DispatchTable, GridTable, KernelNames, Workspace};
+use crate::algo::{GridTable, KernelNames, Workspace};
 use crate::bootstrap::{store_all_gather, store_barrier, Store};
 use crate::device::{
     BackendKind, Device, DeviceBuffer, DevicePtr, HostFlags, MemKind, ERR_CODE_ABORTED, ERR_CODE_MISMATCH,
@@ -38,6 +38,7 @@ use crate::device::{
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::plan::DispatchTable;
 
 enum Phase {
     Active,

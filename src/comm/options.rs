@@ -2,10 +2,9 @@
 
 use std::time::Duration;
 
-use super::route::CollRoute;
-use crate::algo::AlgoChoice;
 use crate::codec::Quantization;
 use crate::error::{Error, Result};
+use crate::plan::{parse_choice, Algorithm};
 
 /// How a communicator behaves. `Default` is the documented default; `from_env`
 /// applies `FERROCOMM_*` variables on top.
@@ -16,16 +15,18 @@ pub struct CommOptions {
     /// Only paths that give bitwise-identical results across ranks, runs and
     /// algorithms (`FERROCOMM_DETERMINISTIC`, default on).
     pub deterministic: bool,
-    /// Force an algorithm (`FERROCOMM_ALGO=auto|oneshot|twoshot|oneshot-ll|oneshot-push|twoshot-push|nccl`).
-    pub algo: AlgoChoice,
+    /// The all-reduce's algorithm for every call that does not name one
+    /// (`FERROCOMM_ALGO`: `auto`, or an all-reduce [`Algorithm`]'s name,
+    /// `nccl` among its aliases). `None`: the planner's choice.
+    pub algo: Option<Algorithm>,
     /// Where all-gather, gather, scatter, all-to-all(-v), reduce-scatter and
-    /// reduce run on GPUs: ferrocomm's kernels or NCCL/RCCL
+    /// reduce run on GPUs: [`Algorithm::Kernels`] or [`Algorithm::Vendor`]
     /// (`FERROCOMM_COLL_ROUTE=auto|custom|vendor`, default auto; every rank
     /// must ask for the same). Without the library the kernels run whatever
-    /// is asked; see `comm::route`. `auto` lets the dispatch table (tuned at
-    /// init) choose for all-gather, reduce-scatter and all-to-all without
-    /// splits; `custom` and `vendor` win over it.
-    pub coll_route: CollRoute,
+    /// is asked. `None` lets the planner choose (the tuned table for
+    /// all-gather, reduce-scatter and all-to-all without splits); a set
+    /// route wins over the table, a call's `coll_algo` over the route.
+    pub coll_route: Option<Algorithm>,
     /// Bytes per workspace data slot; payloads above it are chunked
     /// (`FERROCOMM_SLOT_BYTES`). `None` takes the backend's default: 32 MiB on
     /// GPUs (measured on H200: large two-shot pushes reach NCCL's bandwidth only
@@ -103,8 +104,8 @@ impl Default for CommOptions {
         CommOptions {
             timeout: Duration::from_secs(600),
             deterministic: true,
-            algo: AlgoChoice::Auto,
-            coll_route: CollRoute::Auto,
+            algo: None,
+            coll_route: None,
             slot_bytes: None,
             quantization: Quantization::None,
             name: None,
@@ -118,6 +119,26 @@ impl Default for CommOptions {
             ep_plain_combine: false,
             ep_dependent_launch: true,
         }
+    }
+}
+
+/// `FERROCOMM_ALGO`: `auto` or an all-reduce algorithm.
+fn all_reduce_choice(v: &str) -> Result<Option<Algorithm>> {
+    match parse_choice(v)? {
+        Some(a) if !a.is_all_reduce() => Err(Error::invalid(format!(
+            "FERROCOMM_ALGO={v:?} is not an all-reduce algorithm (`coll_algo` hints name the others' kinds)"
+        ))),
+        a => Ok(a),
+    }
+}
+
+/// `FERROCOMM_COLL_ROUTE`: `auto`, the kernels (`custom`) or the library
+/// (`vendor`).
+fn route_choice(v: &str) -> Result<Option<Algorithm>> {
+    let bad = || Error::invalid(format!("FERROCOMM_COLL_ROUTE={v:?} is not one of auto, custom, vendor"));
+    match parse_choice(v).map_err(|_| bad())? {
+        a @ (None | Some(Algorithm::Kernels | Algorithm::Vendor)) => Ok(a),
+        Some(_) => Err(bad()),
     }
 }
 
@@ -180,10 +201,10 @@ impl CommOptions {
             o.preload_kernels = Some(switch("FERROCOMM_PRELOAD_KERNELS", &v)?);
         }
         if let Some(v) = env_var("FERROCOMM_ALGO") {
-            o.algo = v.parse()?;
+            o.algo = all_reduce_choice(&v)?;
         }
         if let Some(v) = env_var("FERROCOMM_COLL_ROUTE") {
-            o.coll_route = v.parse()?;
+            o.coll_route = route_choice(&v)?;
         }
         if let Some(v) = env_var("FERROCOMM_SLOT_BYTES") {
             o.slot_bytes = Some(byte_count("FERROCOMM_SLOT_BYTES", &v)?);
@@ -230,13 +251,16 @@ impl CommOptions {
         self
     }
 
-    pub fn with_algo(mut self, algo: AlgoChoice) -> Self {
-        self.algo = algo;
+    /// See [`CommOptions::algo`].
+    pub fn with_algo(mut self, algo: Algorithm) -> Self {
+        self.algo = Some(algo);
         self
     }
 
-    pub fn with_coll_route(mut self, route: CollRoute) -> Self {
-        self.coll_route = route;
+    /// See [`CommOptions::coll_route`]: [`Algorithm::Kernels`] or
+    /// [`Algorithm::Vendor`].
+    pub fn with_coll_route(mut self, route: Algorithm) -> Self {
+        self.coll_route = Some(route);
         self
     }
 
@@ -301,6 +325,22 @@ impl CommOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_documented_environment_values_still_parse() {
+        assert_eq!(route_choice("auto").unwrap(), None);
+        assert_eq!(route_choice(" Custom ").unwrap(), Some(Algorithm::Kernels));
+        assert_eq!(route_choice("vendor").unwrap(), Some(Algorithm::Vendor));
+        assert_eq!(route_choice("nccl").unwrap(), Some(Algorithm::Vendor));
+        let m = route_choice("fast").unwrap_err().to_string();
+        assert!(m.contains("FERROCOMM_COLL_ROUTE") && m.contains("\"fast\""), "{m}");
+        assert!(route_choice("ll").is_err());
+        assert_eq!(all_reduce_choice("auto").unwrap(), None);
+        assert_eq!(all_reduce_choice("nccl").unwrap(), Some(Algorithm::Vendor));
+        assert_eq!(all_reduce_choice("oneshot_push").unwrap(), Some(Algorithm::OneShotPush));
+        assert!(all_reduce_choice("inbox").is_err());
+        assert!(all_reduce_choice("threeshot").is_err());
+    }
 
     #[test]
     fn byte_counts_parse_and_name_the_variable_on_errors() {

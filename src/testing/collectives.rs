@@ -247,12 +247,12 @@ impl<D: Device> Suite<'_, D> {
         // Dispatch's choice (which must steer clear of LL), then on the host
         // every custom algorithm that carries factors.
         // Across nodes the levels run whatever is asked: dispatch's only.
-        let algos: Vec<Option<crate::algo::Algorithm>> = if self.host() && !self.reference.two_levels() {
+        let algos: Vec<Option<crate::plan::Algorithm>> = if self.host() && !self.reference.two_levels() {
             std::iter::once(None)
                 .chain(
-                    crate::algo::Algorithm::CUSTOM
+                    crate::plan::Algorithm::ALL_REDUCE_KERNELS
                         .into_iter()
-                        .filter(|a| *a != crate::algo::Algorithm::OneShotLl)
+                        .filter(|a| *a != crate::plan::Algorithm::OneShotLl)
                         .map(Some),
                 )
                 .collect()
@@ -265,7 +265,7 @@ impl<D: Device> Suite<'_, D> {
             self.put(0, 0, &input)?;
             let inp = self.view(0, 0, dtype, count, false)?;
             let call = match algo {
-                Some(a) => Call::new().algo(crate::algo::AlgoChoice::Fixed(a)),
+                Some(a) => Call::new().algo(a),
                 None => Call::new(),
             };
             comm.all_reduce_into(inp, out, red, &call)?

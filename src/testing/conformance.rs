@@ -17,12 +17,12 @@ use half::{bf16, f16};
 
 use super::data::{self, FromF64, Order, Values};
 use crate::algo::kernels::KERNEL_OPS;
-use crate::algo::{AlgoChoice, Algorithm};
 use crate::bootstrap::{store_all_gather, Store};
 use crate::comm::{Call, CommOptions, Communicator, Tensor};
 use crate::device::{Device, DeviceBuffer, MAX_RANKS};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
+use crate::plan::{Algorithm, Collective};
 
 /// Poison byte: 0x7F7F... is a huge finite number or NaN in every dtype and
 /// never a valid result of the inputs used here.
@@ -287,16 +287,17 @@ pub fn run_smoke<D: Device>(comm: &Communicator<D>, cfg: &SuiteConfig) -> Result
 pub fn run_quick_reduce_chunked<D: Device>(comm: &Communicator<D>, cfg: &SuiteConfig) -> Result<SuiteReport> {
     let mut s = Suite::new(comm, cfg);
     let big = 64 << 20;
-    let auto = comm.choose(AlgoChoice::Auto, big, DType::BF16, ReduceOp::Sum);
+    let planned = |dtype| comm.planned_algorithm(Collective::AllReduce, big, dtype, ReduceOp::Sum, None);
+    let auto = planned(DType::BF16)?;
     let host = comm.device().facts().backend == crate::device::BackendKind::Host;
-    if auto.codec().is_none() && !host {
+    if auto.and_then(Algorithm::codec).is_none() && !host {
         s.fail(format!(
-            "dispatch picked {auto} for a 128 MiB bf16 sum with quantization on"
+            "the planner picked {auto:?} for a 128 MiB bf16 sum with quantization on"
         ));
     }
-    let plain = comm.choose(AlgoChoice::Auto, big, DType::F32, ReduceOp::Sum);
-    if plain.codec().is_some() {
-        s.fail(format!("dispatch picked {plain} for an f32 sum"));
+    let plain = planned(DType::F32)?;
+    if plain.and_then(Algorithm::codec).is_some() {
+        s.fail(format!("the planner picked {plain:?} for an f32 sum"));
     }
     let slot = comm.options().slot_bytes_for(comm.device().facts().backend);
     for (k, codec) in crate::algo::kernels::QR_CODECS.into_iter().enumerate() {
@@ -488,7 +489,7 @@ impl<D: Device> Suite<'_, D> {
         // host: above a few MiB it only costs time, and its chunking is
         // already crossed at 1 MiB (a chunk is slot / 4 / world bytes).
         let host = self.host_backend();
-        let mut algos: Vec<Algorithm> = Algorithm::CUSTOM
+        let mut algos: Vec<Algorithm> = Algorithm::ALL_REDUCE_KERNELS
             .into_iter()
             .filter(|&a| !(a == Algorithm::OneShotLl && bytes > (4 << 20) && host))
             .collect();
@@ -507,7 +508,7 @@ impl<D: Device> Suite<'_, D> {
             let out = self.view(out_slot, offset, dtype, count, true)?;
             self.put(0, offset, &input)?;
             let inp = self.view(0, offset, dtype, count, false)?;
-            comm.all_reduce_into(inp, out, op, &Call::new().algo(AlgoChoice::Fixed(algo)))?
+            comm.all_reduce_into(inp, out, op, &Call::new().algo(algo))?
                 .wait(Some(self.cfg.timeout))
                 .map_err(|e| context(e, &case))?;
             let got = self.get(out_slot, offset, bytes)?;
@@ -636,14 +637,9 @@ impl<D: Device> Suite<'_, D> {
         let inp = self.view(0, 0, DType::BF16, count, false)?;
         let out = self.view(1, 0, DType::BF16, count, false)?;
         let stream = dev.create_stream()?;
-        for algo in Algorithm::CUSTOM {
+        for algo in Algorithm::ALL_REDUCE_KERNELS {
             dev.begin_capture(&stream)?;
-            let captured = comm.all_reduce_into(
-                inp,
-                out,
-                ReduceOp::Sum,
-                &Call::on(&stream).algo(AlgoChoice::Fixed(algo)),
-            );
+            let captured = comm.all_reduce_into(inp, out, ReduceOp::Sum, &Call::on(&stream).algo(algo));
             let graph = dev.end_capture(&stream)?;
             captured?;
             for replay in 0..self.cfg.graph_replays {

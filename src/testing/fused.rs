@@ -12,12 +12,12 @@ use half::{bf16, f16};
 use super::conformance::{context, Suite, POISON};
 use super::data::{self, FromF64, Values};
 use crate::algo::fused::{fp8_min_scale, int8_min_scale, FusedKind, FusionPattern, FP8_MAX, INT8_MAX};
-use crate::algo::{AlgoChoice, Algorithm};
 use crate::codec::{Fp8Flavor, Half16};
 use crate::comm::{Call, Fusion, MoeFinalize, Tensor};
 use crate::device::Device;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
+use crate::plan::Algorithm;
 
 /// What a fused call writes, as the unfused reference computes it.
 #[derive(Debug, Clone)]
@@ -206,12 +206,12 @@ const SHAPES: [(usize, usize); 10] = [
 ];
 
 /// The `algo` hint that asks for a fused kernel family.
-pub fn kind_algo(kind: FusedKind) -> AlgoChoice {
-    AlgoChoice::Fixed(match kind {
+pub fn kind_algo(kind: FusedKind) -> Algorithm {
+    match kind {
         FusedKind::OneShot => Algorithm::OneShotPush,
         FusedKind::OneShotLl => Algorithm::OneShotLl,
         FusedKind::TwoShot => Algorithm::TwoShotPush,
-    })
+    }
 }
 
 /// The per-tensor FP8 scale the static pattern is given: small enough that
@@ -934,7 +934,7 @@ impl<D: Device> Suite<'_, D> {
         }
         // An all-reduce algorithm that has no fused kernel.
         let f = Fusion::new(FusionPattern::ResidualAdd, hidden, res_in, res_out);
-        let call = Call::new().algo(AlgoChoice::Fixed(Algorithm::Ccl));
+        let call = Call::new().algo(Algorithm::Vendor);
         self.report.collectives += 1;
         match comm.all_reduce_fused(input, &f, &call) {
             Err(Error::Unsupported(_)) => {}

@@ -241,8 +241,9 @@ fn heap_collectives<D: Device>(
     // Odd counts: not a multiple of 16 bytes. On GPUs one size each side of
     // the direct threshold, both above the size under which all-gather and
     // gather may go to NCCL (`route`), which takes no epochs.
-    let direct_n = crate::comm::DIRECT_MIN_BLOCK_BYTES.max(crate::comm::DIRECT_MIN_REDUCE_TO_BYTES) / 4 + 5;
-    let below = crate::comm::DIRECT_MIN_BLOCK_BYTES.min(crate::comm::DIRECT_MIN_REDUCE_TO_BYTES) / 2;
+    let direct_n =
+        crate::plan::table::DIRECT_MIN_BLOCK_BYTES.max(crate::plan::table::DIRECT_MIN_REDUCE_TO_BYTES) / 4 + 5;
+    let below = crate::plan::table::DIRECT_MIN_BLOCK_BYTES.min(crate::plan::table::DIRECT_MIN_REDUCE_TO_BYTES) / 2;
     let sizes: Vec<usize> = if gpu {
         vec![below / 4 + 3, direct_n]
     } else {

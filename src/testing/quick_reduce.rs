@@ -10,12 +10,13 @@ use half::{bf16, f16};
 use super::conformance::{context, Suite, POISON};
 use super::data::{self, FromF64, Values};
 use crate::algo::kernels::{qr_encode_name, QR_CODECS, QUICK_REDUCE};
-use crate::algo::{AlgoChoice, Algorithm, GridTable};
+use crate::algo::GridTable;
 use crate::codec::{self, Codec, Fp8Flavor, Half16};
 use crate::comm::{Call, Tensor};
 use crate::device::{Device, DeviceBuffer, KernelParams};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
+use crate::plan::Algorithm;
 
 /// Element counts of the all-reduce matrix: sub-block, block edges, odd
 /// counts, several blocks per GPU thread block, many thread blocks.
@@ -154,7 +155,7 @@ impl<D: Device> Suite<'_, D> {
         let dst = out.as_ref().unwrap_or(&inp);
         comm.device().memset(dst, 0, bytes.max(1), POISON, comm.stream())?;
         comm.write(&inp, 0, &data::to_bytes(&xs[rank]))?;
-        let call = Call::new().algo(AlgoChoice::Fixed(algo));
+        let call = Call::new().algo(algo);
         comm.all_reduce_into(
             Tensor::view(&inp, dtype, 0, count)?,
             Tensor::view(dst, dtype, 0, count)?,
@@ -255,11 +256,11 @@ impl<D: Device> Suite<'_, D> {
             Tensor::view(&out, DType::BF16, 0, count)?,
         );
         // Load the module outside the capture (the first call loads it).
-        comm.all_reduce_into(ti, to, ReduceOp::Sum, &Call::new().algo(AlgoChoice::Fixed(algo)))?
+        comm.all_reduce_into(ti, to, ReduceOp::Sum, &Call::new().algo(algo))?
             .wait(Some(self.cfg.timeout))?;
         comm.prepare()?;
         dev.begin_capture(&stream)?;
-        let captured = comm.all_reduce_into(ti, to, ReduceOp::Sum, &Call::on(&stream).algo(AlgoChoice::Fixed(algo)));
+        let captured = comm.all_reduce_into(ti, to, ReduceOp::Sum, &Call::on(&stream).algo(algo));
         let graph = dev.end_capture(&stream)?;
         captured?;
         for replay in 0..self.cfg.graph_replays.min(20) {

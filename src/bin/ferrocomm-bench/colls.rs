@@ -2,12 +2,11 @@
 //! bandwidth as nccl-tests defines them, the expected output of each, and
 //! one call of each through ferrocomm or straight through NCCL/RCCL.
 
-use ferrocomm::algo::AlgoChoice;
 use ferrocomm::device::Device;
 #[cfg(any(feature = "nccl", feature = "rccl"))]
 use ferrocomm::device::DevicePtr;
 use ferrocomm::testing::data::{self, FromF64, Values};
-use ferrocomm::{Call, Communicator, DType, Error, P2p, ReduceOp, Result, Tensor};
+use ferrocomm::{Algorithm, Call, Collective, Communicator, DType, Error, P2p, ReduceOp, Result, Tensor};
 
 /// A collective the bench times.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -216,8 +215,33 @@ pub fn through_ccl<D: Device>(
     .ok_or_else(|| Error::Unsupported("NCCL/RCCL is not loaded".into()))?
 }
 
+/// `call`, with `choice` as its algorithm when one is given.
+pub fn with_algo<'s, D: Device>(call: Call<'s, D>, choice: Option<Algorithm>) -> Call<'s, D> {
+    match choice {
+        Some(a) => call.algo(a),
+        None => call,
+    }
+}
+
 /// The `--algo` names that apply to a collective (the all-reduce's
-/// algorithms; the others have one route each).
-pub fn algo_applies(coll: Coll, choice: AlgoChoice) -> bool {
-    coll == Coll::AllReduce || choice == AlgoChoice::Auto
+/// algorithms; the others' rows run the planner's choice).
+pub fn algo_applies(coll: Coll, choice: Option<Algorithm>) -> bool {
+    coll == Coll::AllReduce || choice.is_none()
+}
+
+impl Coll {
+    /// The planner's name of the collective, and the count it plans by
+    /// (all-reduce, broadcast and reduce: the elements; the others: a
+    /// peer's block).
+    pub fn planned(self, n_in: usize, world: usize) -> (Collective, usize) {
+        match self {
+            Coll::AllReduce => (Collective::AllReduce, n_in),
+            Coll::AllGather => (Collective::AllGather, n_in),
+            Coll::ReduceScatter => (Collective::ReduceScatter, n_in / world),
+            Coll::AllToAll => (Collective::AllToAll, n_in / world),
+            Coll::Broadcast => (Collective::Broadcast, n_in),
+            Coll::Reduce => (Collective::Reduce, n_in),
+            Coll::SendRecv => (Collective::SendRecv, 0),
+        }
+    }
 }

@@ -22,7 +22,7 @@ use ferrocomm::bootstrap::Store;
 use ferrocomm::device::{BackendKind, Device, DeviceBuffer};
 use ferrocomm::ep::reference::dest_ranks;
 use ferrocomm::ep::{EpBuffer, EpConfig, EpLayout, EpPayload, SCALE_BLOCK};
-use ferrocomm::{Call, CollRoute, CommOptions, Communicator, DType, Error, Result, Tensor};
+use ferrocomm::{Algorithm, Call, CommOptions, Communicator, DType, Error, Result, Tensor};
 
 use super::{median, time_samples_prepared, Args, OPS_PER_SAMPLE};
 
@@ -138,7 +138,7 @@ pub fn bench_ep<D: Device>(comm: &Communicator<D>, store: &Arc<dyn Store>, a: &A
         return Err(Error::invalid("--ep needs --tokens of at least 1"));
     }
     // The all-to-all pipeline's communicator: the vendor library where it loaded.
-    let vopts = comm.options().clone().with_coll_route(CollRoute::Vendor);
+    let vopts = comm.options().clone().with_coll_route(Algorithm::Vendor);
     let vcomm = Communicator::new(dev.duplicate()?, store.clone(), rank, world, vopts)?;
     let a2a_name = if vcomm.has_vendor_library() {
         "vendor a2av"

@@ -18,11 +18,11 @@
 //! within a tolerance (the vendor's all-reduce order is not ferrocomm's).
 
 use ferrocomm::algo::fused::FusionPattern;
-use ferrocomm::algo::{AlgoChoice, Algorithm};
 use ferrocomm::codec::Half16;
 use ferrocomm::device::{BackendKind, Device};
 use ferrocomm::testing::data::{self, FromF64, Values};
 use ferrocomm::testing::fused::{fused_reference, moe_finalize_reference, moe_permutation};
+use ferrocomm::Algorithm;
 use ferrocomm::{Call, Communicator, DType, Error, Fusion, MoeFinalize, ReduceOp, Result, Tensor, UserModule};
 
 use super::{median, time_samples, Args, OPS_PER_SAMPLE};
@@ -127,9 +127,9 @@ pub fn bench_fused<D: Device>(comm: &Communicator<D>, a: &Args, patterns: &[Fusi
     };
     // The unfused pipeline's all-reduce: NCCL/RCCL when loaded.
     let (ar_name, ar_choice) = if comm.has_vendor_library() {
-        ("nccl", AlgoChoice::Fixed(Algorithm::Ccl))
+        ("nccl", Some(Algorithm::Vendor))
     } else {
-        ("auto", AlgoChoice::Auto)
+        ("auto", None)
     };
     for &dtype in &a.dtypes {
         if !matches!(dtype, DType::BF16 | DType::F16) {
@@ -138,7 +138,7 @@ pub fn bench_fused<D: Device>(comm: &Communicator<D>, a: &Args, patterns: &[Fusi
         for &pattern in patterns {
             for &tokens in &a.tokens {
                 for algo in &a.algos {
-                    let choice: AlgoChoice = algo.parse()?;
+                    let choice = ferrocomm::plan::parse_choice(algo)?;
                     for &mode in modes {
                         let row = match dtype {
                             DType::BF16 => one::<D, half::bf16>(comm, a, pattern, tokens, choice, mode),
@@ -170,9 +170,9 @@ pub fn bench_fused<D: Device>(comm: &Communicator<D>, a: &Args, patterns: &[Fusi
                         for &topk in &a.fused_moe {
                             let (time, cpu, wrong) = match dtype {
                                 DType::BF16 => {
-                                    one_moe::<D, half::bf16>(comm, a, pattern, tokens, topk, Some(choice), mode, None)?
+                                    one_moe::<D, half::bf16>(comm, a, pattern, tokens, topk, choice, mode, None)?
                                 }
-                                _ => one_moe::<D, half::f16>(comm, a, pattern, tokens, topk, Some(choice), mode, None)?,
+                                _ => one_moe::<D, half::f16>(comm, a, pattern, tokens, topk, choice, mode, None)?,
                             };
                             wrong_total += wrong;
                             lines.push(Line {
@@ -238,7 +238,7 @@ fn one<D: Device, S: FromF64 + Half16>(
     a: &Args,
     pattern: FusionPattern,
     tokens: usize,
-    choice: AlgoChoice,
+    choice: Option<Algorithm>,
     mode: &str,
 ) -> Result<(f64, f64, usize)> {
     let dev = comm.device();
@@ -277,7 +277,7 @@ fn one<D: Device, S: FromF64 + Half16>(
     let input = t(0, dtype, n)?;
     let stream = dev.create_stream()?;
     let run = || {
-        comm.all_reduce_fused(input, &f, &Call::on(&stream).algo(choice))
+        comm.all_reduce_fused(input, &f, &crate::colls::with_algo(Call::on(&stream), choice))
             .map(|_| ())
     };
     let ops = match backend {
@@ -327,7 +327,7 @@ const UNFUSED_BLOCK: u32 = 256;
 /// algorithm.
 pub struct Unfused<'m, D: Device> {
     pub module: &'m UserModule<D>,
-    pub ar_choice: AlgoChoice,
+    pub ar_choice: Option<Algorithm>,
 }
 
 /// Little-endian bytes of a `#[repr(C)]`-like list of u64 words, then the
@@ -367,7 +367,7 @@ pub fn one_moe<D: Device, S: FromF64 + Half16>(
     pattern: FusionPattern,
     tokens: usize,
     topk: usize,
-    choice: Option<AlgoChoice>,
+    choice: Option<Algorithm>,
     mode: &str,
     unfused: Option<Unfused<'_, D>>,
 ) -> Result<(f64, f64, usize)> {
@@ -449,9 +449,8 @@ pub fn one_moe<D: Device, S: FromF64 + Half16>(
             .with_shared_expert_output(t(9, dtype, n)?);
         let f = f.with_moe_finalize(moe);
         let input = t(0, dtype, rows * hidden)?;
-        let choice = choice.unwrap_or(AlgoChoice::Auto);
         let run = || {
-            comm.all_reduce_fused(input, &f, &Call::on(&stream).algo(choice))
+            comm.all_reduce_fused(input, &f, &crate::colls::with_algo(Call::on(&stream), choice))
                 .map(|_| ())
         };
         let (mut times, mut cpu) = time_samples(comm, a, mode, &stream, ops, |_| run())?;
@@ -508,7 +507,11 @@ pub fn one_moe<D: Device, S: FromF64 + Half16>(
                 &call,
             )?;
         }
-        comm.all_reduce(x, ReduceOp::Sum, &Call::on(&stream).algo(u.ar_choice))?;
+        comm.all_reduce(
+            x,
+            ReduceOp::Sum,
+            &crate::colls::with_algo(Call::on(&stream), u.ar_choice),
+        )?;
         // SAFETY: as above.
         unsafe {
             comm.launch_user(

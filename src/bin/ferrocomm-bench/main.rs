@@ -37,12 +37,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferrocomm::algo::kernels::QR_DTYPES;
-use ferrocomm::algo::{AlgoChoice, Algorithm};
 use ferrocomm::bootstrap::{store_all_gather, Store, TcpStore};
 use ferrocomm::codec::{self, Half16, Quantization};
 use ferrocomm::device::{BackendKind, Device};
 use ferrocomm::testing::data::{self, Values};
 use ferrocomm::testing::launch::run_process_ranks_echo;
+use ferrocomm::Algorithm;
 use ferrocomm::{CommOptions, Communicator, DType, Error, ReduceOp, Result, Tensor};
 
 /// Dispatch `$f::<T>(args)` on a runtime dtype.
@@ -486,8 +486,8 @@ fn sizes(a: &Args, dtype: DType, world: usize) -> impl Iterator<Item = usize> {
 #[derive(Clone, Copy)]
 enum Subject {
     /// The collective through ferrocomm, with an algorithm choice (the
-    /// all-reduce's; `Auto` for the others).
-    Ferro(AlgoChoice),
+    /// all-reduce's; the planner's, `None`, for the others).
+    Ferro(Option<Algorithm>),
     /// The collective straight through NCCL/RCCL on the same stream.
     NcclDirect,
     /// A device-to-device copy of the same bytes: the memory floor beside
@@ -561,7 +561,7 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     let mut subjects: Vec<(String, Subject)> = Vec::new();
     for algo in &a.algos {
         let choice = algo_choice(algo).ok_or_else(|| Error::invalid(format!("unknown --algo {algo:?}")))?;
-        if choice == AlgoChoice::Fixed(Algorithm::Ccl) {
+        if choice == Some(Algorithm::Vendor) {
             if !comm.has_vendor_library() {
                 if rank == 0 {
                     println!("# no {algo} rows: the vendor library is not built in or not loaded");
@@ -578,7 +578,7 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     for q in &a.quantization {
         if let Some(codec) = q.codec(backend) {
             let qr = Algorithm::QuickReduce(codec);
-            subjects.push((qr.to_string(), Subject::Ferro(AlgoChoice::Fixed(qr))));
+            subjects.push((qr.to_string(), Subject::Ferro(Some(qr))));
         }
     }
     subjects.push(("memcpy".into(), Subject::Memcpy));
@@ -696,7 +696,8 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
                             }
                             Subject::Ferro(choice) => {
                                 if quantized && coll == colls::Coll::AllReduce {
-                                    let algorithm = comm.choose(choice, n_in, dtype, a.op);
+                                    let (planned, count) = coll.planned(n_in, world);
+                                    let algorithm = comm.planned_algorithm(planned, count, dtype, a.op, choice)?;
                                     let (wrong, relerr) = match dtype {
                                         DType::F16 => check_samples::<half::f16>(seed, world, &got, algorithm),
                                         _ => check_samples::<half::bf16>(seed, world, &got, algorithm),
@@ -706,14 +707,17 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
                                 } else {
                                     row.wrong = Some(count_wrong(&got, &want, dtype));
                                 }
-                                row.algo = match (coll, choice) {
-                                    (colls::Coll::AllReduce, AlgoChoice::Auto) => {
-                                        format!("auto:{}", comm.choose(choice, n_in, dtype, a.op))
+                                // The one vocabulary: what auto took, named.
+                                row.algo = match choice {
+                                    None => {
+                                        let (planned, count) = coll.planned(n_in, world);
+                                        match comm.planned_algorithm(planned, count, dtype, a.op, None)? {
+                                            Some(x) => format!("auto:{x}"),
+                                            None => "auto".into(),
+                                        }
                                     }
-                                    (_, AlgoChoice::Auto) if backend == BackendKind::Host => "auto:host".into(),
-                                    (_, AlgoChoice::Auto) => "auto".into(),
-                                    (_, AlgoChoice::Fixed(Algorithm::Ccl)) => name.clone(),
-                                    (_, AlgoChoice::Fixed(x)) => x.to_string(),
+                                    Some(Algorithm::Vendor) => name.clone(),
+                                    Some(x) => x.to_string(),
                                 };
                             }
                         }
@@ -786,8 +790,8 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     Ok(())
 }
 
-fn algo_choice(name: &str) -> Option<AlgoChoice> {
-    name.parse().ok()
+fn algo_choice(name: &str) -> Option<Option<Algorithm>> {
+    ferrocomm::plan::parse_choice(name).ok()
 }
 
 /// One row's collective and sizes.
@@ -827,7 +831,7 @@ fn measure<D: Device>(
     let run = |i: usize| -> Result<()> {
         match subject {
             Subject::Ferro(choice) => {
-                let call = ferrocomm::Call::<D>::on(&stream).algo(choice);
+                let call = colls::with_algo(ferrocomm::Call::<D>::on(&stream), choice);
                 colls::through_ferrocomm(comm, &call, coll, t_in(i)?, t_out, a.op)
             }
             Subject::NcclDirect => nccl_direct(comm, &stream, coll, t_in(i)?, t_out, a.op),
@@ -922,7 +926,7 @@ fn check_samples<S: data::FromF64 + Half16>(
     seed: u64,
     world: usize,
     got: &[u8],
-    algorithm: Algorithm,
+    algorithm: Option<Algorithm>,
 ) -> (Option<usize>, f64) {
     let got: Vec<S> = data::from_bytes(got);
     let count = got.len();
@@ -931,7 +935,7 @@ fn check_samples<S: data::FromF64 + Half16>(
     for k in sample_blocks(count) {
         let (lo, hi) = (k * codec::BLOCK, ((k + 1) * codec::BLOCK).min(count));
         let want: Vec<S> = match algorithm {
-            Algorithm::QuickReduce(c) => {
+            Some(Algorithm::QuickReduce(c)) => {
                 let ins: Vec<Vec<S>> = (0..world).map(|r| (lo..hi).map(|i| x(r, i)).collect()).collect();
                 let refs: Vec<&[S]> = ins.iter().map(|v| v.as_slice()).collect();
                 codec::reference_all_reduce::<S>(c, &refs)
@@ -950,7 +954,7 @@ fn check_samples<S: data::FromF64 + Half16>(
         }
     }
     let relerr = if den > 0.0 { (num / den).sqrt() } else { 0.0 };
-    let comparable = !matches!(algorithm, Algorithm::Ccl);
+    let comparable = algorithm != Some(Algorithm::Vendor);
     (comparable.then_some(wrong), relerr)
 }
 

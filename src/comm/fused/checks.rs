@@ -1,0 +1,362 @@
+//! Every check of a fused call, before anything is queued, and the call it
+//! becomes: the shape, the tensors its pattern takes, their memory, then
+//! the planner's kernel family.
+
+use super::Fusion;
+use crate::algo::fused::{
+    fused_ll_rows, fused_rows_per_chunk, fused_segment_rows, FusedCall, FusionPattern, MoeCall, FUSED_DTYPES,
+    FUSED_MAX_HIDDEN, MOE_MAX_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT, PTR_QUANT_OUT, PTR_RESIDUAL_IN, PTR_RESIDUAL_OUT,
+    PTR_SCALE, PTR_WEIGHT,
+};
+use crate::algo::layout::push_oneshot_stride;
+use crate::comm::call::Call;
+use crate::comm::communicator::Communicator;
+use crate::comm::tensor::Tensor;
+use crate::device::{Device, MAX_RANKS};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::plan::fused::{fused_kind, FusedShape};
+
+/// A tensor's role, for messages.
+struct Role {
+    what: &'static str,
+    t: Tensor,
+    output: bool,
+}
+
+impl Role {
+    fn input(what: &'static str, t: Tensor) -> Role {
+        Role { what, t, output: false }
+    }
+
+    fn output(what: &'static str, t: Tensor) -> Role {
+        Role { what, t, output: true }
+    }
+}
+
+/// The call's rows: `tokens` of `hidden`, `n` elements in all.
+struct Rows {
+    tokens: usize,
+    hidden: usize,
+    n: usize,
+    dtype: DType,
+}
+
+/// Errors of one fused call, named by its pattern.
+struct Errs(FusionPattern);
+
+impl Errs {
+    fn err(&self, m: String) -> Error {
+        Error::invalid(format!("all_reduce_fused ({}): {m}", self.0))
+    }
+
+    /// `t` must be `count` x `dt`.
+    fn expect(&self, what: &str, t: &Tensor, dt: DType, count: usize, rows: &Rows) -> Result<()> {
+        if t.dtype() != dt || t.count() != count {
+            return Err(self.err(format!(
+                "{what} must be {count} x {dt} ({} x {} for rows), not {} x {}",
+                rows.tokens,
+                rows.hidden,
+                t.count(),
+                t.dtype()
+            )));
+        }
+        Ok(())
+    }
+
+    /// `what` must not be given.
+    fn unwanted(&self, what: &str, present: bool) -> Result<()> {
+        if present {
+            return Err(self.err(format!("{what} was given, but pattern {} does not use it", self.0)));
+        }
+        Ok(())
+    }
+}
+
+impl<D: Device> Communicator<D> {
+    /// Every check of a fused call, before anything is queued: the call it
+    /// becomes.
+    pub(super) fn checked_fusion(&self, input: &Tensor, f: &Fusion, call: &Call<'_, D>) -> Result<FusedCall> {
+        let e = Errs(f.pattern);
+        let rows = self.fused_rows(&e, input, f)?;
+        let mut roles = vec![
+            Role::input("input", *input),
+            Role::input("residual_in", f.residual_in),
+            Role::output("residual_out", f.residual_out),
+        ];
+        e.expect("residual_in", &f.residual_in, rows.dtype, rows.n, &rows)?;
+        e.expect("residual_out", &f.residual_out, rows.dtype, rows.n, &rows)?;
+        pattern_roles(&e, f, &rows, &mut roles)?;
+        let moe = moe_roles(&e, f, input, &rows, &mut roles)?;
+        self.check_fused_memory(&e, f, &roles, rows.n)?;
+
+        let world = self.size();
+        let slot_bytes = self.options().slot_bytes_for(self.device().facts().backend);
+        let es = rows.dtype.size();
+        let shape = FusedShape {
+            dtype: rows.dtype,
+            tokens: rows.tokens,
+            hidden: rows.hidden,
+            world,
+            fits_two: fused_segment_rows(slot_bytes, world, rows.hidden, es) > 0,
+            ll_rows: fused_ll_rows(slot_bytes, world, rows.hidden, es),
+        };
+        let kind = fused_kind(call.asked_algo()?, &shape).map_err(|err| match err {
+            Error::InvalidArgument(m) => e.err(m),
+            other => other,
+        })?;
+        crate::fc_log!(
+            tracing::Level::DEBUG,
+            "plan: all_reduce_fused {}{} {} x {} {} (world {world}) -> {}",
+            if f.moe.is_some() { "moe_" } else { "" },
+            f.pattern,
+            rows.tokens,
+            rows.hidden,
+            rows.dtype,
+            kind.name()
+        );
+        Ok(FusedCall {
+            kind,
+            pattern: f.pattern,
+            dtype: rows.dtype,
+            tokens: rows.tokens,
+            hidden: rows.hidden,
+            eps: if f.pattern.norms() { f.eps } else { 0.0 },
+            input: input.ptr(),
+            ptrs: pointers(f),
+            moe,
+        })
+    }
+
+    /// The dtype, row width and rows of a fused call, and that a row fits
+    /// one rank's share of the workspace.
+    fn fused_rows(&self, e: &Errs, input: &Tensor, f: &Fusion) -> Result<Rows> {
+        let dtype = input.dtype();
+        if !FUSED_DTYPES.contains(&dtype) {
+            return Err(e.err(format!("the input is {dtype}; fused epilogues take f16 or bf16")));
+        }
+        let hidden = f.hidden;
+        if hidden == 0 || hidden % 8 != 0 {
+            return Err(e.err(format!("hidden = {hidden} must be a positive multiple of 8")));
+        }
+        if hidden > FUSED_MAX_HIDDEN {
+            return Err(e.err(format!("hidden = {hidden} is larger than {FUSED_MAX_HIDDEN}")));
+        }
+        if input.count() % hidden != 0 {
+            return Err(e.err(format!(
+                "the input{} has {} elements, not a whole number of rows of {hidden}",
+                if f.moe.is_some() { " (the experts' output)" } else { "" },
+                input.count()
+            )));
+        }
+        // Rows of the call: the input's, or with a MoE prologue the
+        // residual's (the input is then the experts' rows).
+        let tokens = match f.moe {
+            None => input.count() / hidden,
+            Some(_) if f.residual_in.count() % hidden != 0 => {
+                return Err(e.err(format!(
+                    "residual_in has {} elements, not a whole number of rows of {hidden} \
+                     (with a MoE prologue it gives the tokens)",
+                    f.residual_in.count()
+                )))
+            }
+            Some(_) => f.residual_in.count() / hidden,
+        };
+        let world = self.size();
+        // The workspace's slots (what Workspace::create was given).
+        let slot_bytes = self.options().slot_bytes_for(self.device().facts().backend);
+        if tokens > 0 && fused_rows_per_chunk(slot_bytes, world, hidden, dtype.size()) == 0 {
+            return Err(e.err(format!(
+                "a row of {hidden} x {dtype} ({} bytes) does not fit one rank's share of the workspace \
+                 ({} bytes at world {world}); create the communicator with larger slot_bytes",
+                hidden * dtype.size(),
+                push_oneshot_stride(slot_bytes, world)
+            )));
+        }
+        Ok(Rows {
+            tokens,
+            hidden,
+            n: tokens * hidden,
+            dtype,
+        })
+    }
+
+    /// Every tensor of the call on this device, aligned as the kernels read
+    /// it, and no output overlapping anything it may not replace.
+    fn check_fused_memory(&self, e: &Errs, f: &Fusion, roles: &[Role], n: usize) -> Result<()> {
+        for r in roles {
+            let bytes = r.t.bytes()?;
+            if bytes > 0 {
+                self.inner
+                    .device
+                    .check_memory(r.t.ptr(), bytes)
+                    .map_err(|err| e.err(format!("{}: {err}", r.what)))?;
+            }
+            // Rows move in 16-byte packs; the scale and the MoE index and
+            // router weights are read an element at a time.
+            let align = match r.what {
+                "scale" | "expanded_idx_to_permuted_idx" | "expert_scales" => r.t.dtype().size(),
+                _ => 16,
+            };
+            if r.t.ptr().0 % align as u64 != 0 {
+                return Err(e.err(format!(
+                    "{} at {:#x} is not {align}-byte aligned ({})",
+                    r.what,
+                    r.t.ptr().0,
+                    if align == 16 {
+                        "the kernels move 16-byte packs"
+                    } else {
+                        "read an element at a time"
+                    }
+                )));
+            }
+        }
+        let same = |a: &Tensor, b: &Tensor| a.ptr() == b.ptr() && a.count() == b.count();
+        // With a MoE prologue the input (the experts' rows) is gathered
+        // from anywhere while rows are written: nothing may replace it.
+        let allowed = |out: &Role, other: &Role| {
+            (out.what == "residual_out" && other.what == "residual_in" && same(&out.t, &other.t))
+                || (out.what == "allreduce_out" && other.what == "input" && f.moe.is_none() && same(&out.t, &other.t))
+        };
+        for (i, a) in roles.iter().enumerate() {
+            for b in roles.iter().skip(i + 1) {
+                if !(a.output || b.output) || n == 0 || !a.t.overlaps(&b.t) {
+                    continue;
+                }
+                let (out, other) = if a.output { (a, b) } else { (b, a) };
+                if !allowed(out, other) && !allowed(other, out) {
+                    return Err(e.err(format!("{} overlaps {}", out.what, other.what)));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The tensors the pattern takes (the norm's, the quantization's, the
+/// all-reduce's own output), checked, and refused where it takes none.
+fn pattern_roles(e: &Errs, f: &Fusion, rows: &Rows, roles: &mut Vec<Role>) -> Result<()> {
+    let (n, dtype) = (rows.n, rows.dtype);
+    if f.pattern.norms() {
+        let Some(w) = f.weight else {
+            return Err(e.err("RMSNorm needs a weight (Fusion::with_norm)".into()));
+        };
+        e.expect("weight", &w, dtype, rows.hidden, rows)?;
+        if !(f.eps.is_finite() && f.eps >= 0.0) {
+            return Err(e.err(format!("eps = {} must be finite and >= 0", f.eps)));
+        }
+        roles.push(Role::input("weight", w));
+        match (f.norm_out, f.pattern) {
+            (None, FusionPattern::ResidualRmsNorm) => {
+                return Err(e.err("norm_out is required: it is the pattern's result".into()))
+            }
+            (None, _) => {}
+            (Some(t), _) => {
+                e.expect("norm_out", &t, dtype, n, rows)?;
+                roles.push(Role::output("norm_out", t));
+            }
+        }
+    } else {
+        e.unwanted("weight", f.weight.is_some())?;
+        e.unwanted("norm_out", f.norm_out.is_some())?;
+    }
+    if let Some(qdt) = f.pattern.quant_dtype() {
+        let (Some(q), Some(s)) = (f.quant_out, f.scale) else {
+            return Err(e.err("quant_out and scale are required (Fusion::with_quant)".into()));
+        };
+        e.expect("quant_out", &q, qdt, n, rows)?;
+        let scales = if f.pattern.per_token() { rows.tokens } else { 1 };
+        if s.dtype() != DType::F32 || s.count() != scales {
+            return Err(e.err(format!(
+                "scale must be {scales} x f32 ({}), not {} x {}",
+                if f.pattern.per_token() {
+                    "one per token, written"
+                } else {
+                    "the per-tensor scale, read"
+                },
+                s.count(),
+                s.dtype()
+            )));
+        }
+        roles.push(Role::output("quant_out", q));
+        roles.push(Role {
+            what: "scale",
+            t: s,
+            output: f.pattern.per_token(),
+        });
+    } else {
+        e.unwanted("quant_out", f.quant_out.is_some())?;
+        e.unwanted("scale", f.scale.is_some())?;
+    }
+    if let Some(t) = f.allreduce_out {
+        e.expect("allreduce_out", &t, dtype, n, rows)?;
+        roles.push(Role::output("allreduce_out", t));
+    }
+    Ok(())
+}
+
+/// The MoE-finalize prologue's tensors, checked, and what the kernel reads
+/// of them.
+fn moe_roles(e: &Errs, f: &Fusion, input: &Tensor, rows: &Rows, roles: &mut Vec<Role>) -> Result<Option<MoeCall>> {
+    let Some(m) = &f.moe else { return Ok(None) };
+    let (tokens, dtype) = (rows.tokens, rows.dtype);
+    if m.topk == 0 || m.topk > MOE_MAX_TOPK {
+        return Err(e.err(format!("topk = {} must be 1 to {MOE_MAX_TOPK}", m.topk)));
+    }
+    let pairs = tokens * m.topk;
+    let idx = m.expanded_idx_to_permuted_idx;
+    if idx.dtype() != DType::I32 || idx.count() != pairs {
+        return Err(e.err(format!(
+            "expanded_idx_to_permuted_idx must be {pairs} x i32 ({tokens} tokens x topk {}), not {} x {}",
+            m.topk,
+            idx.count(),
+            idx.dtype()
+        )));
+    }
+    let sc = m.expert_scales;
+    if !(sc.dtype() == DType::F32 || sc.dtype() == dtype) || sc.count() != pairs {
+        return Err(e.err(format!(
+            "expert_scales must be {pairs} x f32 or {pairs} x {dtype} ({tokens} tokens x topk {}), not {} x {}",
+            m.topk,
+            sc.count(),
+            sc.dtype()
+        )));
+    }
+    roles.push(Role::input("expanded_idx_to_permuted_idx", idx));
+    roles.push(Role::input("expert_scales", sc));
+    if let Some(t) = m.shared_expert_output {
+        e.expect("shared_expert_output", &t, dtype, rows.n, rows)?;
+        roles.push(Role::input("shared_expert_output", t));
+    }
+    Ok(Some(MoeCall {
+        topk: m.topk,
+        permuted_rows: input.count() / rows.hidden,
+        scales_f32: sc.dtype() == DType::F32,
+        idx: idx.ptr().0,
+        scales: sc.ptr().0,
+        shared: m.shared_expert_output.map_or(0, |t| t.ptr().0),
+    }))
+}
+
+/// The kernel's table of the call's tensors (0 for those the pattern does
+/// not take).
+fn pointers(f: &Fusion) -> [u64; MAX_RANKS] {
+    let mut ptrs = [0u64; MAX_RANKS];
+    ptrs[PTR_RESIDUAL_IN] = f.residual_in.ptr().0;
+    ptrs[PTR_RESIDUAL_OUT] = f.residual_out.ptr().0;
+    let mut set = |k: usize, t: Option<Tensor>| {
+        if let Some(t) = t {
+            ptrs[k] = t.ptr().0;
+        }
+    };
+    if f.pattern.norms() {
+        set(PTR_WEIGHT, f.weight);
+        set(PTR_NORM_OUT, f.norm_out);
+    }
+    if f.pattern.quant_dtype().is_some() {
+        set(PTR_QUANT_OUT, f.quant_out);
+        set(PTR_SCALE, f.scale);
+    }
+    set(PTR_ALLREDUCE_OUT, f.allreduce_out);
+    ptrs
+}

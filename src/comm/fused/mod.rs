@@ -1,0 +1,198 @@
+//! Fused all-reduce epilogues (issue 12): the end of every tensor-parallel
+//! transformer layer, all-reduce, residual add, RMSNorm and often a
+//! quantization, in one kernel ([`Communicator::all_reduce_fused`]).
+//!
+//! Shapes are `tokens x hidden`, row-major, f16 or bf16; sum only. The math
+//! is fixed in fp32 (docs/protocol.md, "Fused epilogues"), so every backend
+//! and every rank writes the same bits as the host reference.
+//!
+//! With [`Fusion::with_moe_finalize`] the call's input is a MoE layer's
+//! expert outputs instead, and each token's row is first finalized from its
+//! top-k expert rows ([`MoeFinalize`]), inside the same kernel.
+
+mod checks;
+
+use super::call::Call;
+use super::communicator::Communicator;
+use super::tensor::Tensor;
+use super::work::Work;
+use crate::algo::fused::FusionPattern;
+use crate::device::Device;
+use crate::error::{Error, Result};
+
+/// The tensors and constants of a fused call besides its input (this rank's
+/// partial sums, `tokens x hidden`). Build one with [`Fusion::new`] and the
+/// `with_*` methods; what each pattern needs is checked by
+/// [`Communicator::all_reduce_fused`] before anything is launched.
+#[derive(Debug, Clone, Copy)]
+pub struct Fusion {
+    pub pattern: FusionPattern,
+    /// Elements of a row (the model's hidden size): a multiple of 8, at
+    /// most [`FUSED_MAX_HIDDEN`](crate::algo::fused::FUSED_MAX_HIDDEN).
+    pub hidden: usize,
+    /// The residual stream, `tokens x hidden` of the input's dtype.
+    pub residual_in: Tensor,
+    /// `round(allreduce + residual_in)`; may be `residual_in` itself (in place).
+    pub residual_out: Tensor,
+    /// RMSNorm's weight, `hidden` elements of the input's dtype (norm patterns).
+    pub weight: Option<Tensor>,
+    /// RMSNorm's epsilon (finite, >= 0).
+    pub eps: f32,
+    /// The normed rows (required by `ResidualRmsNorm`, optional with a quantization).
+    pub norm_out: Option<Tensor>,
+    /// The quantized normed rows: `tokens x hidden` of f8e4m3 or i8.
+    pub quant_out: Option<Tensor>,
+    /// f32 scales: one (given, read on the device at run time) for
+    /// `ResidualRmsNormFp8`, `tokens` (written) for the per-token patterns.
+    pub scale: Option<Tensor>,
+    /// The all-reduced rows before the residual add (optional; may be the
+    /// input itself, except with a MoE prologue).
+    pub allreduce_out: Option<Tensor>,
+    /// The MoE-finalize prologue: the call's input is then the experts'
+    /// output, and `tokens` comes from `residual_in`.
+    pub moe: Option<MoeFinalize>,
+}
+
+/// The MoE-finalize prologue of a fused call (the arguments of
+/// TensorRT-LLM's `moe_finalize_allreduce_fusion`). The call's input is
+/// then the experts' output, `permuted_rows x hidden` (the FC2 rows in
+/// expert order), and what each rank contributes to the all-reduce is, per
+/// token `t` and element `j`, rounded to the dtype once:
+///
+/// `shared_expert_output[t][j] + sum over k in 0..topk, in k order, of
+/// expert_scales[t][k] * input[expanded_idx_to_permuted_idx[t][k]][j]`
+///
+/// in f32 (docs/protocol.md, "MoE finalize"). The indices are device data,
+/// read by the kernel: one outside `[0, permuted_rows)` skips its term (the
+/// host twin does the same); nothing out of range is read.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeFinalize {
+    /// i32, `tokens x topk`: expanded index `t * topk + k` to a row of the
+    /// experts' output.
+    pub expanded_idx_to_permuted_idx: Tensor,
+    /// The router's weights, `tokens x topk`, f32 or the input's dtype.
+    pub expert_scales: Tensor,
+    /// Experts per token, 1 to [`MOE_MAX_TOPK`](crate::algo::fused::MOE_MAX_TOPK).
+    pub topk: usize,
+    /// The shared expert's output, `tokens x hidden` of the input's dtype
+    /// (added first; optional).
+    pub shared_expert_output: Option<Tensor>,
+}
+
+impl MoeFinalize {
+    /// `topk` experts per token, routed by `expanded_idx_to_permuted_idx`
+    /// and weighted by `expert_scales`.
+    pub fn new(expanded_idx_to_permuted_idx: Tensor, expert_scales: Tensor, topk: usize) -> Self {
+        MoeFinalize {
+            expanded_idx_to_permuted_idx,
+            expert_scales,
+            topk,
+            shared_expert_output: None,
+        }
+    }
+
+    /// Add the shared expert's output.
+    pub fn with_shared_expert_output(mut self, shared_expert_output: Tensor) -> Self {
+        self.shared_expert_output = Some(shared_expert_output);
+        self
+    }
+}
+
+impl Fusion {
+    /// A fusion of `pattern` over rows of `hidden` elements; add the
+    /// tensors the pattern needs with the `with_*` methods.
+    pub fn new(pattern: FusionPattern, hidden: usize, residual_in: Tensor, residual_out: Tensor) -> Self {
+        Fusion {
+            pattern,
+            hidden,
+            residual_in,
+            residual_out,
+            weight: None,
+            eps: 1e-6,
+            norm_out: None,
+            quant_out: None,
+            scale: None,
+            allreduce_out: None,
+            moe: None,
+        }
+    }
+
+    /// RMSNorm's weight and epsilon.
+    pub fn with_norm(mut self, weight: Tensor, eps: f32) -> Self {
+        self.weight = Some(weight);
+        self.eps = eps;
+        self
+    }
+
+    /// Where the normed rows go.
+    pub fn with_norm_out(mut self, norm_out: Tensor) -> Self {
+        self.norm_out = Some(norm_out);
+        self
+    }
+
+    /// The quantized output and its scale tensor (see [`Fusion::scale`]).
+    pub fn with_quant(mut self, quant_out: Tensor, scale: Tensor) -> Self {
+        self.quant_out = Some(quant_out);
+        self.scale = Some(scale);
+        self
+    }
+
+    /// Also write the all-reduced rows (before the residual add).
+    pub fn with_allreduce_out(mut self, allreduce_out: Tensor) -> Self {
+        self.allreduce_out = Some(allreduce_out);
+        self
+    }
+
+    /// Finalize a MoE layer first: the call's input is the experts' output
+    /// (see [`MoeFinalize`]).
+    pub fn with_moe_finalize(mut self, moe: MoeFinalize) -> Self {
+        self.moe = Some(moe);
+        self
+    }
+}
+
+impl<D: Device> Communicator<D> {
+    /// All-reduce (sum) of `input` (`tokens x hidden`, f16 or bf16) fused
+    /// with the epilogue `fusion` describes: residual add, then RMSNorm,
+    /// then a quantization, as its pattern says. Collective: every rank
+    /// calls it with the same pattern, shape, dtype and `eps`. Caller
+    /// memory, the call's stream, graph-capturable. Every tensor must be
+    /// 16-byte aligned (the scale: 4), and outputs may not overlap anything
+    /// but what they may replace (`residual_out` = `residual_in`,
+    /// `allreduce_out` = `input`). Results are bitwise those of the host
+    /// reference (docs/protocol.md, "Fused epilogues") on every rank.
+    ///
+    /// With a MoE prologue ([`Fusion::with_moe_finalize`]), `input` is the
+    /// experts' output (`permuted_rows x hidden`), `tokens` is
+    /// `residual_in`'s rows, and no output may overlap any of the
+    /// prologue's tensors (the kernel gathers expert rows from anywhere
+    /// while other rows are written).
+    pub fn all_reduce_fused(&self, input: Tensor, fusion: &Fusion, call: &Call<'_, D>) -> Result<Work<D>> {
+        let c = self.checked_fusion(&input, fusion, call)?;
+        self.submit(call, "all_reduce_fused", |s| {
+            if c.tokens == 0 {
+                return Ok(());
+            }
+            let inner = s.inner;
+            s.res.load_fused_module(&inner.device)?;
+            let (Some(module), Some(ws)) = (s.res.fused_module.as_ref(), s.res.ws.as_ref()) else {
+                return Err(Error::Unsupported(format!(
+                    "all_reduce_fused on communicator {}: it spans {} and has no workspace for the fused kernels \
+                     (run it on each node's communicator)",
+                    inner.name,
+                    inner.topology.describe()
+                )));
+            };
+            c.enqueue(
+                &inner.device,
+                module,
+                &inner.grids,
+                ws,
+                &inner.flags,
+                inner.rank,
+                s.timeout,
+                s.stream,
+            )
+        })
+    }
+}
