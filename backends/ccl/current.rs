@@ -9,7 +9,7 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::CclFlavor;
+use super::library::CclFlavor;
 
 /// What the creating thread had current.
 #[derive(Clone, Copy, Debug)]

@@ -28,10 +28,8 @@ use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use super::tcp::{
-    constant_time_eq, serve_authenticated, version_mismatch_reply, Refusal, Shared, MAGIC, ST_BUSY, ST_DENIED,
-    ST_TIMEOUT, VERSION,
-};
+use super::tcp::connections::{serve_authenticated, Refusal, Shared};
+use super::tcp::protocol::{constant_time_eq, version_mismatch_reply, MAGIC, ST_BUSY, ST_DENIED, ST_TIMEOUT, VERSION};
 
 /// Longest sleep in `poll`, so the loop notices the stop flag promptly.
 const POLL_CAP: Duration = Duration::from_millis(20);
