@@ -219,12 +219,19 @@ impl Batch {
     /// premul_sum's factor: a number, or a one-element tensor read when the
     /// collective runs (so a CUDA graph replay sees its current value).
     fn reduction(&mut self, op: &str, factor: Option<&Bound<'_, PyAny>>) -> PyResult<Reduction> {
-        let premul = matches!(op.to_ascii_lowercase().replace('-', "_").as_str(), "premul_sum" | "premulsum");
+        let premul = matches!(
+            op.to_ascii_lowercase().replace('-', "_").as_str(),
+            "premul_sum" | "premulsum"
+        );
         match (premul, factor) {
             (true, Some(f)) if f.is_instance_of::<PyFloat>() || f.is_instance_of::<PyInt>() => {
                 Ok(Reduction::premul_sum(f.extract::<f64>()?))
             }
-            (true, Some(f)) => Ok(Reduction::premul_sum_device(self.import(f, false, "premul_sum factor")?)),
+            (true, Some(f)) => Ok(Reduction::premul_sum_device(self.import(
+                f,
+                false,
+                "premul_sum factor",
+            )?)),
             (true, None) => Err(invalid("premul_sum needs a factor (a number or a one-element tensor)")),
             (false, None) => Ok(Reduction::Op(op.parse::<ReduceOp>().map_err(to_pyerr)?)),
             (false, Some(_)) => Err(invalid(format!("a factor goes with premul_sum, not with {op}"))),
