@@ -10,7 +10,8 @@ import sys
 from typing import Any, Optional
 
 from . import _ferrocomm as _native
-from ._comm import Communicator, Timeout, seconds
+from ._call import Timeout, seconds
+from ._comm import Communicator
 from ._errors import InvalidArgument
 
 __all__ = ["init", "from_torch", "from_store"]

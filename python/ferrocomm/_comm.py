@@ -16,14 +16,14 @@ collective has completed. ``async_op=True`` returns a :class:`Work`.
 
 from __future__ import annotations
 
-import datetime
 import operator
 import threading
 import weakref
-from numbers import Integral, Real
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from numbers import Integral
+from typing import Any, Iterable, Optional, Sequence
 
 from . import _ferrocomm as _native
+from ._call import Hints, Stream, Timeout, call_opts, seconds
 from ._ep import EpBuffer
 from ._errors import InvalidArgument
 from ._ops import ReduceOp, as_op
@@ -39,20 +39,6 @@ HeapTensor = _native.HeapTensor
 HeapTensorBits = _native.HeapTensorBits
 RemoteTensor = _native.RemoteTensor
 
-Timeout = Optional[Any]  # seconds (int/float) or datetime.timedelta
-
-
-def seconds(timeout: Timeout) -> Optional[float]:
-    """A timeout in seconds from a number or a ``datetime.timedelta``."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, datetime.timedelta):
-        return timeout.total_seconds()
-    if isinstance(timeout, Real) and not isinstance(timeout, bool):
-        return float(timeout)
-    raise InvalidArgument(f"timeout {timeout!r}: expected seconds or a datetime.timedelta")
-
-
 def _dtype_name(dtype: Any) -> str:
     """A dtype's name from a string, a NumPy dtype or type, or a torch dtype."""
     if isinstance(dtype, str):
@@ -64,12 +50,6 @@ def _dtype_name(dtype: Any) -> str:
     else:
         name = str(dtype)  # torch.float32
     return name[len("torch."):] if name.startswith("torch.") else name
-
-
-def _hints(hints: Optional[Mapping[str, Any]]) -> Optional[dict]:
-    if not hints:
-        return None
-    return {str(k): str(v) for k, v in hints.items()}
 
 
 def _factor(op: ReduceOp) -> Any:
@@ -155,8 +135,9 @@ class Window:
         self._native = native
         self._comm = comm
 
-    def _stream(self, stream: Any, tensor: Any = None) -> Optional[int]:
-        return call_stream(self._comm, stream, tensor, "windows")
+    def _opts(self, async_op: bool, timeout: Timeout, stream: Stream, tensor: Any = None) -> Any:
+        """A window call's options: no hints, the stream as :func:`call_stream` resolves it."""
+        return call_opts(async_op, None, timeout, call_stream(self._comm, stream, tensor, "windows"))
 
     def tensor_register(self, tensor: Any) -> None:
         """Make ``tensor`` the window's buffer (collective; sizes may differ
@@ -170,30 +151,26 @@ class Window:
         target_offset: int = 0,
         async_op: bool = False,
         timeout: Timeout = None,
-        stream: Any = None,
+        stream: Stream = None,
     ) -> Optional[Work]:
         """Copy ``tensor`` into ``dst_rank``'s buffer at element
         ``target_offset``; follow it with ``signal(dst_rank)``."""
         tensor = prepare(tensor)
-        return self._native.put(
-            tensor, int(dst_rank), int(target_offset), async_op=async_op, timeout=seconds(timeout),
-            stream=self._stream(stream, tensor),
-        )
+        opts = self._opts(async_op, timeout, stream, tensor)
+        return self._native.put(tensor, int(dst_rank), int(target_offset), opts=opts)
 
     def signal(
-        self, dst_rank: int, async_op: bool = False, timeout: Timeout = None, stream: Any = None
+        self, dst_rank: int, async_op: bool = False, timeout: Timeout = None, stream: Stream = None
     ) -> Optional[Work]:
         """Tell ``dst_rank`` that this rank's earlier puts on the stream landed."""
-        return self._native.signal(int(dst_rank), async_op=async_op, timeout=seconds(timeout), stream=self._stream(stream))
+        return self._native.signal(int(dst_rank), opts=self._opts(async_op, timeout, stream))
 
     def wait_signal(
-        self, peer_rank: int, async_op: bool = False, timeout: Timeout = None, stream: Any = None
+        self, peer_rank: int, async_op: bool = False, timeout: Timeout = None, stream: Stream = None
     ) -> Optional[Work]:
         """Wait until ``peer_rank`` has signalled once more than the waits
         before (signals are counted, so each wait matches one signal)."""
-        return self._native.wait_signal(
-            int(peer_rank), async_op=async_op, timeout=seconds(timeout), stream=self._stream(stream)
-        )
+        return self._native.wait_signal(int(peer_rank), opts=self._opts(async_op, timeout, stream))
 
     def map_remote_tensor(self, rank: int) -> RemoteTensor:
         """``rank``'s buffer as mapped in this process, exporting DLPack
@@ -298,6 +275,14 @@ class Communicator:
         s = stream_handle(stream) if stream is not None else current_stream(key)
         return self._native, s
 
+    def _per_call(self, key: Any, async_op: bool, hints: Hints, timeout: Timeout, stream: Stream) -> tuple:
+        """The path every collective shares once it has checked its own
+        arguments: the native communicator for tensors where ``key`` lives,
+        and the native ``CallOpts`` of the call's per-call arguments (the
+        stream resolved by :meth:`_route`), to pass as ``opts=``."""
+        c, s = self._route(key, stream)
+        return c, call_opts(async_op, hints, timeout, s)
+
     @staticmethod
     def _first(*candidates: Any) -> Any:
         for c in candidates:
@@ -318,38 +303,25 @@ class Communicator:
         self,
         tensor: Any,
         op: Any = ReduceOp.SUM,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Reduce ``tensor`` across ranks, in place."""
-        tensor = prepare(tensor)
-        c, s = self._route(tensor, stream)
-        op = as_op(op)
-        return c.all_reduce(
-            tensor, op.name, _factor(op), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s
-        )
+        tensor, op = prepare(tensor), as_op(op)
+        c, opts = self._per_call(tensor, async_op, hints, timeout, stream)
+        return c.all_reduce(tensor, op.name, _factor(op), opts=opts)
 
     def all_reduce_into(
         self,
         output: Any,
         input: Any,
         op: Any = ReduceOp.SUM,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Out of place: ``output`` (as long as ``input``) receives the
         reduction of every rank's ``input``; ``input`` is only read."""
-        output, input = prepare(output), prepare(input)
-        c, s = self._route(input, stream)
-        op = as_op(op)
-        return c.all_reduce_into(
-            output, input, op.name, _factor(op), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints),
-            stream=s,
-        )
+        output, input, op = prepare(output), prepare(input), as_op(op)
+        c, opts = self._per_call(input, async_op, hints, timeout, stream)
+        return c.all_reduce_into(output, input, op.name, _factor(op), opts=opts)
 
     def all_reduce_fused(
         self,
@@ -368,10 +340,7 @@ class Communicator:
         expert_scales: Any = None,
         topk: Optional[int] = None,
         shared_expert_output: Any = None,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """All-reduce (sum) of ``input`` (tokens x hidden, float16 or
         bfloat16) fused with its epilogue, in one kernel (FlashInfer's
@@ -466,146 +435,104 @@ class Communicator:
                     f"all_reduce_fused: input (the experts' output) has rows of {hidden} but residual rows of "
                     f"{int(rshape[-1])}: both are rows of the model's hidden size"
                 )
-        c, s = self._route(input, stream)
+        c, opts = self._per_call(input, async_op, hints, timeout, stream)
         opt = lambda t: None if t is None else prepare(t)  # noqa: E731
         return c.all_reduce_fused(
             input, residual, residual_out, pattern, hidden, opt(weight), float(eps), opt(norm_out), opt(quant_out),
             opt(scale), opt(allreduce_out), opt(expanded_idx_to_permuted_idx), opt(expert_scales), topk,
-            opt(shared_expert_output), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s,
+            opt(shared_expert_output), opts=opts,
         )
 
     def broadcast(
         self,
         tensor: Any,
         root: int,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """``root``'s ``tensor`` into ``tensor`` on every rank."""
         tensor = prepare(tensor)
-        c, s = self._route(tensor, stream)
-        return c.broadcast(tensor, root, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+        c, opts = self._per_call(tensor, async_op, hints, timeout, stream)
+        return c.broadcast(tensor, root, opts=opts)
 
     def reduce(
         self,
         tensor: Any,
         root: int,
         op: Any = ReduceOp.SUM,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Reduce every rank's ``tensor`` into ``tensor`` on ``root``."""
-        tensor = prepare(tensor)
-        c, s = self._route(tensor, stream)
-        op = as_op(op)
-        return c.reduce(
-            tensor, root, op.name, _factor(op), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints),
-            stream=s,
-        )
+        tensor, op = prepare(tensor), as_op(op)
+        c, opts = self._per_call(tensor, async_op, hints, timeout, stream)
+        return c.reduce(tensor, root, op.name, _factor(op), opts=opts)
 
     def all_gather(
         self,
         tensor_list: Sequence[Any],
         tensor: Any,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Every rank's ``tensor`` into ``tensor_list[rank]``."""
         tensor, tensor_list = prepare(tensor), self._list(tensor_list)
-        c, s = self._route(tensor, stream)
-        return c.all_gather(
-            tensor_list, tensor, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s
-        )
+        c, opts = self._per_call(tensor, async_op, hints, timeout, stream)
+        return c.all_gather(tensor_list, tensor, opts=opts)
 
     def all_gather_single(
         self,
         output: Any,
         input: Any,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Every rank's ``input`` into ``output`` (``world`` times as long), in rank order."""
         output, input = prepare(output), prepare(input)
-        c, s = self._route(input, stream)
-        return c.all_gather_single(
-            output, input, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s
-        )
+        c, opts = self._per_call(input, async_op, hints, timeout, stream)
+        return c.all_gather_single(output, input, opts=opts)
 
     def reduce_scatter(
         self,
         output: Any,
         input_list: Sequence[Any],
         op: Any = ReduceOp.SUM,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Reduce ``input_list[r]`` of every rank into ``output`` on rank ``r``."""
-        output, input_list = prepare(output), self._list(input_list)
-        c, s = self._route(output, stream)
-        op = as_op(op)
-        return c.reduce_scatter(
-            output, input_list, op.name, _factor(op), async_op=async_op, timeout=seconds(timeout),
-            hints=_hints(hints), stream=s,
-        )
+        output, input_list, op = prepare(output), self._list(input_list), as_op(op)
+        c, opts = self._per_call(output, async_op, hints, timeout, stream)
+        return c.reduce_scatter(output, input_list, op.name, _factor(op), opts=opts)
 
     def reduce_scatter_single(
         self,
         output: Any,
         input: Any,
         op: Any = ReduceOp.SUM,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Reduce every rank's ``input`` (``world`` blocks) and leave block ``rank`` in ``output``."""
-        output, input = prepare(output), prepare(input)
-        c, s = self._route(input, stream)
-        op = as_op(op)
-        return c.reduce_scatter_single(
-            output, input, op.name, _factor(op), async_op=async_op, timeout=seconds(timeout), hints=_hints(hints),
-            stream=s,
-        )
+        output, input, op = prepare(output), prepare(input), as_op(op)
+        c, opts = self._per_call(input, async_op, hints, timeout, stream)
+        return c.reduce_scatter_single(output, input, op.name, _factor(op), opts=opts)
 
     def all_to_all(
         self,
         output_tensor_list: Sequence[Any],
         input_tensor_list: Sequence[Any],
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """``input_tensor_list[q]`` to rank ``q``; ``output_tensor_list[s]`` from rank ``s``."""
         outs, ins = self._list(output_tensor_list), self._list(input_tensor_list)
-        c, s = self._route(self._first(ins, outs), stream)
-        return c.all_to_all(outs, ins, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+        c, opts = self._per_call(self._first(ins, outs), async_op, hints, timeout, stream)
+        return c.all_to_all(outs, ins, opts=opts)
 
     def all_to_all_single(
         self,
         output: Any,
         input: Any,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Equal blocks: block ``q`` of ``input`` to rank ``q``, block ``s`` of ``output`` from rank ``s``."""
         output, input = prepare(output), prepare(input)
-        c, s = self._route(input, stream)
-        return c.all_to_all_single(
-            output, input, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s
-        )
+        c, opts = self._per_call(input, async_op, hints, timeout, stream)
+        return c.all_to_all_single(output, input, opts=opts)
 
     def all_to_all_v_single(
         self,
@@ -613,88 +540,68 @@ class Communicator:
         input: Any,
         output_split_sizes: Optional[Sequence[int]],
         input_split_sizes: Optional[Sequence[int]],
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """All-to-all with per-peer split sizes, counted in rows (slices
         along the first dimension) as torch counts them; None: equal splits."""
         output, input = prepare(output), prepare(input)
-        c, s = self._route(input, stream)
         outs = [int(x) for x in output_split_sizes] if output_split_sizes is not None else None
         ins = [int(x) for x in input_split_sizes] if input_split_sizes is not None else None
-        return c.all_to_all_v_single(
-            output, input, outs, ins, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s
-        )
+        c, opts = self._per_call(input, async_op, hints, timeout, stream)
+        return c.all_to_all_v_single(output, input, outs, ins, opts=opts)
 
     def gather(
         self,
         output_tensor_list: Sequence[Any],
         input_tensor: Any,
         root: int,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Every rank's ``input_tensor`` into ``output_tensor_list[rank]`` on
         ``root`` (the list may be empty elsewhere)."""
         outs, inp = self._list(output_tensor_list), prepare(input_tensor)
-        c, s = self._route(inp, stream)
-        return c.gather(outs, inp, root, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+        c, opts = self._per_call(inp, async_op, hints, timeout, stream)
+        return c.gather(outs, inp, root, opts=opts)
 
     def scatter(
         self,
         output_tensor: Any,
         input_tensor_list: Sequence[Any],
         root: int,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """``input_tensor_list[rank]`` of ``root`` into ``output_tensor``
         (the list may be empty elsewhere)."""
         out, ins = prepare(output_tensor), self._list(input_tensor_list)
-        c, s = self._route(out, stream)
-        return c.scatter(out, ins, root, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+        c, opts = self._per_call(out, async_op, hints, timeout, stream)
+        return c.scatter(out, ins, root, opts=opts)
 
     def send(
         self,
         tensor: Any,
         dst: int,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Send ``tensor`` to ``dst`` (matched, in order, by its :meth:`recv`)."""
         tensor = prepare(tensor)
-        c, s = self._route(tensor, stream)
-        return c.send(tensor, dst, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+        c, opts = self._per_call(tensor, async_op, hints, timeout, stream)
+        return c.send(tensor, dst, opts=opts)
 
     def recv(
         self,
         tensor: Any,
         src: int,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Receive into ``tensor`` from ``src``."""
         tensor = prepare(tensor)
-        c, s = self._route(tensor, stream)
-        return c.recv(tensor, src, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+        c, opts = self._per_call(tensor, async_op, hints, timeout, stream)
+        return c.recv(tensor, src, opts=opts)
 
     def batch_p2p(
         self,
         ops: Sequence[Any],
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Sends and receives as one group, which cannot deadlock on its
         own order (a ring, a pairwise swap). ``ops``: :class:`P2POp`s,
@@ -706,8 +613,8 @@ class Communicator:
             elif not isinstance(o, P2POp):
                 o = P2POp(o.op, o.tensor, o.peer)
             norm.append((o.op == "send", prepare(o.tensor), o.peer))
-        c, s = self._route(norm[0][1] if norm else None, stream)
-        return c.batch_p2p(norm, async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=s)
+        c, opts = self._per_call(norm[0][1] if norm else None, async_op, hints, timeout, stream)
+        return c.batch_p2p(norm, opts=opts)
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[Any], **kwargs: Any) -> list:
         """torch.distributed's spelling: a list with one :class:`Work` (empty
@@ -717,16 +624,12 @@ class Communicator:
 
     def barrier(
         self,
-        async_op: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
-        timeout: Timeout = None,
-        stream: Any = None,
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """Every rank waits for every other. Without ``async_op`` it blocks
         the calling thread (on GPUs too), as a barrier is expected to."""
-        return self._native.barrier(
-            async_op=async_op, timeout=seconds(timeout), hints=_hints(hints), stream=stream_handle(stream)
-        )
+        c, opts = self._per_call(None, async_op, hints, timeout, stream)
+        return c.barrier(opts=opts)
 
     # ------------------------------------------------------------ life cycle
 

@@ -29,6 +29,7 @@ import sys
 from typing import Any, Dict, Optional
 
 from . import _ferrocomm as _native
+from ._call import Stream, Timeout, call_opts
 from ._errors import InvalidArgument
 from ._tensors import call_stream, is_torch, prepare
 
@@ -191,8 +192,9 @@ class EpBuffer:
 
     # ------------------------------------------------------------ calls
 
-    def _stream(self, stream: Any, tensor: Any) -> Optional[int]:
-        return call_stream(self._comm, stream, tensor, "EP buffers")
+    def _opts(self, async_op: bool, timeout: Timeout, stream: Stream, tensor: Any) -> Any:
+        """A dispatch's or combine's options: no hints, the stream as :func:`call_stream` resolves it."""
+        return call_opts(async_op, None, timeout, call_stream(self._comm, stream, tensor, "EP buffers"))
 
     def _received(self, framework: Optional[str]) -> Dict[str, Any]:
         views = self._views.get(framework)
@@ -210,8 +212,8 @@ class EpBuffer:
         scales: Any = None,
         num_tokens: Optional[int] = None,
         async_op: bool = False,
-        timeout: Any = None,
-        stream: Any = None,
+        timeout: Timeout = None,
+        stream: Stream = None,
     ) -> DispatchOut:
         """Send this rank's tokens to the ranks owning their experts.
 
@@ -223,8 +225,6 @@ class EpBuffer:
         default: the rows of ``x``) may differ between ranks, and be 0.
         Returns a :class:`DispatchOut`; with ``async_op=True`` its ``work``
         says when it is filled."""
-        from ._comm import seconds  # _comm imports this module
-
         if isinstance(x, tuple):
             if scales is not None:
                 raise InvalidArgument("EP dispatch: scales given twice (an (x, scales) pair and scales=)")
@@ -241,9 +241,7 @@ class EpBuffer:
             None if scales is None else prepare(scales),
             n,
             x_bits,
-            async_op=async_op,
-            timeout=seconds(timeout),
-            stream=self._stream(stream, x),
+            opts=self._opts(async_op, timeout, stream, x),
         )
         return DispatchOut(self._received(framework), n, work)
 
@@ -253,8 +251,8 @@ class EpBuffer:
         out: Any,
         *,
         async_op: bool = False,
-        timeout: Any = None,
-        stream: Any = None,
+        timeout: Timeout = None,
+        stream: Stream = None,
     ) -> Optional[Work]:
         """Send the experts' rows back and sum each token's rows.
 
@@ -266,8 +264,6 @@ class EpBuffer:
         float32 and rounded once; 0 for a token that went nowhere. ``out``
         may not lie in the buffer's own memory (``recv_x``). Returns None,
         or a :class:`Work` with ``async_op=True``."""
-        from ._comm import seconds  # _comm imports this module
-
         expert_out, expert_bits = _bits16(prepare(expert_out))
         out, out_bits = _bits16(prepare(out))
         return self._native.combine(
@@ -275,9 +271,7 @@ class EpBuffer:
             out,
             expert_bits,
             out_bits,
-            async_op=async_op,
-            timeout=seconds(timeout),
-            stream=self._stream(stream, expert_out),
+            opts=self._opts(async_op, timeout, stream, expert_out),
         )
 
     def received(self) -> Dict[str, EpTensor]:

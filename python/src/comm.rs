@@ -3,15 +3,17 @@
 //! adds the torchcomms spelling (defaults, `ReduceOp`, streams of torch
 //! and CuPy) on top.
 //!
-//! A call: import the tensors (DLPack, with the stream the collective will
-//! run on, so the producer orders its pending work before it), check they
-//! are this communicator's device, queue the collective with the GIL
-//! released, then either hand back a `Work` (async_op) or, for a call that
-//! has no caller stream to be ordered on (the host backend; GPU calls
-//! without a stream), wait for it. The tensors' owners stay with the work
-//! until it has completed.
+//! A collective checks its own arguments and imports its tensors into a
+//! [`Batch`] (DLPack, with the stream the collective will run on, so the
+//! producer orders its pending work before it; each checked to be this
+//! communicator's device); the rest is one path for every call, [`launch!`]:
+//! the per-call options ([`CallOpts`]: async_op, timeout, hints, stream)
+//! make the `ferrocomm::Call`, the collective is queued with the GIL
+//! released, and [`PyComm::finish`] either hands back a `Work` (async_op)
+//! or, for a call that has no caller stream to be ordered on (the host
+//! backend; GPU calls without a stream), waits for it. The tensors' owners
+//! stay with the work until it has completed.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,17 +21,16 @@ use ferrocomm::algo::fused::MOE_MAX_TOPK;
 use ferrocomm::bootstrap::{rendezvous_from_env, Store};
 use ferrocomm::device::Device;
 use ferrocomm::{
-    Call, CommOptions, Communicator, Error, Fusion, FusionPattern, MoeFinalize, P2p, ReduceOp, Reduction, Registration,
-    Tensor, Work,
+    CommOptions, Error, Fusion, FusionPattern, MoeFinalize, P2p, ReduceOp, Reduction, Registration, Tensor,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyFloat, PyInt};
+use pyo3::types::{PyFloat, PyInt};
 
-use crate::args::invalid;
+use crate::args::{duration, invalid, CallOpts};
 use crate::backend::{self, with_any, AnyComm, AnyWork, Backend};
 use crate::dlpack::{self, Imported, Owner, KDL_CUDA, KDL_CUDA_MANAGED, KDL_ROCM};
 use crate::ep::{EpShape, PyEpBuffer};
-use crate::errors::{detached, run, run_interruptible, to_pyerr, Failure};
+use crate::errors::{run, run_interruptible, to_pyerr, Failure};
 use crate::export::Counter;
 use crate::heap::{PyHeapTensor, PyWindow};
 use crate::membership::{Member, Membership};
@@ -56,31 +57,6 @@ fn fusion_pattern(name: &str) -> PyResult<FusionPattern> {
     Ok(p)
 }
 
-/// Seconds from Python as a `Duration`: positive and finite.
-pub fn duration(secs: f64) -> PyResult<Duration> {
-    if secs.is_finite() && secs > 0.0 {
-        Ok(Duration::from_secs_f64(secs))
-    } else {
-        Err(invalid(format!(
-            "timeout {secs} s: expected a positive number of seconds"
-        )))
-    }
-}
-
-/// A timeout from Python: seconds (int or float) or a `datetime.timedelta`.
-pub fn duration_of(obj: &Bound<'_, PyAny>) -> PyResult<Duration> {
-    let secs = if obj.hasattr("total_seconds")? {
-        obj.call_method0("total_seconds")?.extract::<f64>()?
-    } else if obj.is_instance_of::<PyFloat>() || (obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>()) {
-        obj.extract::<f64>()?
-    } else {
-        return Err(invalid(format!(
-            "timeout {obj}: expected seconds or a datetime.timedelta"
-        )));
-    };
-    duration(secs)
-}
-
 fn options(name: Option<String>, timeout: Option<f64>) -> PyResult<CommOptions> {
     let mut o = CommOptions::from_env().map_err(to_pyerr)?;
     if let Some(t) = timeout {
@@ -90,47 +66,10 @@ fn options(name: Option<String>, timeout: Option<f64>) -> PyResult<CommOptions> 
     Ok(o)
 }
 
-/// Per-call options, as torchcomms has them.
-pub(crate) struct Opts {
-    async_op: bool,
-    timeout: Option<Duration>,
-    hints: BTreeMap<String, String>,
-    /// The caller's raw stream (`CUstream` / `hipStream_t`).
-    pub(crate) stream: Option<u64>,
-}
-
-impl Opts {
-    pub(crate) fn new(
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
-    ) -> PyResult<Self> {
-        Ok(Opts {
-            async_op,
-            timeout: timeout.map(duration).transpose()?,
-            hints: hints.unwrap_or_default(),
-            stream,
-        })
-    }
-
-    pub(crate) fn call<'s, D: Device>(&self, stream: Option<&'s D::Stream>) -> Call<'s, D> {
-        let mut call = match stream {
-            Some(s) => Call::on(s),
-            None => Call::new(),
-        };
-        if let Some(t) = self.timeout {
-            call = call.timeout(t);
-        }
-        for (k, v) in &self.hints {
-            call = call.hint(k.as_str(), v.as_str());
-        }
-        call
-    }
-}
-
-/// The tensors of one call, imported, and their owners.
+/// One call in the making: its per-call options, the tensors imported,
+/// and their owners.
 pub(crate) struct Batch {
+    pub(crate) opts: CallOpts,
     accepts: fn(i32) -> bool,
     backend: &'static str,
     ordinal: usize,
@@ -219,12 +158,19 @@ impl Batch {
     /// premul_sum's factor: a number, or a one-element tensor read when the
     /// collective runs (so a CUDA graph replay sees its current value).
     fn reduction(&mut self, op: &str, factor: Option<&Bound<'_, PyAny>>) -> PyResult<Reduction> {
-        let premul = matches!(op.to_ascii_lowercase().replace('-', "_").as_str(), "premul_sum" | "premulsum");
+        let premul = matches!(
+            op.to_ascii_lowercase().replace('-', "_").as_str(),
+            "premul_sum" | "premulsum"
+        );
         match (premul, factor) {
             (true, Some(f)) if f.is_instance_of::<PyFloat>() || f.is_instance_of::<PyInt>() => {
                 Ok(Reduction::premul_sum(f.extract::<f64>()?))
             }
-            (true, Some(f)) => Ok(Reduction::premul_sum_device(self.import(f, false, "premul_sum factor")?)),
+            (true, Some(f)) => Ok(Reduction::premul_sum_device(self.import(
+                f,
+                false,
+                "premul_sum factor",
+            )?)),
             (true, None) => Err(invalid("premul_sum needs a factor (a number or a one-element tensor)")),
             (false, None) => Ok(Reduction::Op(op.parse::<ReduceOp>().map_err(to_pyerr)?)),
             (false, Some(_)) => Err(invalid(format!("a factor goes with premul_sum, not with {op}"))),
@@ -232,50 +178,19 @@ impl Batch {
     }
 }
 
-/// Queue `f` on `c` with the per-call options (the caller's stream
-/// borrowed for the call), with the GIL released: the work, and whether
-/// the stream is capturing a graph.
-pub(crate) fn enqueue<D: Backend>(
-    py: Python<'_>,
-    c: &Communicator<D>,
-    opts: &Opts,
-    f: impl for<'s> FnOnce(&Call<'s, D>) -> ferrocomm::Result<Work<D>> + Send,
-) -> Result<(AnyWork, bool), Failure> {
-    detached(py, || queue(c, opts, f))
-}
-
-/// [`enqueue`] for a caller that has released the GIL already.
-pub(crate) fn queue<D: Backend>(
-    c: &Communicator<D>,
-    opts: &Opts,
-    f: impl for<'s> FnOnce(&Call<'s, D>) -> ferrocomm::Result<Work<D>>,
-) -> ferrocomm::Result<(AnyWork, bool)> {
-    let borrowed = match opts.stream {
-        // SAFETY: `raw` is the caller's stream of this device (an int they
-        // passed, or torch's/CuPy's current stream); the wrapper lives for
-        // this call only and never destroys it, and the caller keeps the
-        // stream alive while it has work.
-        Some(raw) => Some(unsafe { c.device().borrow_stream(raw)? }),
-        None => None,
-    };
-    let capturing = match &borrowed {
-        Some(s) => c.device().is_capturing(s)?,
-        None => false,
-    };
-    let call = opts.call(borrowed.as_ref());
-    let work = f(&call)?;
-    Ok((D::wrap_work(work), capturing))
-}
-
-/// Queue `$body` (a call of the Rust communicator `$c` with the per-call
-/// options `$call`, a `&Call`) on whichever backend this communicator has,
-/// with the GIL released ([`enqueue`]), then finish the call (see
-/// [`PyComm::finish`]).
+/// The one path every collective ends in: queue `$body` (a call of the
+/// Rust communicator `$c` with `$call`, the `&ferrocomm::Call` that the
+/// batch's [`CallOpts`] make) on whichever backend this communicator has,
+/// with the GIL released ([`CallOpts::enqueue`]), then finish the call
+/// ([`PyComm::finish`]; `blocking`: wait even on a stream, as a barrier does).
 macro_rules! launch {
-    ($self:ident, $py:ident, $batch:ident, $opts:ident, $what:literal, |$c:ident, $call:ident| $body:expr) => {{
-        let opts = &$opts;
-        let res = with_any!(&*$self.comm, AnyComm, |$c| enqueue($py, $c, opts, |$call| $body));
-        $self.finish($py, res, $batch, opts, $what, false)
+    ($self:ident, $py:ident, $batch:ident, $what:literal, |$c:ident, $call:ident| $body:expr) => {
+        launch!($self, $py, $batch, $what, false, |$c, $call| $body)
+    };
+    ($self:ident, $py:ident, $batch:ident, $what:literal, $blocking:expr, |$c:ident, $call:ident| $body:expr) => {{
+        let opts = &$batch.opts;
+        let res = with_any!(&*$self.comm, AnyComm, |$c| opts.enqueue($py, $c, |$call| $body));
+        $self.finish($py, res, $batch, $what, $blocking)
     }};
 }
 
@@ -316,7 +231,9 @@ impl PyComm {
         PyComm::new(comm, self.store.clone(), self.member.as_ref().map(Member::membership))
     }
 
-    pub(crate) fn batch(&self, stream: Option<u64>) -> Batch {
+    /// Start a call with the per-call options `opts` (the calls that take
+    /// none, such as `register`, pass the defaults).
+    pub(crate) fn batch(&self, opts: CallOpts) -> Batch {
         let (accepts, backend, ordinal, own): (fn(i32) -> bool, _, _, _) = with_any!(&*self.comm, AnyComm, |c| (
             accepts_of(c),
             backend_of(c),
@@ -326,9 +243,10 @@ impl PyComm {
         let gpu = backend != "host";
         // CUDA's legacy default stream is handle 0 to the driver but 1 in
         // DLPack (which reserves 0 as ambiguous there); HIP keeps 0.
-        let raw = stream.or(own);
+        let raw = opts.stream.or(own);
         let dl_stream = raw.map(|r| if r == 0 && backend == "cuda" { 1 } else { r as i64 });
         Batch {
+            opts,
             accepts,
             backend,
             ordinal,
@@ -347,7 +265,7 @@ impl PyComm {
         }
     }
 
-    fn call_timeout(&self, opts: &Opts) -> Duration {
+    fn call_timeout(&self, opts: &CallOpts) -> Duration {
         opts.timeout
             .unwrap_or_else(|| with_any!(&*self.comm, AnyComm, |c| c.options().timeout))
     }
@@ -368,17 +286,18 @@ impl PyComm {
 
     /// After the collective was queued (or failed to be): a `Work` for
     /// `async_op`; else wait where the caller has no stream ordered after
-    /// the collective (host backend, GPU calls without a stream, barriers),
-    /// and keep the memory until the work completes either way.
+    /// the collective (host backend, GPU calls without a stream, and
+    /// `blocking` calls, barriers, unless the stream captures a graph), and
+    /// keep the memory until the work completes either way.
     pub(crate) fn finish(
         &self,
         py: Python<'_>,
         res: Result<(AnyWork, bool), Failure>,
         batch: Batch,
-        opts: &Opts,
         what: &'static str,
-        block: bool,
+        blocking: bool,
     ) -> PyResult<Option<PyWork>> {
+        let opts = &batch.opts;
         let (work, capturing) = match res {
             Ok(v) => v,
             Err(f) => {
@@ -419,7 +338,7 @@ impl PyComm {
                 what,
             )));
         }
-        if block || !batch.gpu || opts.stream.is_none() {
+        if (blocking && !capturing) || !batch.gpu || opts.stream.is_none() {
             if let Some(w) = &pending.work {
                 if let Err(e) = crate::work::wait(py, w, &self.comm, None, call_timeout, what) {
                     if !pending.is_completed() {
@@ -564,31 +483,24 @@ impl PyComm {
 
     // ------------------------------------------------------------ collectives
 
-    #[pyo3(signature = (tensor, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tensor, op, factor=None, *, opts=CallOpts::default()))]
     fn all_reduce(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
         op: &str,
         factor: Option<&Bound<'_, PyAny>>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let t = batch.import(tensor, true, "all_reduce tensor")?;
         let red = batch.reduction(op, factor)?;
-        launch!(self, py, batch, opts, "all_reduce", |c, call| c
-            .all_reduce(t, red, call))
+        launch!(self, py, batch, "all_reduce", |c, call| c.all_reduce(t, red, call))
     }
 
     /// Out of place: `output` (as long as `input`) receives the reduction
     /// of every rank's `input` (vLLM's custom all-reduce is out of place).
-    #[pyo3(signature = (output, input, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (output, input, op, factor=None, *, opts=CallOpts::default()))]
     fn all_reduce_into(
         &self,
         py: Python<'_>,
@@ -596,17 +508,13 @@ impl PyComm {
         input: &Bound<'_, PyAny>,
         op: &str,
         factor: Option<&Bound<'_, PyAny>>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let out = batch.import(output, true, "all_reduce output")?;
         let inp = batch.import(input, false, "all_reduce input")?;
         let red = batch.reduction(op, factor)?;
-        launch!(self, py, batch, opts, "all_reduce", |c, call| c
+        launch!(self, py, batch, "all_reduce", |c, call| c
             .all_reduce_into(inp, out, red, call))
     }
 
@@ -620,7 +528,7 @@ impl PyComm {
     /// gives the tokens.
     #[pyo3(signature = (input, residual_in, residual_out, pattern, hidden, weight=None, eps=1e-6, norm_out=None,
         quant_out=None, scale=None, allreduce_out=None, expanded_idx_to_permuted_idx=None, expert_scales=None,
-        topk=None, shared_expert_output=None, *, async_op=false, timeout=None, hints=None, stream=None))]
+        topk=None, shared_expert_output=None, *, opts=CallOpts::default()))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce_fused(
         &self,
@@ -640,12 +548,8 @@ impl PyComm {
         expert_scales: Option<&Bound<'_, PyAny>>,
         topk: Option<i64>,
         shared_expert_output: Option<&Bound<'_, PyAny>>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
         let pattern = fusion_pattern(pattern)?;
         // The MoE prologue's arguments, checked before anything is
         // imported: all of the routing or none of it.
@@ -674,7 +578,7 @@ impl PyComm {
                 )));
             }
         };
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let inp = batch.import(input, false, "all_reduce_fused input")?;
         let rin = batch.import(residual_in, false, "all_reduce_fused residual_in")?;
         let rout = batch.import(residual_out, true, "all_reduce_fused residual_out")?;
@@ -711,30 +615,24 @@ impl PyComm {
             }
             fusion = fusion.with_moe_finalize(m);
         }
-        launch!(self, py, batch, opts, "all_reduce_fused", |c, call| c
+        launch!(self, py, batch, "all_reduce_fused", |c, call| c
             .all_reduce_fused(inp, &fusion, call))
     }
 
-    #[pyo3(signature = (tensor, root, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tensor, root, *, opts=CallOpts::default()))]
     fn broadcast(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
         root: usize,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let t = batch.import(tensor, true, "broadcast tensor")?;
-        launch!(self, py, batch, opts, "broadcast", |c, call| c.broadcast(t, root, call))
+        launch!(self, py, batch, "broadcast", |c, call| c.broadcast(t, root, call))
     }
 
-    #[pyo3(signature = (tensor, root, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tensor, root, op, factor=None, *, opts=CallOpts::default()))]
     fn reduce(
         &self,
         py: Python<'_>,
@@ -742,60 +640,45 @@ impl PyComm {
         root: usize,
         op: &str,
         factor: Option<&Bound<'_, PyAny>>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let t = batch.import(tensor, true, "reduce tensor")?;
         let red = batch.reduction(op, factor)?;
-        launch!(self, py, batch, opts, "reduce", |c, call| c.reduce(t, red, root, call))
+        launch!(self, py, batch, "reduce", |c, call| c.reduce(t, red, root, call))
     }
 
-    #[pyo3(signature = (tensor_list, tensor, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tensor_list, tensor, *, opts=CallOpts::default()))]
     fn all_gather(
         &self,
         py: Python<'_>,
         tensor_list: &Bound<'_, PyAny>,
         tensor: &Bound<'_, PyAny>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let outs = batch.import_list(tensor_list, true, "all_gather tensor_list")?;
         let input = batch.import(tensor, false, "all_gather tensor")?;
-        launch!(self, py, batch, opts, "all_gather", |c, call| c
+        launch!(self, py, batch, "all_gather", |c, call| c
             .all_gather(&outs, input, call))
     }
 
-    #[pyo3(signature = (output, input, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (output, input, *, opts=CallOpts::default()))]
     fn all_gather_single(
         &self,
         py: Python<'_>,
         output: &Bound<'_, PyAny>,
         input: &Bound<'_, PyAny>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let out = batch.import(output, true, "all_gather_single output")?;
         let inp = batch.import(input, false, "all_gather_single input")?;
-        launch!(self, py, batch, opts, "all_gather", |c, call| c
+        launch!(self, py, batch, "all_gather", |c, call| c
             .all_gather_single(out, inp, call))
     }
 
-    #[pyo3(signature = (output, input_list, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (output, input_list, op, factor=None, *, opts=CallOpts::default()))]
     fn reduce_scatter(
         &self,
         py: Python<'_>,
@@ -803,22 +686,17 @@ impl PyComm {
         input_list: &Bound<'_, PyAny>,
         op: &str,
         factor: Option<&Bound<'_, PyAny>>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let out = batch.import(output, true, "reduce_scatter output")?;
         let ins = batch.import_list(input_list, false, "reduce_scatter input_list")?;
         let red = batch.reduction(op, factor)?;
-        launch!(self, py, batch, opts, "reduce_scatter", |c, call| c
+        launch!(self, py, batch, "reduce_scatter", |c, call| c
             .reduce_scatter(out, &ins, red, call))
     }
 
-    #[pyo3(signature = (output, input, op, factor=None, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (output, input, op, factor=None, *, opts=CallOpts::default()))]
     fn reduce_scatter_single(
         &self,
         py: Python<'_>,
@@ -826,46 +704,36 @@ impl PyComm {
         input: &Bound<'_, PyAny>,
         op: &str,
         factor: Option<&Bound<'_, PyAny>>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let out = batch.import(output, true, "reduce_scatter_single output")?;
         let inp = batch.import(input, false, "reduce_scatter_single input")?;
         let red = batch.reduction(op, factor)?;
-        launch!(self, py, batch, opts, "reduce_scatter", |c, call| c
+        launch!(self, py, batch, "reduce_scatter", |c, call| c
             .reduce_scatter_single(out, inp, red, call))
     }
 
-    #[pyo3(signature = (output_list, input_list, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (output_list, input_list, *, opts=CallOpts::default()))]
     fn all_to_all(
         &self,
         py: Python<'_>,
         output_list: &Bound<'_, PyAny>,
         input_list: &Bound<'_, PyAny>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let outs = batch.import_list(output_list, true, "all_to_all output_list")?;
         let ins = batch.import_list(input_list, false, "all_to_all input_list")?;
-        launch!(self, py, batch, opts, "all_to_all", |c, call| c
-            .all_to_all(&outs, &ins, call))
+        launch!(self, py, batch, "all_to_all", |c, call| c.all_to_all(&outs, &ins, call))
     }
 
     /// `output_split_sizes` / `input_split_sizes` count rows (slices along
     /// the first dimension), as torch's do; empty or None: equal splits,
     /// which every rank then shares, so small blocks take the LL kernel
     /// (every rank of one call must pass splits, or none).
-    #[pyo3(signature = (output, input, output_split_sizes=None, input_split_sizes=None, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (output, input, output_split_sizes=None, input_split_sizes=None, *,
+        opts=CallOpts::default()))]
     fn all_to_all_v_single(
         &self,
         py: Python<'_>,
@@ -873,135 +741,88 @@ impl PyComm {
         input: &Bound<'_, PyAny>,
         output_split_sizes: Option<Vec<usize>>,
         input_split_sizes: Option<Vec<usize>>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let (out, out_rows) = batch.import_full(output, true, "all_to_all output")?;
         let (inp, in_rows) = batch.import_full(input, false, "all_to_all input")?;
         let outs = rows_to_elements(output_split_sizes.unwrap_or_default(), &out, out_rows, "output")?;
         let ins = rows_to_elements(input_split_sizes.unwrap_or_default(), &inp, in_rows, "input")?;
-        launch!(self, py, batch, opts, "all_to_all", |c, call| c
+        launch!(self, py, batch, "all_to_all", |c, call| c
             .all_to_all_v_single(out, inp, &outs, &ins, call))
     }
 
-    #[pyo3(signature = (output, input, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (output, input, *, opts=CallOpts::default()))]
     fn all_to_all_single(
         &self,
         py: Python<'_>,
         output: &Bound<'_, PyAny>,
         input: &Bound<'_, PyAny>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let out = batch.import(output, true, "all_to_all_single output")?;
         let inp = batch.import(input, false, "all_to_all_single input")?;
-        launch!(self, py, batch, opts, "all_to_all", |c, call| c
+        launch!(self, py, batch, "all_to_all", |c, call| c
             .all_to_all_single(out, inp, call))
     }
 
     /// `output_list` matters on the root only (elsewhere it may be empty).
-    #[pyo3(signature = (output_list, input, root, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (output_list, input, root, *, opts=CallOpts::default()))]
     fn gather(
         &self,
         py: Python<'_>,
         output_list: &Bound<'_, PyAny>,
         input: &Bound<'_, PyAny>,
         root: usize,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let outs = batch.import_list(output_list, true, "gather output_list")?;
         let inp = batch.import(input, false, "gather input")?;
-        launch!(self, py, batch, opts, "gather", |c, call| c
-            .gather(&outs, inp, root, call))
+        launch!(self, py, batch, "gather", |c, call| c.gather(&outs, inp, root, call))
     }
 
     /// `input_list` matters on the root only (elsewhere it may be empty).
-    #[pyo3(signature = (output, input_list, root, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (output, input_list, root, *, opts=CallOpts::default()))]
     fn scatter(
         &self,
         py: Python<'_>,
         output: &Bound<'_, PyAny>,
         input_list: &Bound<'_, PyAny>,
         root: usize,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let out = batch.import(output, true, "scatter output")?;
         let ins = batch.import_list(input_list, false, "scatter input_list")?;
-        launch!(self, py, batch, opts, "scatter", |c, call| c
-            .scatter(out, &ins, root, call))
+        launch!(self, py, batch, "scatter", |c, call| c.scatter(out, &ins, root, call))
     }
 
-    #[pyo3(signature = (tensor, dst, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn send(
-        &self,
-        py: Python<'_>,
-        tensor: &Bound<'_, PyAny>,
-        dst: usize,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
-    ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+    #[pyo3(signature = (tensor, dst, *, opts=CallOpts::default()))]
+    fn send(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, dst: usize, opts: CallOpts) -> PyResult<Option<PyWork>> {
+        let mut batch = self.batch(opts);
         let t = batch.import(tensor, false, "send tensor")?;
-        launch!(self, py, batch, opts, "send", |c, call| c.send(t, dst, call))
+        launch!(self, py, batch, "send", |c, call| c.send(t, dst, call))
     }
 
-    #[pyo3(signature = (tensor, src, *, async_op=false, timeout=None, hints=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn recv(
-        &self,
-        py: Python<'_>,
-        tensor: &Bound<'_, PyAny>,
-        src: usize,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
-    ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+    #[pyo3(signature = (tensor, src, *, opts=CallOpts::default()))]
+    fn recv(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, src: usize, opts: CallOpts) -> PyResult<Option<PyWork>> {
+        let mut batch = self.batch(opts);
         let t = batch.import(tensor, true, "recv tensor")?;
-        launch!(self, py, batch, opts, "recv", |c, call| c.recv(t, src, call))
+        launch!(self, py, batch, "recv", |c, call| c.recv(t, src, call))
     }
 
     /// Sends and receives as one group: `ops` is a list of
     /// `(is_send, tensor, peer)`.
-    #[pyo3(signature = (ops, *, async_op=false, timeout=None, hints=None, stream=None))]
+    #[pyo3(signature = (ops, *, opts=CallOpts::default()))]
     fn batch_p2p(
         &self,
         py: Python<'_>,
         ops: Vec<(bool, Bound<'_, PyAny>, usize)>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let mut batch = self.batch(stream);
+        let mut batch = self.batch(opts);
         let mut list = Vec::with_capacity(ops.len());
         for (i, (is_send, t, peer)) in ops.iter().enumerate() {
             let what = format!("batch_p2p op {i}");
@@ -1010,26 +831,15 @@ impl PyComm {
                 false => P2p::Recv(batch.import(t, true, &what)?, *peer),
             });
         }
-        launch!(self, py, batch, opts, "batch_p2p", |c, call| c.batch_p2p(&list, call))
+        launch!(self, py, batch, "batch_p2p", |c, call| c.batch_p2p(&list, call))
     }
 
     /// Every rank waits for every other. Without `async_op` it blocks the
     /// calling thread (on GPUs too), as a barrier is expected to.
-    #[pyo3(signature = (*, async_op=false, timeout=None, hints=None, stream=None))]
-    fn barrier(
-        &self,
-        py: Python<'_>,
-        async_op: bool,
-        timeout: Option<f64>,
-        hints: Option<BTreeMap<String, String>>,
-        stream: Option<u64>,
-    ) -> PyResult<Option<PyWork>> {
-        let opts = Opts::new(async_op, timeout, hints, stream)?;
-        let batch = self.batch(stream);
-        let o = &opts;
-        let res = with_any!(&*self.comm, AnyComm, |c| enqueue(py, c, o, |call| c.barrier(call)));
-        let block = !async_op && !res.as_ref().is_ok_and(|(_, capturing)| *capturing);
-        self.finish(py, res, batch, &opts, "barrier", block)
+    #[pyo3(signature = (*, opts=CallOpts::default()))]
+    fn barrier(&self, py: Python<'_>, opts: CallOpts) -> PyResult<Option<PyWork>> {
+        let batch = self.batch(opts);
+        launch!(self, py, batch, "barrier", true, |c, call| c.barrier(call))
     }
 
     // ------------------------------------------------------------ life cycle
@@ -1080,7 +890,7 @@ impl PyComm {
     /// Register `tensor` with every peer (collective): each rank maps the
     /// others' registered memory. Kept alive until `deregister`.
     fn register(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<PyRegistration> {
-        let mut batch = self.batch(None);
+        let mut batch = self.batch(CallOpts::default());
         let t = batch.import(tensor, false, "register tensor")?;
         let comm = &*self.comm;
         let reg = run(py, || with_any!(comm, AnyComm, |c| c.register(t)))?;

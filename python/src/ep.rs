@@ -25,9 +25,9 @@ use ferrocomm::{Communicator, DType, Tensor};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::args::{count_arg, invalid};
+use crate::args::{count_arg, invalid, CallOpts};
 use crate::backend::{with_any, AnyComm, AnyEp, Backend};
-use crate::comm::{enqueue, Opts, PyComm};
+use crate::comm::PyComm;
 use crate::dlpack::Owner;
 use crate::errors::{run, to_pyerr, Failure};
 use crate::export::{self, ensure_open, gone, Counter, Exported, Loan};
@@ -230,8 +230,8 @@ impl PyEpBuffer {
     /// `[tokens, topk]`; `topk_weights`, float32). Collective; each rank
     /// its own number of tokens. The received rows are in `received()`.
     /// Returns the work (as collectives do) and the number of tokens.
-    #[pyo3(signature = (x, topk_idx, topk_weights, scales=None, num_tokens=None, x_bits=false, *, async_op=false,
-        timeout=None, stream=None))]
+    #[pyo3(signature = (x, topk_idx, topk_weights, scales=None, num_tokens=None, x_bits=false, *,
+        opts=CallOpts::default()))]
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         slf: &Bound<'_, Self>,
@@ -242,17 +242,14 @@ impl PyEpBuffer {
         scales: Option<&Bound<'_, PyAny>>,
         num_tokens: Option<i64>,
         x_bits: bool,
-        async_op: bool,
-        timeout: Option<f64>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<(Option<PyWork>, usize)> {
         const OP: &str = "EP dispatch";
         let me = slf.get();
-        let opts = Opts::new(async_op, timeout, None, stream)?;
         let (hold, ep) = me.take(slf, OP)?;
         let cfg = me.cfg;
         let parent = me.parent.get();
-        let mut batch = parent.batch(stream);
+        let mut batch = parent.batch(opts);
         let (xt, x_rows) = batch.import_full(x, false, "EP dispatch x")?;
         let n = match num_tokens {
             Some(n) => count_arg("EP dispatch: num_tokens", n)?,
@@ -312,15 +309,14 @@ impl PyEpBuffer {
             (EpPayload::Bf16, None) => None,
         };
         batch.hold(hold);
-        let any = &*me.comm;
-        let o = &opts;
+        let (any, o) = (&*me.comm, &batch.opts);
         let res = with_any!(&*ep, AnyEp, |e| match ep_comm(e, any) {
-            Ok(c) => enqueue(py, c, o, |call| e
+            Ok(c) => o.enqueue(py, c, |call| e
                 .dispatch(xt, scales, idx, weights, n, call)
                 .map(|(work, _)| work)),
             Err(f) => Err(f),
         });
-        Ok((parent.finish(py, res, batch, &opts, "ep_dispatch", false)?, n))
+        Ok((parent.finish(py, res, batch, "ep_dispatch", false)?, n))
     }
 
     /// Send every received row of `expert_out` (bf16 `[world *
@@ -328,9 +324,7 @@ impl PyEpBuffer {
     /// applied) back to its source, and write into `out` (bf16
     /// `[num_tokens, hidden]`) each token's sum over the ranks it went to.
     /// Collective; follows a dispatch.
-    #[pyo3(signature = (expert_out, out, expert_out_bits=false, out_bits=false, *, async_op=false, timeout=None,
-        stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (expert_out, out, expert_out_bits=false, out_bits=false, *, opts=CallOpts::default()))]
     fn combine(
         slf: &Bound<'_, Self>,
         py: Python<'_>,
@@ -338,16 +332,13 @@ impl PyEpBuffer {
         out: &Bound<'_, PyAny>,
         expert_out_bits: bool,
         out_bits: bool,
-        async_op: bool,
-        timeout: Option<f64>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
         const OP: &str = "EP combine";
         let me = slf.get();
-        let opts = Opts::new(async_op, timeout, None, stream)?;
         let (hold, ep) = me.take(slf, OP)?;
         let parent = me.parent.get();
-        let mut batch = parent.batch(stream);
+        let mut batch = parent.batch(opts);
         let (t, rows) = batch.import_full(expert_out, false, "EP combine expert_out")?;
         let want = me.bf16_rows(me.rows(), expert_out_bits, "[world * max_tokens_per_rank, hidden]");
         let expert = checked(OP, "expert_out", t, rows, expert_out_bits, &want)?;
@@ -363,13 +354,12 @@ impl PyEpBuffer {
             &me.bf16_rows(0, out_bits, "[num_tokens, hidden]"),
         )?;
         batch.hold(hold);
-        let any = &*me.comm;
-        let o = &opts;
+        let (any, o) = (&*me.comm, &batch.opts);
         let res = with_any!(&*ep, AnyEp, |e| match ep_comm(e, any) {
-            Ok(c) => enqueue(py, c, o, |call| e.combine(expert, out, call)),
+            Ok(c) => o.enqueue(py, c, |call| e.combine(expert, out, call)),
             Err(f) => Err(f),
         });
-        parent.finish(py, res, batch, &opts, "ep_combine", false)
+        parent.finish(py, res, batch, "ep_combine", false)
     }
 
     /// The regions a dispatch fills, by name, as views exporting DLPack:

@@ -20,9 +20,9 @@ use ferrocomm::{Communicator, DType, Error, Window};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use crate::args::{count_arg, element_count, invalid, rank_arg};
+use crate::args::{count_arg, element_count, invalid, rank_arg, CallOpts};
 use crate::backend::{with_any, AnyComm, AnyWindow, Backend};
-use crate::comm::{queue, Opts, PyComm};
+use crate::comm::PyComm;
 use crate::dlpack::{Imported, Owner, KDL_CPU};
 use crate::errors::{detached, run, to_pyerr, Failure};
 use crate::export::{self, ensure_open, gone, Counter, Exported, Loan};
@@ -380,10 +380,9 @@ impl PyWindow {
         })?
     }
 
-    /// Check the peer and the per-call options, queue one window operation
-    /// and finish it as collectives are finished (a `Work` for `async_op`,
-    /// else waited where no stream orders it).
-    #[allow(clippy::too_many_arguments)]
+    /// Check the peer, queue one window operation with the per-call
+    /// options and finish it as collectives are finished (a `Work` for
+    /// `async_op`, else waited where no stream orders it).
     fn op(
         &self,
         py: Python<'_>,
@@ -391,29 +390,26 @@ impl PyWindow {
         src: Option<&Bound<'_, PyAny>>,
         rank: i64,
         offset: usize,
-        async_op: bool,
-        timeout: Option<f64>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
         let rank = rank_arg(&format!("window {what}"), rank, self.world())?;
-        let opts = Opts::new(async_op, timeout, None, stream)?;
         let parent = self.parent.get();
-        let mut batch = parent.batch(opts.stream);
+        let mut batch = parent.batch(opts);
         let src = src.map(|t| batch.import(t, false, "window put tensor")).transpose()?;
-        let (any, o) = (&*self.comm, &opts);
+        let (any, o) = (&*self.comm, &batch.opts);
         // A freed window is an InvalidArgument, which `finish` raises with
         // nothing kept, as any refusal before the queueing.
         let res = self.with_window(py, what, |w| {
             with_any!(w, AnyWindow, |w| {
                 let c = comm_for(w, any)?;
-                Ok(queue(c, o, |call| match (what, src) {
+                Ok(o.queue(c, |call| match (what, src) {
                     ("put", Some(t)) => w.put(t, rank, offset, call),
                     ("signal", _) => w.signal(rank, call),
                     _ => w.wait_signal(rank, call),
                 })?)
             })
         });
-        parent.finish(py, res, batch, &opts, what, false)
+        parent.finish(py, res, batch, what, false)
     }
 }
 
@@ -455,7 +451,7 @@ impl PyWindow {
         let (imp, shape) = match tensor.cast::<PyHeapTensor>() {
             Ok(h) => (h.get().lend(tensor)?, h.get().dims().to_vec()),
             Err(_) => {
-                let mut batch = self.parent.get().batch(None);
+                let mut batch = self.parent.get().batch(CallOpts::default());
                 let imp = batch.import_checked(tensor, true, "window tensor_register tensor")?;
                 let shape = tensor
                     .getattr("shape")
@@ -483,49 +479,32 @@ impl PyWindow {
 
     /// Copy `tensor` into `dst_rank`'s buffer at element `target_offset`,
     /// ordered on the stream; follow it with `signal(dst_rank)`.
-    #[pyo3(signature = (tensor, dst_rank, target_offset=0, *, async_op=false, timeout=None, stream=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tensor, dst_rank, target_offset=0, *, opts=CallOpts::default()))]
     fn put(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
         dst_rank: i64,
         target_offset: i64,
-        async_op: bool,
-        timeout: Option<f64>,
-        stream: Option<u64>,
+        opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
         let offset = count_arg("window put: target_offset", target_offset)?;
-        self.op(py, "put", Some(tensor), dst_rank, offset, async_op, timeout, stream)
+        self.op(py, "put", Some(tensor), dst_rank, offset, opts)
     }
 
     /// Add one to `dst_rank`'s count of signals from this rank, after every
     /// earlier put of the stream.
-    #[pyo3(signature = (dst_rank, *, async_op=false, timeout=None, stream=None))]
-    fn signal(
-        &self,
-        py: Python<'_>,
-        dst_rank: i64,
-        async_op: bool,
-        timeout: Option<f64>,
-        stream: Option<u64>,
-    ) -> PyResult<Option<PyWork>> {
-        self.op(py, "signal", None, dst_rank, 0, async_op, timeout, stream)
+    #[pyo3(signature = (dst_rank, *, opts=CallOpts::default()))]
+    fn signal(&self, py: Python<'_>, dst_rank: i64, opts: CallOpts) -> PyResult<Option<PyWork>> {
+        self.op(py, "signal", None, dst_rank, 0, opts)
     }
 
     /// Wait (stream-ordered) until `peer_rank` has signalled this rank once
     /// more than the waits before. A peer that never signals: `CommTimeout`
     /// naming it after the call's timeout, and the communicator is aborted.
-    #[pyo3(signature = (peer_rank, *, async_op=false, timeout=None, stream=None))]
-    fn wait_signal(
-        &self,
-        py: Python<'_>,
-        peer_rank: i64,
-        async_op: bool,
-        timeout: Option<f64>,
-        stream: Option<u64>,
-    ) -> PyResult<Option<PyWork>> {
-        self.op(py, "wait_signal", None, peer_rank, 0, async_op, timeout, stream)
+    #[pyo3(signature = (peer_rank, *, opts=CallOpts::default()))]
+    fn wait_signal(&self, py: Python<'_>, peer_rank: i64, opts: CallOpts) -> PyResult<Option<PyWork>> {
+        self.op(py, "wait_signal", None, peer_rank, 0, opts)
     }
 
     /// `rank`'s buffer as mapped in this process, as an object that exports

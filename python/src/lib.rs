@@ -10,7 +10,8 @@
 //! - [`membership`]: `init()`'s rendezvous, and leaving its store at exit;
 //! - [`backend`]: host, CUDA and ROCm communicators behind one class;
 //! - [`errors`]: Rust errors as Python exceptions, panics caught;
-//! - [`args`]: plain arguments (ranks, counts, shapes) checked.
+//! - [`args`]: arguments checked: ranks, counts, shapes, timeouts, and
+//!   the per-call options every collective takes (`CallOpts`).
 //!
 //! The public API is the Python package (`python/ferrocomm`); this module is
 //! its engine and is not meant to be imported by itself.
@@ -31,6 +32,7 @@ use pyo3::prelude::*;
 
 #[pymodule]
 fn _ferrocomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<args::CallOpts>()?;
     m.add_class::<comm::PyComm>()?;
     m.add_class::<comm::PyRegistration>()?;
     m.add_class::<work::PyWork>()?;

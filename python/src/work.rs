@@ -109,7 +109,7 @@ impl PyWork {
     /// if that passes. Interruptible with Ctrl-C.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
-        let limit = timeout.map(crate::comm::duration_of).transpose()?;
+        let limit = timeout.map(crate::args::duration_of).transpose()?;
         if let Some(p) = &self.pending {
             if let Some(w) = &p.work {
                 wait(py, w, &self.comm, limit, self.call_timeout, self.what)?;
