@@ -1,8 +1,9 @@
-//! The communicator: one per group of ranks, generic over the device backend.
-//! This file holds its life cycle (create, split, finalize, abort), its
-//! resources and the submission path every collective goes through; the
-//! collectives themselves are in `collectives.rs`, registration in
-//! `registry.rs`.
+//! The communicator: one per group of ranks, generic over the device
+//! backend. This file holds what it is (its state, resources, the levels of
+//! one that spans nodes) and its end (finalize, abort); creation and
+//! splitting are in `create.rs`, the submission path every call takes in
+//! `submit.rs`, the collectives in `collectives/`, registration in
+//! `register.rs`.
 //!
 //! # Ordering
 //! Every rank must issue the same collectives in the same order. Calls from
@@ -20,27 +21,21 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
-use super::autotune::{self, TuneReport};
 use super::call::Call;
-use super::layered::{Levels, Shape};
 use super::options::CommOptions;
 use super::registry::Registry;
-use super::tensor::Tensor;
 use super::topology::Topology;
+use super::tuned::TuneReport;
 use super::vendor::Vendor;
-use super::work::Work;
-use crate::algo::kernels::{COLLECTIVES, QUICK_REDUCE};
 use crate::algo::{GridTable, KernelNames, Workspace};
-use crate::bootstrap::{store_all_gather, store_barrier, Store};
+use crate::bootstrap::Store;
 use crate::device::{
-    BackendKind, Device, DeviceBuffer, DevicePtr, HostFlags, MemKind, ERR_CODE_ABORTED, ERR_CODE_MISMATCH,
-    ERR_CODE_NONE, ERR_CODE_TIMEOUT, ERR_WORDS, MAX_RANKS,
+    Device, HostFlags, MemKind, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE, ERR_CODE_TIMEOUT, MAX_RANKS,
 };
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::plan::DispatchTable;
 
-enum Phase {
+pub(crate) enum Phase {
     Active,
     Aborted(String),
     Finalized,
@@ -85,20 +80,20 @@ impl<D: Device> Resources<D> {
 
 /// The last stream a collective was queued on (its vendor handle, or the
 /// wrapper's address for backends without one).
-struct LastStream<D: Device> {
-    id: u64,
-    event: Arc<D::Event>,
+pub(crate) struct LastStream<D: Device> {
+    pub(crate) id: u64,
+    pub(crate) event: Arc<D::Event>,
 }
 
-struct State<D: Device> {
-    phase: Phase,
-    res: Option<Resources<D>>,
-    last: Option<LastStream<D>>,
+pub(crate) struct State<D: Device> {
+    pub(crate) phase: Phase,
+    pub(crate) res: Option<Resources<D>>,
+    pub(crate) last: Option<LastStream<D>>,
 }
 
 pub(crate) struct Inner<D: Device> {
     // Declared first so it drops first: queued work is drained in Drop below.
-    state: Mutex<State<D>>,
+    pub(crate) state: Mutex<State<D>>,
     pub(crate) device: D,
     pub(crate) stream: D::Stream,
     pub(crate) flags: D::Flags,
@@ -114,13 +109,13 @@ pub(crate) struct Inner<D: Device> {
     /// Whether the vendor library is loaded (fixed at creation).
     pub(crate) has_vendor: bool,
     pub(crate) name: String,
-    prefix: String,
+    pub(crate) prefix: String,
     pub(crate) store: Arc<dyn Store>,
     /// Splits, registrations and other collective setup steps of this
     /// communicator (every rank counts them alike): their store keys.
-    serial: AtomicU64,
+    pub(crate) serial: AtomicU64,
     /// This rank in the first communicator of its lineage (see `create`).
-    root_rank: usize,
+    pub(crate) root_rank: usize,
     pub(crate) topology: Topology,
     /// Whether this communicator has a workspace for ferrocomm's kernels.
     pub(crate) kernels: bool,
@@ -244,48 +239,19 @@ impl<D: Device> Inner<D> {
     }
 }
 
-/// What the submission path hands a collective's enqueue step.
-pub(crate) struct Submit<'a, D: Device> {
-    pub(crate) inner: &'a Inner<D>,
-    pub(crate) res: &'a mut Resources<D>,
-    pub(crate) stream: &'a D::Stream,
-    pub(crate) timeout: Duration,
-    pub(crate) capturing: bool,
-}
-
-/// What the levels of a communicator that spans nodes are created from.
-pub(crate) struct SubCommunicators<'a, D: Device> {
-    device: &'a D,
-    store: &'a Arc<dyn Store>,
-    prefix: &'a str,
-    opts: &'a CommOptions,
-    root_rank: usize,
-}
-
-impl<D: Device> SubCommunicators<'_, D> {
-    /// A communicator of `world` ranks under the key `suffix` (the same on
-    /// every member), this rank being `rank` of it. Collective over them.
-    pub(crate) fn create(
-        &self,
-        suffix: &str,
-        rank: usize,
-        world: usize,
-        name: String,
-        shape: Shape,
-    ) -> Result<Communicator<D>> {
-        let mut opts = self.opts.clone();
-        opts.name = Some(name);
-        Communicator::create(
-            self.device.duplicate()?,
-            self.store.clone(),
-            format!("{}/{suffix}", self.prefix),
-            rank,
-            world,
-            opts,
-            self.root_rank,
-            shape,
-        )
-    }
+/// The two levels of a communicator that spans nodes (`layered.rs` runs
+/// them).
+pub(crate) struct Levels<D: Device> {
+    pub(crate) intra: Communicator<D>,
+    pub(crate) inter: Communicator<D>,
+    /// `grid[m][j]`: the rank (in the whole communicator) of local rank `j`
+    /// on node `m`, when every node has the same number of ranks.
+    pub(crate) grid: Option<Vec<Vec<usize>>>,
+    /// Whether every node has one rank: the between-nodes level is then the
+    /// whole communicator and carries each call alone.
+    pub(crate) singles: bool,
+    /// Staging of the reduce-scatter's partial sums (grown outside captures).
+    pub(crate) staging: Mutex<Option<D::Buffer>>,
 }
 
 /// A group of ranks that run collectives together.
@@ -297,255 +263,6 @@ pub struct Communicator<D: Device> {
 }
 
 impl<D: Device> Communicator<D> {
-    /// Create a communicator. Collective: every rank of the group calls it with
-    /// the same `world` and a shared `store`.
-    pub fn new(device: D, store: Arc<dyn Store>, rank: usize, world: usize, opts: CommOptions) -> Result<Self> {
-        if world == 0 || rank >= world {
-            return Err(Error::invalid(format!("rank {rank} is not in a world of {world}")));
-        }
-        // Each rank numbers its communicators; creating them in the same order
-        // on every rank gives the group a shared key prefix.
-        let serial = store.add(&format!("fc/ncomm/{rank}"), 1)?;
-        Self::create(
-            device,
-            store,
-            format!("fc/comm{serial}"),
-            rank,
-            world,
-            opts,
-            rank,
-            Shape::Auto,
-        )
-    }
-
-    /// Create a communicator whose store keys live under `prefix` (unique to
-    /// the group, the same on every member); `root_rank` is this rank in the
-    /// communicator the group was split from, first of all (pseudo-nodes
-    /// are counted there).
-    #[allow(clippy::too_many_arguments)]
-    fn create(
-        device: D,
-        store: Arc<dyn Store>,
-        prefix: String,
-        rank: usize,
-        world: usize,
-        opts: CommOptions,
-        root_rank: usize,
-        shape: Shape,
-    ) -> Result<Self> {
-        if world == 0 || rank >= world {
-            return Err(Error::invalid(format!("rank {rank} is not in a world of {world}")));
-        }
-        let on_host = device.facts().backend == BackendKind::Host;
-        if on_host && world > MAX_RANKS && opts.local_size.is_none_or(|k| k > MAX_RANKS) {
-            // Known before any rendezvous: the host backend has no NCCL, so
-            // more than 8 ranks need pseudo-nodes of at most 8 for two levels.
-            return Err(Error::Unsupported(format!(
-                "world {world} on the host backend: its protocols serve up to {MAX_RANKS} ranks a node; set \
-                 FERROCOMM_LOCAL_SIZE (CommOptions::with_local_size) to at most {MAX_RANKS} for two levels"
-            )));
-        }
-        let started = std::time::Instant::now();
-        let topology = Topology::gather(store.as_ref(), &prefix, rank, world, root_rank, &opts, opts.timeout)?;
-        let spans = topology.nodes > 1 || world > MAX_RANKS;
-        let layered = shape == Shape::Auto && spans;
-        let kernels = match shape {
-            Shape::VendorOnly => false,
-            // The host protocols stand in for NCCL between pseudo-nodes of
-            // one machine; GPUs never reach another node by IPC.
-            Shape::Auto if layered => on_host && topology.pseudo && world <= MAX_RANKS,
-            Shape::Auto | Shape::Flat => {
-                if world > MAX_RANKS {
-                    return Err(Error::Unsupported(format!(
-                        "world {world}: ferrocomm's kernels serve up to {MAX_RANKS} ranks on one node"
-                    )));
-                }
-                if topology.nodes > 1 && !topology.pseudo {
-                    // Workspaces are mapped through this host's IPC; nothing
-                    // may try to reach another host's memory that way.
-                    return Err(Error::Unsupported(format!(
-                        "this communicator spans {}: ferrocomm's kernels and host protocols reach one host; on \
-                         GPUs a communicator spanning nodes uses NCCL/RCCL between them",
-                        topology.describe()
-                    )));
-                }
-                true
-            }
-        };
-        let stream = device.create_stream()?;
-        let flags = device.alloc_host_flags(ERR_WORDS)?;
-        let module = device.load_module(&COLLECTIVES)?;
-        // Opted-in communicators start quick-reduce's compile now, not on
-        // the first large call.
-        let qr_module = match opts.quantization.codec(device.facts().backend) {
-            Some(_) => Some(device.load_module(&QUICK_REDUCE)?),
-            None => None,
-        };
-        let ws = match kernels {
-            true => Some(Workspace::create(
-                &device,
-                &stream,
-                store.as_ref(),
-                &prefix,
-                rank,
-                world,
-                opts.slot_bytes_for(device.facts().backend),
-                opts.timeout,
-            )?),
-            false => None,
-        };
-        let scratch = device.alloc(64, MemKind::Plain)?;
-        let vendor = Vendor::init(&device, store.as_ref(), &prefix, rank, world, opts.timeout)?;
-        if shape == Shape::VendorOnly && world > 1 && !vendor.available() {
-            return Err(Error::Unsupported(format!(
-                "a communicator between nodes ({}) needs NCCL/RCCL underneath, and it is not loaded (build with the \
-                 nccl/rccl feature, install the library, and leave FERROCOMM_CCL unset)",
-                topology.describe()
-            )));
-        }
-        store_barrier(store.as_ref(), &format!("{prefix}/ready"), rank, world, opts.timeout)?;
-        let levels = match layered {
-            true => {
-                let sub = SubCommunicators {
-                    device: &device,
-                    store: &store,
-                    prefix: &prefix,
-                    opts: &opts,
-                    root_rank,
-                };
-                let inter = if on_host { Shape::Flat } else { Shape::VendorOnly };
-                Levels::build(
-                    &sub,
-                    &topology,
-                    &opts.name.clone().unwrap_or_else(|| prefix.replace('/', "-")),
-                    inter,
-                )?
-            }
-            false => None,
-        };
-        let table = DispatchTable::default_for(device.facts().backend);
-        let grids = GridTable::new(device.facts())?;
-        let has_vendor = vendor.available();
-        let name = opts.name.clone().unwrap_or_else(|| prefix.replace('/', "-"));
-        if crate::log::enabled(tracing::Level::INFO) {
-            let f = device.facts();
-            crate::fc_log!(
-                tracing::Level::INFO,
-                "communicator {name} ready in {:.2} s: rank {rank} of {world} on {} (local rank {} of {}), backend {} \
-                 device {} ({}, {}, {} SMs/CUs), workspace {}, library underneath {}, runtime: {}",
-                started.elapsed().as_secs_f64(),
-                topology.describe(),
-                topology.local_rank,
-                topology.local_size,
-                f.backend.name(),
-                f.ordinal,
-                f.name,
-                f.arch,
-                f.multiprocessors,
-                match (&ws, &levels) {
-                    (Some(ws), _) => format!("{} MiB ({} MiB slots)", ws.own().len() >> 20, ws.slot_bytes() >> 20),
-                    (None, Some(_)) => "none (a node level and a between-nodes level)".into(),
-                    (None, None) => "none (NCCL/RCCL only)".into(),
-                },
-                vendor.describe(),
-                device.runtime_info()
-            );
-        }
-        let comm = Communicator {
-            inner: Arc::new(Inner {
-                state: Mutex::new(State {
-                    phase: Phase::Active,
-                    res: Some(Resources {
-                        ws,
-                        module,
-                        qr_module,
-                        fused_module: None,
-                        scratch,
-                        vendor,
-                        registry: Registry::default(),
-                        heap: None,
-                        heap_modules: Vec::new(),
-                        staging: None,
-                        retired: Vec::new(),
-                    }),
-                    last: None,
-                }),
-                device,
-                stream,
-                flags,
-                rank,
-                world,
-                opts,
-                table: RwLock::new(table),
-                tuned: Mutex::new(None),
-                grids,
-                names: KernelNames::new(),
-                has_vendor,
-                name,
-                prefix,
-                store,
-                serial: AtomicU64::new(0),
-                root_rank,
-                topology,
-                kernels,
-                levels,
-            }),
-        };
-        comm.preload_kernels(kernels)?;
-        comm.autotune_at_init(kernels)?;
-        Ok(comm)
-    }
-
-    /// Load every kernel now where [`CommOptions::preload_kernels`] says so,
-    /// by default where a peer rank is a thread of this process.
-    ///
-    /// Ranks that share a process share the driver's module-loading lock.
-    /// With kernels loaded lazily, one rank's load could wait on a peer's
-    /// kernel that spins for this rank's launch: the thread-rank suite
-    /// stalled that way on 4x H100 (BENCHMARKS.md, "Known problem: the thread-rank suite stalls": a fused
-    /// kernel active on one GPU, the peer's thread and the compile pool
-    /// inside the driver's lock), and CUDA's lazy-loading guide warns of it
-    /// for kernels that must run concurrently. Loading everything before
-    /// the first collective (autotune's included) leaves no load to race
-    /// a spinning kernel. Ranks as processes keep the lazy loading. Local:
-    /// each rank decides from the option and the topology it gathered.
-    fn preload_kernels(&self, kernels: bool) -> Result<()> {
-        let inner = &*self.inner;
-        if !kernels || inner.world < 2 || inner.device.facts().backend == BackendKind::Host {
-            return Ok(());
-        }
-        // Whether a peer is a thread of this process came with the topology.
-        if !inner.opts.preload_kernels.unwrap_or(inner.topology.shares_process()) {
-            return Ok(());
-        }
-        self.with_resources(|res| res.load_fused_module(&inner.device))??;
-        self.prepare()
-    }
-
-    /// Autotune the dispatch table of this communicator's world
-    /// (`autotune.rs`) where it is on and this communicator runs kernels
-    /// between ranks. Collective.
-    fn autotune_at_init(&self, kernels: bool) -> Result<()> {
-        let inner = &*self.inner;
-        let backend = inner.device.facts().backend;
-        if !kernels || inner.world < 2 || !inner.opts.autotune_for(backend) {
-            return Ok(());
-        }
-        let report = autotune::tune(self)?;
-        crate::fc_log!(
-            tracing::Level::INFO,
-            "communicator {}: dispatch table ({:?}): {}",
-            inner.name,
-            report.source,
-            autotune::encode(&report.table).replace('\n', "; ")
-        );
-        let mut table = inner.table.write().unwrap_or_else(|e| e.into_inner());
-        table.ladders[inner.world.min(MAX_RANKS)] = report.table.clone();
-        drop(table);
-        *lock(&inner.tuned) = Some(report);
-        Ok(())
-    }
-
     /// What autotune chose at init (`None` where it did not run).
     pub fn autotune_report(&self) -> Option<TuneReport> {
         lock(&self.inner.tuned).clone()
@@ -602,82 +319,6 @@ impl<D: Device> Communicator<D> {
         self.inner.device.alloc(bytes, MemKind::Shareable)
     }
 
-    /// Copy host bytes into `buf` at `offset`: [`Communicator::copy_in`] on
-    /// the communicator's stream.
-    pub fn write(&self, buf: &D::Buffer, offset: usize, data: &[u8]) -> Result<()> {
-        self.copy_in(Tensor::view(buf, DType::U8, offset, data.len())?, data, &Call::new())
-    }
-
-    /// Copy `buf[offset..]` into `out` once every earlier call has run:
-    /// [`Communicator::copy_out`] on the communicator's stream.
-    pub fn read(&self, buf: &D::Buffer, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.copy_out(out, Tensor::view(buf, DType::U8, offset, out.len())?, &Call::new())
-    }
-
-    /// Copy host bytes into `dst` (any memory a collective takes: a buffer,
-    /// a view, a raw tensor, heap memory), as big as `src`. Stream-ordered
-    /// on every backend, like a collective: queued on `call`'s stream (the
-    /// communicator's by default) after every earlier call of this
-    /// communicator, and every later call, on any stream, is queued after
-    /// it. Returns once `src` may be reused.
-    pub fn copy_in(&self, dst: Tensor, src: &[u8], call: &Call<'_, D>) -> Result<()> {
-        self.checked_copy("copy_in", &dst, src.len())?;
-        self.ordered(call, true, |stream| self.inner.device.upload(dst.ptr(), src, stream))
-    }
-
-    /// Copy `src` into host bytes `dst`, as big as it, once every earlier
-    /// call of this communicator has run (on any stream) and everything
-    /// queued before on `call`'s stream.
-    pub fn copy_out(&self, dst: &mut [u8], src: Tensor, call: &Call<'_, D>) -> Result<()> {
-        self.checked_copy("copy_out", &src, dst.len())?;
-        // The download waits for its stream: nothing of it stays queued.
-        self.ordered(call, false, |stream| self.inner.device.download(dst, src.ptr(), stream))
-    }
-
-    /// `copy` on `call`'s stream, ordered after this communicator's last
-    /// call; with `later_wait`, later calls on other streams wait for it.
-    /// Also on an aborted communicator (reading what it left is allowed).
-    fn ordered(&self, call: &Call<'_, D>, later_wait: bool, copy: impl FnOnce(&D::Stream) -> Result<()>) -> Result<()> {
-        let inner = &*self.inner;
-        let mut st = lock(&inner.state);
-        if matches!(st.phase, Phase::Finalized) {
-            return Err(Error::Finalized);
-        }
-        let stream = call.stream.unwrap_or(&inner.stream);
-        let id = stream_id::<D>(&inner.device, stream);
-        if let Some(last) = st.last.as_ref().filter(|l| l.id != id) {
-            inner.device.wait_event(stream, &last.event)?;
-        }
-        copy(stream)?;
-        if later_wait {
-            let event = inner.device.create_event()?;
-            inner.device.record(&event, stream)?;
-            st.last = Some(LastStream {
-                id,
-                event: Arc::new(event),
-            });
-        }
-        Ok(())
-    }
-
-    fn checked_copy(&self, what: &str, t: &Tensor, bytes: usize) -> Result<()> {
-        let span = t.bytes()?;
-        if span != bytes {
-            return Err(Error::invalid(format!(
-                "{what}: the tensor holds {span} bytes ({} x {}), the host side {bytes}",
-                t.count(),
-                t.dtype()
-            )));
-        }
-        if bytes > 0 && t.ptr() == DevicePtr::NULL {
-            return Err(Error::invalid(format!("{what}: a null address")));
-        }
-        if bytes > 0 {
-            self.inner.device.check_memory(t.ptr(), bytes)?;
-        }
-        Ok(())
-    }
-
     /// Block until the kernels every later call may need are compiled and
     /// loaded (GPUs compile on first need, in the background; see
     /// [`Device::prepare`]). Call it before capturing a graph to keep a
@@ -696,68 +337,6 @@ impl<D: Device> Communicator<D> {
             self.inner.device.prepare(m, &[])?;
         }
         Ok(())
-    }
-
-    /// A communicator of the ranks in `ranks` (ranks of this one, in the new
-    /// rank order), named `name`. Collective over this communicator: every
-    /// rank calls it, each with the list of the group it joins; a rank that
-    /// is not in its list gets `None` (as torchcomms' split). The new
-    /// communicator uses the same device and store, and NCCL/RCCL underneath
-    /// when this one does.
-    pub fn split(&self, ranks: &[usize], name: Option<&str>) -> Result<Option<Communicator<D>>> {
-        drop(self.lock_active()?);
-        let inner = &*self.inner;
-        let mut sorted = ranks.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.len() != ranks.len() || ranks.iter().any(|&r| r >= inner.world) {
-            return Err(Error::invalid(format!(
-                "split ranks {ranks:?}: each must be a distinct rank of a world of {}",
-                inner.world
-            )));
-        }
-        // Every rank takes part in the agreement, members or not, so the
-        // split counts stay in step across the group.
-        let key = inner.next_key("split");
-        let mine: Vec<u8> = ranks.iter().flat_map(|&r| (r as u32).to_le_bytes()).collect();
-        let lists = store_all_gather(
-            inner.store.as_ref(),
-            &format!("{key}/lists"),
-            inner.rank,
-            inner.world,
-            &mine,
-            inner.opts.timeout,
-        )?;
-        let Some(new_rank) = ranks.iter().position(|&r| r == inner.rank) else {
-            return Ok(None);
-        };
-        for &member in ranks {
-            if lists[member] != mine {
-                return Err(Error::Mismatch {
-                    rank: inner.rank,
-                    peer: member,
-                    detail: format!("{key}: rank {member} asked for a different group than {ranks:?}"),
-                });
-            }
-        }
-        let group: String = ranks.iter().map(|r| format!("-{r}")).collect();
-        let mut opts = inner.opts.clone();
-        opts.name = Some(name.map_or_else(
-            || format!("{}.{}", inner.name, key.rsplit('/').next().unwrap_or("split")),
-            str::to_string,
-        ));
-        let device = inner.device.duplicate()?;
-        Self::create(
-            device,
-            inner.store.clone(),
-            format!("{key}/g{group}"),
-            new_rank,
-            ranks.len(),
-            opts,
-            inner.root_rank,
-            Shape::Auto,
-        )
-        .map(Some)
     }
 
     /// Drain queued work and release the workspace. Later calls return
@@ -800,7 +379,7 @@ impl<D: Device> Communicator<D> {
         Ok(f(res))
     }
 
-    fn lock_active(&self) -> Result<MutexGuard<'_, State<D>>> {
+    pub(crate) fn lock_active(&self) -> Result<MutexGuard<'_, State<D>>> {
         let st = lock(&self.inner.state);
         match &st.phase {
             Phase::Active => Ok(st),
@@ -808,56 +387,4 @@ impl<D: Device> Communicator<D> {
             Phase::Finalized => Err(Error::Finalized),
         }
     }
-
-    /// The submission path of every collective: under the communicator's
-    /// lock (so launch order is call order), on the call's stream, ordered
-    /// after the previous call's stream, then a [`Work`] for it.
-    pub(crate) fn submit(
-        &self,
-        call: &Call<'_, D>,
-        what: &'static str,
-        enqueue: impl FnOnce(&mut Submit<'_, D>) -> Result<()>,
-    ) -> Result<Work<D>> {
-        let inner = &*self.inner;
-        let mut st = self.lock_active()?;
-        if !inner.kernels && !inner.has_vendor && inner.world > 1 {
-            return Err(Error::Unsupported(format!(
-                "{what} on communicator {}: it spans {} with {} ranks, so it has no workspace for ferrocomm's \
-                 kernels, and no NCCL/RCCL underneath (all_reduce, all_gather and reduce_scatter run in two levels \
-                 when the nodes have equal sizes)",
-                inner.name,
-                inner.topology.describe(),
-                inner.world
-            )));
-        }
-        let stream = call.stream.unwrap_or(&inner.stream);
-        let capturing = inner.device.is_capturing(stream)?;
-        let id = stream_id::<D>(&inner.device, stream);
-        let st = &mut *st;
-        if !capturing {
-            if let Some(last) = st.last.as_ref().filter(|l| l.id != id) {
-                inner.device.wait_event(stream, &last.event)?;
-            }
-        }
-        let res = st.res.as_mut().ok_or(Error::Finalized)?;
-        let mut sub = Submit {
-            inner,
-            res,
-            stream,
-            timeout: inner.timeout_of(call),
-            capturing,
-        };
-        enqueue(&mut sub)?;
-        let work = Work::record(self.inner.clone(), stream, what, call.timeout, capturing)?;
-        if let Some(event) = work.event() {
-            // The next call on another stream waits for this one.
-            st.last = Some(LastStream { id, event });
-        }
-        Ok(work)
-    }
-}
-
-/// A stream's identity across wrappers: the vendor handle where there is one.
-fn stream_id<D: Device>(dev: &D, stream: &D::Stream) -> u64 {
-    dev.raw_stream(stream).unwrap_or(stream as *const D::Stream as u64)
 }

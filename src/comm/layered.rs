@@ -33,80 +33,28 @@
 use std::sync::Mutex;
 
 use super::call::{Call, Reduction};
-use super::communicator::{lock, Communicator, SubCommunicators};
+use super::communicator::{lock, Communicator, Levels};
 use super::tensor::Tensor;
 use super::topology::Topology;
 use super::work::Work;
-use crate::device::{Device, DeviceBuffer, MAX_RANKS};
+use crate::device::{Device, DeviceBuffer};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
-/// What a communicator is built as.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Shape {
-    /// From its topology: one level on one node, two levels across nodes.
-    Auto,
-    /// One level: a workspace over every rank (one node, or pseudo-nodes
-    /// standing in for NCCL on the host backend).
-    Flat,
-    /// NCCL/RCCL only, no workspace: the inter-node level on GPUs.
-    VendorOnly,
-}
-
-/// The two levels of a communicator that spans nodes.
-pub(crate) struct Levels<D: Device> {
-    pub(crate) intra: Communicator<D>,
-    pub(crate) inter: Communicator<D>,
-    /// `grid[m][j]`: the rank (in the whole communicator) of local rank `j`
-    /// on node `m`, when every node has the same number of ranks.
-    grid: Option<Vec<Vec<usize>>>,
-    /// Whether every node has one rank: the between-nodes level is then the
-    /// whole communicator and carries each call alone.
-    singles: bool,
-    /// Staging of the reduce-scatter's partial sums (grown outside captures).
-    staging: Mutex<Option<D::Buffer>>,
-}
-
 impl<D: Device> Levels<D> {
-    /// Build both levels. Collective over the whole communicator: every rank
-    /// creates its node's group, then its local rank's group.
-    pub(crate) fn build(
-        sub: &SubCommunicators<'_, D>,
-        topology: &Topology,
-        name: &str,
-        inter_shape: Shape,
-    ) -> Result<Option<Levels<D>>> {
-        if topology.local_size > MAX_RANKS {
-            // Too many ranks on one node for the kernels: NCCL/RCCL carries
-            // everything.
-            return Ok(None);
-        }
+    /// The levels of a communicator whose ranks lie as `topology` says,
+    /// from its node's communicator and its local rank's.
+    pub(crate) fn new(intra: Communicator<D>, inter: Communicator<D>, topology: &Topology) -> Levels<D> {
         let node_ranks: Vec<Vec<usize>> = (0..topology.nodes).map(|m| topology.ranks_on(m)).collect();
-        let j = topology.local_rank;
-        let column: Vec<usize> = (0..topology.nodes).filter(|&m| node_ranks[m].len() > j).collect();
-        let intra = sub.create(
-            &format!("intra{}", topology.node),
-            topology.local_rank,
-            topology.local_size,
-            format!("{name}.intra{}", topology.node),
-            Shape::Flat,
-        )?;
-        let inter = sub.create(
-            &format!("inter{j}"),
-            column.iter().position(|&m| m == topology.node).unwrap_or(0),
-            column.len(),
-            format!("{name}.inter{j}"),
-            inter_shape,
-        )?;
         let uniform = node_ranks.iter().all(|r| r.len() == topology.local_size);
         let singles = node_ranks.iter().all(|r| r.len() == 1);
-        Ok(Some(Levels {
+        Levels {
             intra,
             inter,
             singles,
             grid: uniform.then_some(node_ranks),
             staging: Mutex::new(None),
-        }))
+        }
     }
 
     /// Whether all-gather and reduce-scatter run in two levels (nodes of

@@ -5,6 +5,7 @@
 //! the communicator's world. The planner (`plan::plan`) reads it; nothing
 //! here decides a call.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::str::FromStr;
 
@@ -405,6 +406,117 @@ impl DispatchTable {
             }),
         }
     }
+}
+
+/// A ladder as `max_bytes:algo` pairs, comma separated (`max` for the last step).
+pub(crate) fn encode_ladder<A: std::fmt::Display>(ladder: &[Step<A>]) -> String {
+    ladder
+        .iter()
+        .map(|s| match s.max_bytes {
+            usize::MAX => format!("max:{}", s.algo),
+            b => format!("{b}:{}", s.algo),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The table as text, one line per collective and dtype class:
+/// `<collective> <class> <max_bytes>:<algo>,...,max:<algo>`, e.g.
+/// `all_reduce narrow 262144:oneshot-ll,4194304:oneshot-push,max:twoshot-push`
+/// or `all_gather wide 262144:ll,524287:vendor,max:inbox`. All-reduce names
+/// [`Algorithm`]s: ferrocomm's kernels for all-reduce, the data kinds for the others;
+/// all-reduce counts the payload, the others bytes per peer.
+pub(crate) fn encode(table: &Ladders) -> String {
+    let mut lines = Vec::new();
+    for coll in Collective::TUNED {
+        for class in DtypeClass::ALL {
+            let ladder = match coll {
+                Collective::AllReduce => encode_ladder(table.all_reduce(class)),
+                c => encode_ladder(table.coll(c, class)),
+            };
+            lines.push(format!("{coll} {class} {ladder}"));
+        }
+    }
+    lines.join("\n")
+}
+
+/// One ladder of `algo`s parsed by `parse`.
+fn decode_ladder<A>(s: &str, parse: impl Fn(&str) -> Result<A>) -> Result<Vec<Step<A>>> {
+    let bad = || Error::invalid(format!("autotune ladder {s:?} is not `bytes:algo,...,max:algo`"));
+    let ladder = s
+        .split(',')
+        .map(|step| {
+            let (b, a) = step.split_once(':').ok_or_else(bad)?;
+            let max_bytes = match b {
+                "max" => usize::MAX,
+                b => b.parse().map_err(|_| bad())?,
+            };
+            Ok(Step {
+                max_bytes,
+                algo: parse(a)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if !well_formed(&ladder) {
+        return Err(bad());
+    }
+    Ok(ladder)
+}
+
+/// [`encode`]'s text back: every (collective, class) exactly once, every
+/// ladder well formed, all-reduce on ferrocomm's kernels; anything else is
+/// an error (a cached file that says it is read as no cache).
+pub(crate) fn decode(s: &str) -> Result<Ladders> {
+    let mut table = Ladders {
+        all_reduce: [Vec::new(), Vec::new()],
+        all_gather: [Vec::new(), Vec::new()],
+        reduce_scatter: [Vec::new(), Vec::new()],
+        all_to_all: [Vec::new(), Vec::new()],
+    };
+    let mut seen = HashSet::new();
+    for line in s.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let bad = || {
+            Error::invalid(format!(
+                "autotune table line {line:?} is not `<collective> <class> <ladder>`"
+            ))
+        };
+        let mut words = line.split_whitespace();
+        let (Some(coll), Some(class), Some(ladder), None) = (words.next(), words.next(), words.next(), words.next())
+        else {
+            return Err(bad());
+        };
+        let (coll, class) = (coll.parse::<Collective>()?, class.parse::<DtypeClass>()?);
+        if !Collective::TUNED.contains(&coll) {
+            return Err(Error::invalid(format!("autotune table: {coll} has no ladder")));
+        }
+        if !seen.insert((coll, class)) {
+            return Err(Error::invalid(format!("autotune table: {coll} {class} twice")));
+        }
+        match table.coll_mut(coll, class) {
+            Some(slot) => {
+                *slot = decode_ladder(ladder, |a| match a.parse::<Algorithm>()? {
+                    algo if Algorithm::DATA_KINDS.contains(&algo) => Ok(algo),
+                    other => Err(Error::invalid(format!("{other} in an autotune {coll} ladder"))),
+                })?
+            }
+            None => {
+                table.all_reduce[class.index()] = decode_ladder(ladder, |a| match a.parse::<Algorithm>()? {
+                    algo if Algorithm::ALL_REDUCE_KERNELS.contains(&algo) => Ok(algo),
+                    _ => Err(Error::invalid(format!(
+                        "autotune table: all-reduce step {a:?} is not one of ferrocomm's kernels"
+                    ))),
+                })?
+            }
+        }
+    }
+    if seen.len() != Collective::TUNED.len() * DtypeClass::ALL.len() {
+        return Err(Error::invalid(format!(
+            "autotune table has {} of the {} ladders",
+            seen.len(),
+            Collective::TUNED.len() * DtypeClass::ALL.len()
+        )));
+    }
+    Ok(table)
 }
 
 #[cfg(test)]

@@ -320,7 +320,7 @@ impl<D: Device> Communicator<D> {
 /// back to back gather into the staging buffer (the input first, aligned
 /// there) and are copied out.
 fn vendor_all_gather<D: Device>(
-    s: &mut crate::comm::communicator::Submit<'_, D>,
+    s: &mut crate::comm::submit::Submit<'_, D>,
     dtype: DType,
     input: Tensor,
     whole: Option<Tensor>,

@@ -7,7 +7,7 @@
 use super::Lists;
 use crate::algo::kernels::{KernelKind, QUICK_REDUCE};
 use crate::algo::CollectiveCall;
-use crate::comm::communicator::Submit;
+use crate::comm::submit::Submit;
 use crate::comm::vendor::VendorOp;
 use crate::device::{BackendKind, Device, DeviceBuffer, DevicePtr, PARAM_DIRECT_OK};
 use crate::dtype::{DType, ReduceOp};
