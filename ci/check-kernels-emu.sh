@@ -22,7 +22,9 @@
 # With TSAN=1 also under ThreadSanitizer, which sees the protocols' ordering
 # (block and warp barriers, release/acquire signals) as C++ happens-before,
 # so a missing wait or a signal released too early shows up as a data race.
-# `cargo test --test kernels_emu` runs the same (without TSan).
+# `cargo test --test kernels_emu` runs the same (without TSan), and also
+# compiles the ABI checks of emu_prelude.h's FcParams and device_api.cuh's
+# FcDevCtx against their Rust structs (src/device/abi.rs).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CXX="${CXX:-g++}"

@@ -23,7 +23,9 @@
 
 // ---------------------------------------------------------------------------
 // ABI. Passed by value to user kernels and first in every heap kernel's
-// argument struct; twin of `ferrocomm::heap::DevCtx` (#[repr(C)]).
+// argument struct; a copy of `ferrocomm::heap::DevCtx` (#[repr(C)], in
+// src/heap/ctx.rs), the source of the layout: the compile checks assert every
+// field's offset and size against it (src/device/abi.rs).
 struct FcDevCtx {
     fc_u64 heap[FC_MAX_RANKS]; // every rank's heap base as mapped in this process; [rank] is ours
     fc_u64 heap_bytes;         // bytes of each rank's heap (equal on all ranks)
@@ -33,7 +35,7 @@ struct FcDevCtx {
     fc_u32 rank;
     fc_u32 world;
 };
-// No padding (every field follows one of at least its alignment): the size pins the layout.
+// The size, for standalone compiles (the compile checks assert each field).
 static_assert(sizeof(FcDevCtx) == 104, "FcDevCtx must match ferrocomm::heap::DevCtx (104 bytes)");
 
 // Sync area, at ctx.sync_offset in every rank's heap.

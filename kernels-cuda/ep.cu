@@ -40,6 +40,8 @@
 // count arrives with the signal (max_tokens_per_rank < 2^20, EpConfig).
 #define FC_EP_COUNT_BITS 20u
 
+// A copy of `EpArgs` in src/ep/mod.rs, the source of the layout: the compile
+// checks assert every field's offset and size against it (src/device/abi.rs).
 struct FcEpArgs {
     FcDevCtx ctx;
     fc_u64 x;            // dispatch: rows [num_tokens][row_bytes]; combine: expert_out bf16 [world*max][hidden]

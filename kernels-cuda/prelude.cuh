@@ -59,8 +59,10 @@ static_assert(sizeof(void*) == 8, "64-bit device pointers");
 #define FC_PARAM_DIRECT_OK 2u
 
 // ---------------------------------------------------------------------------
-// The parameter block, passed by value as the kernel's one argument. Mirrors
-// `KernelParams` (#[repr(C)]) in src/device/params.rs field for field.
+// The parameter block, passed by value as the kernel's one argument. A copy
+// of `KernelParams` (#[repr(C)]) in src/device/params.rs, the source of the
+// layout: the compile checks assert every field's offset and size against it
+// (src/device/abi.rs).
 struct FcParams {
     fc_u64 peer_ws[FC_MAX_RANKS]; // every rank's workspace as mapped here; [rank] is ours
     fc_u64 input;                 // this rank's input
@@ -86,8 +88,7 @@ struct FcParams {
     fc_u64 per_peer[4][FC_MAX_RANKS];  // per-peer counts/offsets/addresses (src/device/params.rs)
 };
 
-// Every field is naturally aligned and follows one of at least its alignment,
-// so there is no padding and the size pins the layout.
+// The size, for standalone compiles (the compile checks assert each field).
 static_assert(sizeof(FcParams) == 448, "FcParams must match KernelParams (448 bytes)");
 
 // ---------------------------------------------------------------------------

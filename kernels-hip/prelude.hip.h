@@ -84,7 +84,9 @@ static_assert(sizeof(void*) == 8, "64-bit device pointers");
 // ---------------------------------------------------------------------------
 // The parameter block, passed by value as the kernel's one argument (it lives
 // in the kernarg segment, so run-time indexing of peer_ws[] reads it there).
-// Mirrors `KernelParams` (#[repr(C)]) in src/device/params.rs field for field.
+// A copy of `KernelParams` (#[repr(C)]) in src/device/params.rs, the source
+// of the layout: the compile checks assert every field's offset and size
+// against it (src/device/abi.rs).
 struct FcParams {
     fc_u64 peer_ws[FC_MAX_RANKS]; // every rank's workspace as mapped here; [rank] is ours
     fc_u64 input;                 // this rank's input
@@ -110,8 +112,7 @@ struct FcParams {
     fc_u64 per_peer[4][FC_MAX_RANKS];  // per-peer counts/offsets/addresses (src/device/params.rs)
 };
 
-// No padding (every field follows one of at least its alignment), so the size
-// pins the layout.
+// The size, for standalone compiles (the compile checks assert each field).
 static_assert(sizeof(FcParams) == 448, "FcParams must match KernelParams (448 bytes)");
 
 // ---------------------------------------------------------------------------

@@ -5,7 +5,10 @@
 //! the inline PTX is checked too (`compute_XX` would check nothing). Then the
 //! cubins' symbol tables must export every name of
 //! `ferrocomm::algo::kernels::all_kernel_names()`, and ptxas must report no
-//! register spills (set `FERROCOMM_ALLOW_SPILLS=1` to only warn).
+//! register spills (set `FERROCOMM_ALLOW_SPILLS=1` to only warn). Every text
+//! is compiled with the ABI checks after it (`ferrocomm::device::abi`): a
+//! `static_assert` of each field's offset and size in `FcParams`, `FcDevCtx`
+//! and `FcEpArgs`, from the Rust structs.
 //!
 //! NVRTC is loaded at run time, from `FERROCOMM_NVRTC_LIB` (a path to
 //! `libnvrtc.so.13`), else from the `nvidia-cuda-nvrtc` wheel that
@@ -26,7 +29,7 @@ use ferrocomm::algo::kernels::{all_kernel_names, ALL_MODULES};
 
 #[path = "common/kernel_compile.rs"]
 mod kernel_compile;
-use kernel_compile::{DeviceApiSource, Failures, CUDA_PRELUDE, DEVICE_API_SOURCES, EP_KERNELS};
+use kernel_compile::{with_abi_checks, DeviceApiSource, Failures, CUDA_PRELUDE, DEVICE_API_SOURCES, EP_KERNELS};
 
 type NvrtcProgram = *mut c_void;
 type NvrtcResult = c_int;
@@ -483,7 +486,7 @@ fn compile_all_for(arch: &str) {
             continue;
         }
         let started = std::time::Instant::now();
-        let text = module.full_text(ferrocomm::device::BackendKind::Cuda);
+        let text = with_abi_checks(module.full_text(ferrocomm::device::BackendKind::Cuda));
         let compiled = match nvrtc.compile(&text, &format!("{}.cu", module.name), &options) {
             Ok(c) => c,
             Err(e) => {
@@ -590,7 +593,7 @@ fn compile_device_api_for(arch: &str) {
     let mut failures = Failures::new(env_flag("FERROCOMM_ALLOW_SPILLS"));
     for source in DEVICE_API_SOURCES.iter().chain(&EP_ENTRY_POINTS) {
         let (name, entry) = (format!("{}.cu", source.name), source.entry);
-        let compiled = match nvrtc.compile(&source.text(CUDA_PRELUDE), &name, &options) {
+        let compiled = match nvrtc.compile(&with_abi_checks(source.text(CUDA_PRELUDE)), &name, &options) {
             Ok(c) => c,
             Err(e) => {
                 failures.push(format!("{name} for {arch} failed to compile:\n{e}"));

@@ -42,6 +42,11 @@
 //! line that names the access and its call site (and, in `exchange_emu.cpp`,
 //! the launch).
 //!
+//! Also, without running anything: the emulated prelude's `struct FcParams`
+//! and the device API's `struct FcDevCtx`, compiled by the host compiler,
+//! are laid out as their Rust sources (`ferrocomm::device::abi`: every
+//! field's offset and size).
+//!
 //! Needs a C++20 compiler (`CXX`, default `g++`); skipped with a reason
 //! without one, unless `FERROCOMM_REQUIRE_EMU=1`. `ci/check-kernels-emu.sh`
 //! runs them too, and with `TSAN=1` under ThreadSanitizer.
@@ -58,27 +63,40 @@ const CXX_FLAGS: [&str; 5] = [
     "-Wno-unknown-pragmas",
 ];
 
-/// Whether `cxx` builds the emulated prelude (C++20: `<barrier>`,
-/// `std::atomic_ref`, `_Float16`): a compiler that cannot is a reason to
-/// skip; once it can, an emulation that does not compile is a failure (a
-/// kernel source that no compiler takes must not pass as skipped).
-fn builds_the_prelude(cxx: &str, root: &Path, stem: &str) -> Result<(), String> {
+/// What the emulated prelude needs of the compiler, and nothing of the
+/// prelude itself.
+const CXX20_PROBE: &str = r#"
+#include <atomic>
+#include <barrier>
+#include <source_location>
+int main() {
+    unsigned long long w = 0;
+    std::atomic_ref<unsigned long long>(w).store(1);
+    std::barrier<> bar(1);
+    bar.arrive_and_wait();
+    _Float16 h = (_Float16)1.0f;
+    return (int)(float)h - 1 + (int)(std::source_location::current().line() * 0);
+}
+"#;
+
+/// Whether `cxx` has the C++20 the emulated prelude needs (`<barrier>`,
+/// `std::atomic_ref`, `_Float16`, `<source_location>`): a compiler that has
+/// not is a reason to skip; once it has, an emulation that does not compile
+/// is a failure (a kernel source or a prelude that no compiler takes, or
+/// whose ABI `static_assert`s fail, must not pass as skipped).
+fn has_cxx20(cxx: &str, stem: &str) -> Result<(), String> {
     // Named per emulation: the tests run side by side in one process.
     let dir = std::env::temp_dir();
     let src = dir.join(format!("ferrocomm-{stem}-probe-{}.cpp", std::process::id()));
     let out = dir.join(format!("ferrocomm-{stem}-probe-{}", std::process::id()));
-    let text = format!(
-        "#include \"{}\"\nint main() {{ return (int)fc_f16_to_f32(0); }}\n",
-        root.join("ci/emu/emu_prelude.h").display()
-    );
-    std::fs::write(&src, text).map_err(|e| e.to_string())?;
+    std::fs::write(&src, CXX20_PROBE).map_err(|e| e.to_string())?;
     let probe = Command::new(cxx).args(CXX_FLAGS).arg("-o").arg(&out).arg(&src).output();
     let _ = std::fs::remove_file(&src);
     let _ = std::fs::remove_file(&out);
     match probe {
         Ok(o) if o.status.success() => Ok(()),
         Ok(o) => Err(format!(
-            "{cxx} could not compile the emulated prelude (C++20 <barrier> needed):\n{}",
+            "{cxx} lacks the C++20 the emulated prelude needs (<barrier>, std::atomic_ref, _Float16):\n{}",
             String::from_utf8_lossy(&o.stderr)
         )),
         Err(e) => Err(format!("no C++ compiler {cxx}: {e}")),
@@ -92,7 +110,7 @@ fn run_emulation(source: &str, seeds: &[&str]) {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     let require = std::env::var("FERROCOMM_REQUIRE_EMU").as_deref() == Ok("1");
     let stem = source.trim_end_matches(".cpp");
-    if let Err(why) = builds_the_prelude(&cxx, root, stem) {
+    if let Err(why) = has_cxx20(&cxx, stem) {
         assert!(!require, "FERROCOMM_REQUIRE_EMU=1 but {why}");
         eprintln!("SKIPPED: {why}");
         return;
@@ -136,4 +154,50 @@ fn device_api_and_user_allgather_run_on_the_cpu() {
 #[test]
 fn fused_epilogue_kernels_run_on_the_cpu() {
     run_emulation("fused_emu.cpp", &["1", "2"]);
+}
+
+/// The emulated prelude and the device API, then the `static_assert`s of
+/// every ABI struct they declare (`ferrocomm::device::abi`): a field of
+/// `FcParams` in `ci/emu/emu_prelude.h` (or of `FcDevCtx`) whose offset or
+/// size differs from the Rust struct's fails the compile, naming the field.
+#[test]
+fn emulated_structs_match_the_rust_abi() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    let require = std::env::var("FERROCOMM_REQUIRE_EMU").as_deref() == Ok("1");
+    if let Err(why) = has_cxx20(&cxx, "abi") {
+        assert!(!require, "FERROCOMM_REQUIRE_EMU=1 but {why}");
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let headers = [
+        root.join("ci/emu/emu_prelude.h"),
+        root.join("kernels-cuda/device_api.cuh"),
+    ];
+    let mut declared = String::new();
+    let mut text = String::new();
+    for h in &headers {
+        declared += &std::fs::read_to_string(h).expect("reading a header");
+        text += &format!("#include \"{}\"\n", h.display());
+    }
+    let checks = ferrocomm::device::abi::c_checks_for(&declared);
+    assert!(
+        checks.contains("FcParams::per_peer") && checks.contains("FcDevCtx::heap"),
+        "the ABI checks found no struct FcParams or FcDevCtx in {headers:?}"
+    );
+    text += &checks;
+    let src = std::env::temp_dir().join(format!("ferrocomm-abi-{}.cpp", std::process::id()));
+    std::fs::write(&src, text).expect("writing the ABI check");
+    let compiled = Command::new(&cxx)
+        .args(CXX_FLAGS)
+        .arg("-fsyntax-only")
+        .arg(&src)
+        .output()
+        .unwrap_or_else(|e| panic!("{cxx} cannot run: {e}"));
+    let _ = std::fs::remove_file(&src);
+    assert!(
+        compiled.status.success(),
+        "the emulator's C structs differ from their Rust sources ({cxx}):\n{}",
+        String::from_utf8_lossy(&compiled.stderr)
+    );
 }

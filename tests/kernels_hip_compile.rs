@@ -12,7 +12,10 @@
 //! installed (clang 20+), gfx950 (MI350). The code objects' symbol tables must
 //! hold every name of `ferrocomm::algo::kernels::all_kernel_names()` (the
 //! kernel and its `.kd` descriptor), and no kernel may spill VGPRs or use
-//! scratch (set `FERROCOMM_ALLOW_SPILLS=1` to only warn).
+//! scratch (set `FERROCOMM_ALLOW_SPILLS=1` to only warn). Every text is
+//! compiled with the ABI checks after it (`ferrocomm::device::abi`): a
+//! `static_assert` of each field's offset and size in `FcParams`, `FcDevCtx`
+//! and `FcEpArgs`, from the Rust structs.
 //!
 //! The compilers: `FERROCOMM_HIP_CLANG` (gfx942) and
 //! `FERROCOMM_HIP_CLANG_GFX950`, else the first of `clang++-19`, `clang++-22`,
@@ -36,7 +39,8 @@ use ferrocomm::device::ModuleSource;
 #[path = "common/kernel_compile.rs"]
 mod kernel_compile;
 use kernel_compile::{
-    Failures, CUDA_PRELUDE, DEVICE_API, DEVICE_API_SOURCES, EP_KERNELS, PUT_BENCH, USER_ALLGATHER, WINDOWS,
+    with_abi_checks, Failures, CUDA_PRELUDE, DEVICE_API, DEVICE_API_SOURCES, EP_KERNELS, PUT_BENCH, USER_ALLGATHER,
+    WINDOWS,
 };
 
 const PRELUDE: &str = include_str!("../kernels-hip/prelude.hip.h");
@@ -390,7 +394,7 @@ fn compile_all_for(arch: &str) {
     for module in ALL_MODULES {
         let src = dir.join(format!("{}-{arch}.hip", module.name));
         let out = dir.join(format!("{}-{arch}.hsaco", module.name));
-        std::fs::write(&src, hip_text(module)).expect("writing the module text");
+        std::fs::write(&src, with_abi_checks(hip_text(module))).expect("writing the module text");
         let started = std::time::Instant::now();
         let o = Command::new(&clang)
             .args(compile_options(arch))
@@ -527,7 +531,7 @@ fn compile_device_api_for(arch: &str) {
         let (name, entry) = (source.name, source.entry);
         let src = dir.join(format!("{name}-{arch}.hip"));
         let out = dir.join(format!("{name}-{arch}.hsaco"));
-        std::fs::write(&src, source.text(PRELUDE)).expect("writing the source");
+        std::fs::write(&src, with_abi_checks(source.text(PRELUDE))).expect("writing the source");
         let o = Command::new(&clang)
             .args(compile_options(arch))
             .arg("-c")

@@ -55,6 +55,8 @@ typedef long long fc_i64;
 #define FC_PARAM_SCALAR_IS_PTR 1u
 #define FC_PARAM_DIRECT_OK 2u
 
+// A copy of `KernelParams` in src/device/params.rs: tests/kernels_emu.rs
+// asserts every field's offset and size against it (src/device/abi.rs).
 struct FcParams {
     fc_u64 peer_ws[FC_MAX_RANKS];
     fc_u64 input;

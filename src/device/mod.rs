@@ -7,12 +7,13 @@
 //! [`DevicePtr`], an opaque address token it may offset and hand back to the
 //! same backend (in a [`KernelParams`] or a copy), never dereference.
 
+pub mod abi;
 pub mod fd_exchange;
 mod params;
 
 pub use params::{
-    KernelParams, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE, ERR_CODE_TIMEOUT, ERR_WORDS, KERNEL_PARAMS_BYTES,
-    MAX_RANKS, PARAM_DIRECT_OK, PARAM_SCALAR_IS_PTR,
+    KernelParams, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE, ERR_CODE_TIMEOUT, ERR_WORDS, KERNEL_PARAMS_ABI,
+    KERNEL_PARAMS_BYTES, MAX_RANKS, PARAM_DIRECT_OK, PARAM_SCALAR_IS_PTR,
 };
 
 use std::os::fd::OwnedFd;

@@ -1,8 +1,10 @@
 //! The parameter block every collective kernel receives, by value, as its one
-//! argument. Its layout is an ABI shared with `struct FcParams` in
-//! `kernels-cuda/prelude.cuh` (and the HIP prelude), where a `static_assert`
-//! pins the same size as the assertion below.
+//! argument. [`KernelParams`] is the source of its layout; `struct FcParams`
+//! in `kernels-cuda/prelude.cuh`, `kernels-hip/prelude.hip.h` and
+//! `ci/emu/emu_prelude.h` are its C copies, and the compile checks hold each
+//! to [`KERNEL_PARAMS_ABI`] field by field (see [`super::abi`]).
 
+use super::abi::{abi_struct, AbiStruct};
 use super::DevicePtr;
 
 /// Most ranks one communicator's custom kernels serve.
@@ -78,7 +80,13 @@ pub const PARAM_SCALAR_IS_PTR: u32 = 1;
 /// their element).
 pub const PARAM_DIRECT_OK: u32 = 2;
 
-/// Size of the ABI struct; the device headers assert the same number.
+/// Size of the ABI struct.
 pub const KERNEL_PARAMS_BYTES: usize = std::mem::size_of::<KernelParams>();
 
-const _: () = assert!(KERNEL_PARAMS_BYTES == 8 * 8 + 3 * 8 + 7 * 8 + 6 * 4 + 2 * 8 + 2 * 4 + 4 * MAX_RANKS * 8);
+/// Every field of [`KernelParams`] with its offset and size, which each
+/// `struct FcParams` must match.
+pub const KERNEL_PARAMS_ABI: AbiStruct = abi_struct!(KernelParams as "FcParams" {
+    peer_ws, input, output, error_flags, count, fingerprint, timeout_ns, fp_offset, flags_offset, data_offset,
+    slot_bytes, rank, world, dtype, op, root, aux, scalar, table, peer, flags, per_peer,
+});
+const _: () = KERNEL_PARAMS_ABI.assert_packed();

@@ -34,6 +34,7 @@ use std::sync::Mutex;
 use crate::algo::BLOCK_THREADS;
 use crate::bootstrap::store_barrier;
 use crate::comm::{Call, Communicator, Tensor, Work};
+use crate::device::abi::{abi_struct, AbiStruct};
 use crate::device::{BackendKind, Device, DeviceBuffer, DevicePtr, LaunchConfig, ModuleSource};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -236,15 +237,22 @@ pub(crate) struct EpArgs {
     pub pad: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<EpArgs>() == 272);
+/// Every field of `EpArgs` with its offset and size, which `struct
+/// FcEpArgs` must match (see [`crate::device::abi`]).
+pub const EP_ARGS_ABI: AbiStruct = abi_struct!(EpArgs as "FcEpArgs" {
+    ctx, x, scales, topk_idx, topk_weights, out, recv_x, recv_scales, recv_idx, recv_weights, recv_src,
+    recv_counts, inbox, flags, slots, send_counts, hidden, max_tokens, num_experts, topk, num_tokens, payload,
+    row_bytes, scale_cols, rank_recip, per_rank, pad,
+});
+const _: () = EP_ARGS_ABI.assert_packed();
 
 /// `FC_EP_PAYLOAD_*`.
 const PAYLOAD_BF16: u32 = 0;
 const PAYLOAD_FP8: u32 = 1;
 
 fn bytes_of(a: &EpArgs) -> &[u8] {
-    // SAFETY: a #[repr(C)] struct of integers with no padding (asserted
-    // size: 104 + 16 * 8 + 10 * 4); the slice borrows it.
+    // SAFETY: a #[repr(C)] struct of integers with no padding
+    // (EP_ARGS_ABI.assert_packed()); the slice borrows it.
     unsafe { std::slice::from_raw_parts((a as *const EpArgs).cast::<u8>(), std::mem::size_of::<EpArgs>()) }
 }
 

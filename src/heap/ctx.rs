@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::{SYNC_BARRIER_ARRIVED, SYNC_BARRIER_COUNT};
+use crate::device::abi::{abi_struct, AbiStruct};
 use crate::device::{DevicePtr, ERR_CODE_NONE, ERR_CODE_TIMEOUT, MAX_RANKS};
 
 /// Error word 3's value when a device-API wait (not a collective launch) timed out.
@@ -34,9 +35,15 @@ pub struct DevCtx {
     pub world: u32,
 }
 
-/// Size of the ABI struct; the header asserts the same number.
+/// Size of the ABI struct.
 pub const DEV_CTX_BYTES: usize = std::mem::size_of::<DevCtx>();
-const _: () = assert!(DEV_CTX_BYTES == 104);
+
+/// Every field of [`DevCtx`] with its offset and size, which `struct
+/// FcDevCtx` must match (see [`crate::device::abi`]).
+pub const DEV_CTX_ABI: AbiStruct = abi_struct!(DevCtx as "FcDevCtx" {
+    heap, heap_bytes, error_flags, timeout_ns, sync_offset, rank, world,
+});
+const _: () = DEV_CTX_ABI.assert_packed();
 
 /// How [`DevCtx::wait_until`] compares a signal with its value (`FC_CMP_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -22,7 +22,7 @@ mod alloc;
 mod ctx;
 
 pub use alloc::{SymmetricAlloc, HEAP_ALIGN};
-pub use ctx::{Cmp, DevCtx, DEV_CTX_BYTES, ERR_EPOCH_DEVICE_API};
+pub use ctx::{Cmp, DevCtx, DEV_CTX_ABI, DEV_CTX_BYTES, ERR_EPOCH_DEVICE_API};
 
 use std::time::Duration;
 

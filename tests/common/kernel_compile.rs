@@ -1,6 +1,7 @@
 //! What the NVRTC and clang compile checks (`tests/kernels_cuda_compile.rs`,
 //! `tests/kernels_hip_compile.rs`) share: the device API's sources with the
-//! probe that calls every function, and how a check collects its failures.
+//! probe that calls every function, the ABI checks compiled after each text,
+//! and how a check collects its failures.
 //! How to compile and what to read from the object stays in each check.
 
 /// The CUDA prelude, which the HIP check compares its own prelude against.
@@ -17,6 +18,15 @@ pub const EP_KERNELS: &str = concat!(
     "\n",
     include_str!("../../kernels-cuda/ep.cu")
 );
+
+/// `text`, then the layout checks of every kernel ABI struct it declares
+/// (`ferrocomm::device::abi`: a `static_assert` per field, from the Rust
+/// struct): a C copy whose field differs from the Rust source in offset or
+/// size fails the compile with a message naming the field.
+pub fn with_abi_checks(text: String) -> String {
+    let checks = ferrocomm::device::abi::c_checks_for(&text);
+    text + "\n" + &checks
+}
 
 /// A kernel that calls every function of the device API once, so every
 /// template is instantiated (and on CUDA every inline PTX path reaches ptxas).
