@@ -165,18 +165,16 @@ impl ReduceOp {
         ReduceOp::BXor,
     ];
 
-    /// Every op code the kernels know, premul_sum included.
-    pub(crate) const ALL: [ReduceOp; 9] = [
-        ReduceOp::Sum,
-        ReduceOp::Prod,
-        ReduceOp::Min,
-        ReduceOp::Max,
-        ReduceOp::Avg,
-        ReduceOp::BAnd,
-        ReduceOp::BOr,
-        ReduceOp::BXor,
-        ReduceOp::PreMulSum,
-    ];
+    /// Every op code the kernels know: the operators, then premul_sum.
+    pub(crate) const ALL: [ReduceOp; 9] = {
+        let mut all = [ReduceOp::PreMulSum; 9];
+        let mut i = 0;
+        while i < Self::OPERATORS.len() {
+            all[i] = Self::OPERATORS[i];
+            i += 1;
+        }
+        all
+    };
 
     /// Bitwise and, or, xor (integers only). NCCL/RCCL have none of them.
     pub const fn is_bitwise(self) -> bool {

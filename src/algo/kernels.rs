@@ -174,30 +174,11 @@ pub fn quick_reduce_entry(name: &str) -> Option<String> {
 /// The ops ferrocomm's all-reduce kernels implement. premul_sum is reduced
 /// by the host reference and the reduce-to kernels ([`REDUCE_TO_OPS`]);
 /// a GPU all-reduce with it goes to NCCL/RCCL.
-pub const KERNEL_OPS: [ReduceOp; 8] = [
-    ReduceOp::Sum,
-    ReduceOp::Prod,
-    ReduceOp::Min,
-    ReduceOp::Max,
-    ReduceOp::Avg,
-    ReduceOp::BAnd,
-    ReduceOp::BOr,
-    ReduceOp::BXor,
-];
+pub const KERNEL_OPS: [ReduceOp; 8] = ReduceOp::OPERATORS;
 
 /// The ops of the reduce-to kernels: the all-reduce kernels' and premul_sum
 /// (each source scaled by its own factor, published at phase 0).
-pub const REDUCE_TO_OPS: [ReduceOp; 9] = [
-    ReduceOp::Sum,
-    ReduceOp::Prod,
-    ReduceOp::Min,
-    ReduceOp::Max,
-    ReduceOp::Avg,
-    ReduceOp::BAnd,
-    ReduceOp::BOr,
-    ReduceOp::BXor,
-    ReduceOp::PreMulSum,
-];
+pub const REDUCE_TO_OPS: [ReduceOp; 9] = ReduceOp::ALL;
 
 /// Which collective kernel family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

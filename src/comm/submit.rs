@@ -23,6 +23,22 @@ pub(crate) struct Submit<'a, D: Device> {
     pub(crate) capturing: bool,
 }
 
+impl<D: Device> Submit<'_, D> {
+    /// The workspace ferrocomm's kernels run in; an error naming `what`
+    /// where the communicator has none (it spans nodes, or has more ranks
+    /// than one node's kernels serve).
+    pub(crate) fn workspace(&self, what: &str) -> Result<&crate::algo::Workspace<D>> {
+        self.res.ws.as_ref().ok_or_else(|| {
+            Error::Unsupported(format!(
+                "communicator {} has no workspace for ferrocomm's kernels (it spans {}, or has more ranks than \
+                 one node's kernels serve) for {what}: run it on each node's communicator",
+                self.inner.name,
+                self.inner.topology.describe()
+            ))
+        })
+    }
+}
+
 impl<D: Device> Communicator<D> {
     /// Copy host bytes into `buf` at `offset`: [`Communicator::copy_in`] on
     /// the communicator's stream.

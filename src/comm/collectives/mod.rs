@@ -163,6 +163,26 @@ impl<D: Device> Communicator<D> {
         Ok(())
     }
 
+    /// Every tensor of a list (`part`s of `coll`) against `like` (the
+    /// `other` side of the call): its dtype, its count, on this device.
+    fn checked_parts(&self, coll: &str, part: &str, list: &[Tensor], like: &Tensor, other: &str) -> Result<()> {
+        let n = like.count();
+        for (r, t) in list.iter().enumerate() {
+            match part {
+                "input" => Self::same_dtype(t, like)?,
+                _ => Self::same_dtype(like, t)?,
+            }
+            if t.count() != n {
+                return Err(Error::invalid(format!(
+                    "{coll}: {part} {r} has {} elements, {other} {n}",
+                    t.count()
+                )));
+            }
+            self.checked(&format!("{coll} {part}"), t)?;
+        }
+        Ok(())
+    }
+
     fn same_dtype(a: &Tensor, b: &Tensor) -> Result<()> {
         if a.dtype() != b.dtype() {
             return Err(Error::invalid(format!(

@@ -108,16 +108,7 @@ impl<D: Device> Communicator<D> {
             whole.or_else(|| Tensor::joined(outputs).filter(|w| !input.overlaps(w) || outputs.get(me) == Some(&input)));
         let n = input.count();
         self.checked("all_gather input", &input)?;
-        for (r, o) in outputs.iter().enumerate() {
-            Self::same_dtype(&input, o)?;
-            if o.count() != n {
-                return Err(Error::invalid(format!(
-                    "all_gather: output {r} has {} elements, input {n}",
-                    o.count()
-                )));
-            }
-            self.checked("all_gather output", o)?;
-        }
+        self.checked_parts("all_gather", "output", outputs, &input, "input")?;
         let dtype = input.dtype();
         let asked = call.asked_coll_algo()?;
         let plan = self.plan_call(Collective::AllGather, dtype, ReduceOp::Sum, n, asked, &[])?;
@@ -252,15 +243,8 @@ impl<D: Device> Communicator<D> {
                     outputs.len()
                 )));
             }
+            self.checked_parts("gather", "output", outputs, &input, "input")?;
             for (s, o) in outputs.iter().enumerate() {
-                Self::same_dtype(&input, o)?;
-                if o.count() != n {
-                    return Err(Error::invalid(format!(
-                        "gather: output {s} has {} elements, input {n}",
-                        o.count()
-                    )));
-                }
-                self.checked("gather output", o)?;
                 l.recvs[s] = Some((n, o.ptr()));
             }
         }
@@ -282,15 +266,8 @@ impl<D: Device> Communicator<D> {
                     inputs.len()
                 )));
             }
+            self.checked_parts("scatter", "input", inputs, &output, "output")?;
             for (q, i) in inputs.iter().enumerate() {
-                Self::same_dtype(i, &output)?;
-                if i.count() != n {
-                    return Err(Error::invalid(format!(
-                        "scatter: input {q} has {} elements, output {n}",
-                        i.count()
-                    )));
-                }
-                self.checked("scatter input", i)?;
                 l.sends[q] = Some((n, i.ptr()));
             }
         }

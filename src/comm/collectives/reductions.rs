@@ -159,16 +159,7 @@ impl<D: Device> Communicator<D> {
             whole.or_else(|| Tensor::joined(inputs).filter(|w| !output.overlaps(w) || inputs.get(me) == Some(&output)));
         let n = output.count();
         self.checked("reduce_scatter output", &output)?;
-        for (r, i) in inputs.iter().enumerate() {
-            Self::same_dtype(i, &output)?;
-            if i.count() != n {
-                return Err(Error::invalid(format!(
-                    "reduce_scatter: input {r} has {} elements, output {n}",
-                    i.count()
-                )));
-            }
-            self.checked("reduce_scatter input", i)?;
-        }
+        self.checked_parts("reduce_scatter", "input", inputs, &output, "output")?;
         let dtype = output.dtype();
         let (op, scalar, flags) = self.checked_reduction(&red, dtype)?;
         let asked = call.asked_coll_algo()?;

@@ -33,14 +33,7 @@ pub(super) fn enqueue<D: Device>(s: &mut Submit<'_, D>, c: &CollectiveCall) -> R
         (Some(m), Some(_)) => m,
         _ => &s.res.module,
     };
-    let Some(ws) = &s.res.ws else {
-        return Err(Error::Unsupported(format!(
-            "communicator {} has no workspace for ferrocomm's kernels (it spans {}, or has more ranks than one \
-             node's kernels serve) and no NCCL/RCCL underneath for this call",
-            inner.name,
-            inner.topology.describe()
-        )));
-    };
+    let ws = s.workspace("this call")?;
     c.enqueue(
         &inner.device,
         module,
@@ -69,23 +62,47 @@ pub(super) fn all_reduce<D: Device>(
     output: DevicePtr,
 ) -> Result<()> {
     let bytes = count * k.elem.size();
-    let (inp, out) = match k.staged {
-        true => {
-            let at = staging_at(s, bytes)?;
-            s.inner.device.copy_device(at, input, bytes, s.stream)?;
-            (at, at)
-        }
-        false => (input, output),
+    let through = k.staged.then_some(Staged {
+        span: bytes,
+        reads: true,
+    });
+    around_staging(s, through, input, output, bytes, |s, inp, out| {
+        let mut c = CollectiveCall::new(k.kind, k.elem, op, count, inp, out);
+        c.codec = k.codec;
+        c.scalar = scalar;
+        c.flags = flags;
+        enqueue(s, &c)
+    })
+}
+
+/// A launch on this rank's operands in place in the staging buffer.
+struct Staged {
+    /// Bytes of staging the launch touches (the payload, or padded).
+    span: usize,
+    /// Whether this rank's input is read (and so copied in first).
+    reads: bool,
+}
+
+/// `launch(input, output)` on this rank's operands, or, `through` the
+/// staging buffer, on their copy there (in place), `bytes` of the result
+/// copied back to `output` after it: a local choice no peer sees.
+fn around_staging<D: Device>(
+    s: &mut Submit<'_, D>,
+    through: Option<Staged>,
+    input: DevicePtr,
+    output: DevicePtr,
+    bytes: usize,
+    launch: impl FnOnce(&mut Submit<'_, D>, DevicePtr, DevicePtr) -> Result<()>,
+) -> Result<()> {
+    let Some(st) = through else {
+        return launch(s, input, output);
     };
-    let mut c = CollectiveCall::new(k.kind, k.elem, op, count, inp, out);
-    c.codec = k.codec;
-    c.scalar = scalar;
-    c.flags = flags;
-    enqueue(s, &c)?;
-    if k.staged {
-        s.inner.device.copy_device(output, out, bytes, s.stream)?;
+    let at = staging_at(s, st.span)?;
+    if st.reads {
+        s.inner.device.copy_device(at, input, bytes, s.stream)?;
     }
-    Ok(())
+    launch(s, at, at)?;
+    s.inner.device.copy_device(output, at, bytes, s.stream)
 }
 
 /// The broadcast kernel on `bytes` as words of `k.elem`: staged where this
@@ -100,26 +117,16 @@ pub(super) fn broadcast<D: Device>(
     root: usize,
 ) -> Result<()> {
     let w = k.elem.size();
-    let is_root = s.inner.rank == root;
-    let through_staging = k.staged || k.padded;
     let span = bytes.next_multiple_of(w);
-    let (inp, out) = match through_staging {
-        true => {
-            let at = staging_at(s, span)?;
-            if is_root {
-                s.inner.device.copy_device(at, input, bytes, s.stream)?;
-            }
-            (at, at)
-        }
-        false => (input, output),
-    };
-    let mut c = CollectiveCall::new(KernelKind::Broadcast, k.elem, ReduceOp::Sum, span / w, inp, out);
-    c.root = root;
-    enqueue(s, &c)?;
-    if through_staging {
-        s.inner.device.copy_device(output, out, bytes, s.stream)?;
-    }
-    Ok(())
+    let through = (k.staged || k.padded).then_some(Staged {
+        span,
+        reads: s.inner.rank == root,
+    });
+    around_staging(s, through, input, output, bytes, |s, inp, out| {
+        let mut c = CollectiveCall::new(KernelKind::Broadcast, k.elem, ReduceOp::Sum, span / w, inp, out);
+        c.root = root;
+        enqueue(s, &c)
+    })
 }
 
 /// The exchange protocol (all-gather, gather, scatter, all-to-all, the

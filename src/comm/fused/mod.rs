@@ -175,13 +175,9 @@ impl<D: Device> Communicator<D> {
             }
             let inner = s.inner;
             s.res.load_fused_module(&inner.device)?;
-            let (Some(module), Some(ws)) = (s.res.fused_module.as_ref(), s.res.ws.as_ref()) else {
-                return Err(Error::Unsupported(format!(
-                    "all_reduce_fused on communicator {}: it spans {} and has no workspace for the fused kernels \
-                     (run it on each node's communicator)",
-                    inner.name,
-                    inner.topology.describe()
-                )));
+            let ws = s.workspace("all_reduce_fused")?;
+            let Some(module) = s.res.fused_module.as_ref() else {
+                return Err(Error::invalid("the fused module did not load"));
             };
             c.enqueue(
                 &inner.device,
