@@ -33,7 +33,7 @@ rm -rf "$CACHE/wheels"
 
 echo "--- the GPU benches and scripts compile (they run on the GPU machine only)"
 "$VENV/bin/python" -c 'import ast, sys; [ast.parse(open(f).read(), f) for f in sys.argv[1:]]' \
-    python/bench/*.py python/examples/*.py
+    python/bench/*.py python/examples/*.py python/ferrocomm/*.py python/tests/*.py
 
 echo "--- pytest python/tests (CPU: host backend at worlds 1, 2 and 3)"
 # From the tests folder, so `import ferrocomm` finds the installed wheel,

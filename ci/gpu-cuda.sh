@@ -4,7 +4,7 @@
 #
 #   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
 #   STEPS: tests coldstart torchrun layered example sanitizer bench collbench
-#          fused heap epbench qrbench python flashinfer baseline (default: all),
+#          fused heap epbench qrbench python torch flashinfer baseline (default: all),
 #          and autotune and shared (not
 #          in the default: protocol checks for a machine of one GPU)
 #
@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(cd "${1:-.carry/bin}" && pwd)"
 shift || true
-STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused heap epbench qrbench python flashinfer baseline}"
+STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused heap epbench qrbench python torch flashinfer baseline}"
 # Logs go to one folder; with $OUT set (the lent machines bring back a
 # limited number of files) they are packed into $OUT/gpu-logs.tgz at the end,
 # beside summary.txt, also when the job is stopped.
@@ -390,15 +390,35 @@ if [[ " $STEPS " == *" qrbench "* ]]; then
     done
 fi
 
-if [[ " $STEPS " == *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/null 2>&1; then
-    # The wheel ci/pack-python.sh built, beside the python that has torch.
-    site=/tmp/ferrocomm-site
-    rm -rf "$site"
-    python3 -m pip install -q --no-index --no-deps --target "$site" .carry/python/ferrocomm-*.whl >"$LOG/python_install.log" 2>&1
+# The wheel ci/pack-python.sh built, installed beside the python that has
+# torch (once, for the python and torch steps).
+python_site() {
+    [ -n "${PY_SITE:-}" ] && return 0
+    PY_SITE=/tmp/ferrocomm-site
+    rm -rf "$PY_SITE"
+    python3 -m pip install -q --no-index --no-deps --target "$PY_SITE" .carry/python/ferrocomm-*.whl >"$LOG/python_install.log" 2>&1
     if ! python3 -c "import pytest" 2>/dev/null && [ -d .carry/pywheels ]; then
-        python3 -m pip install -q --no-index --find-links .carry/pywheels --target "$site" pytest >>"$LOG/python_install.log" 2>&1
+        python3 -m pip install -q --no-index --find-links .carry/pywheels --target "$PY_SITE" pytest >>"$LOG/python_install.log" 2>&1
     fi
-    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$PY_SITE${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+if [[ " $STEPS " == *" torch "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/null 2>&1; then
+    # ferrocomm as a torch.distributed backend: every collective, DDP, FSDP2,
+    # DTensor and a killed rank, on CPU tensors and CUDA tensors. On one GPU
+    # the two ranks share it (FERROCOMM_CCL=0: NCCL refuses two ranks on one
+    # GPU).
+    python_site
+    torch_env=(env FERROCOMM_REQUIRE_GPU=1)
+    if [ "$NGPU" -lt 2 ]; then
+        torch_env+=(FERROCOMM_TEST_SHARE_GPU=1 FERROCOMM_CCL=0)
+    fi
+    step torch_backend_tests "${torch_env[@]}" python3 -m pytest -v -rs python/tests/test_torch_backend.py
+    step torch_ddp_example "${torch_env[@]}" torchrun --nproc_per_node=2 python/examples/torch_ddp.py
+fi
+
+if [[ " $STEPS " == *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/null 2>&1; then
+    python_site
     if [ "$NGPU" -ge 2 ]; then
         step python_gpu_tests python3 -m pytest -x -v -rs python/tests/test_gpu_torch.py
         step python_bench torchrun --nproc_per_node=2 python/bench/bench_torch.py
