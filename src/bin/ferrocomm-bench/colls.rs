@@ -6,7 +6,9 @@ use ferrocomm::device::Device;
 #[cfg(any(feature = "nccl", feature = "rccl"))]
 use ferrocomm::device::DevicePtr;
 use ferrocomm::testing::data::{self, FromF64, Values};
-use ferrocomm::{Algorithm, Call, Collective, Communicator, DType, Error, P2p, ReduceOp, Result, Tensor};
+#[cfg(any(feature = "nccl", feature = "rccl"))]
+use ferrocomm::Error;
+use ferrocomm::{Algorithm, Call, Collective, Communicator, DType, P2p, ReduceOp, Result, Tensor};
 
 /// A collective the bench times.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,20 +43,6 @@ impl Coll {
             Coll::Reduce => "reduce",
             Coll::SendRecv => "sendrecv",
         }
-    }
-
-    pub fn parse(s: &str) -> Result<Vec<Coll>> {
-        if s == "all" {
-            return Ok(Coll::ALL.to_vec());
-        }
-        s.split(',')
-            .map(|x| {
-                Coll::ALL
-                    .into_iter()
-                    .find(|c| c.name() == x.trim())
-                    .ok_or_else(|| Error::invalid(format!("unknown --coll {x:?}")))
-            })
-            .collect()
     }
 
     /// nccl-tests' bus bandwidth factor: 2(n-1)/n for all-reduce, (n-1)/n

@@ -17,7 +17,8 @@ use ferrocomm::heap::DevCtx;
 use ferrocomm::testing::heap::UserAllgather;
 use ferrocomm::{Call, Communicator, DType, Error, Result, Tensor};
 
-use super::{median, ops_per_sample, time_samples, Args};
+use crate::args::Args;
+use crate::timing::{median, ops_per_sample, time_samples};
 
 /// A device put of `bytes`, split evenly over the blocks.
 const PUT_SOURCE: &str = include_str!("../../../kernels-cuda/examples/put_bench.cu");
@@ -95,15 +96,10 @@ pub fn bench_heap<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<()> {
             "bytes", "mode", "what", "time_us", "GB/s", "blocks"
         );
     }
-    let modes: &[&str] = match (a.eager, a.graph) {
-        (true, true) => &["eager", "graph"],
-        (false, true) => &["graph"],
-        _ => &["eager"],
-    };
     let mut bytes = a.min_bytes.max(4096).next_power_of_two();
     while bytes <= max {
         let ops = ops_per_sample(backend, bytes);
-        for &mode in modes {
+        for &mode in a.modes() {
             let row = |what: &str, blocks: u32, run: &dyn Fn(usize) -> Result<()>| -> Result<()> {
                 let (mut t, _) = time_samples(comm, a, mode, &stream, ops, run)?;
                 let us = median(&mut t);

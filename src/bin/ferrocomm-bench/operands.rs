@@ -13,35 +13,8 @@ use ferrocomm::device::{BackendKind, Device, DeviceBuffer, DevicePtr};
 use ferrocomm::heap::{HeapBuffer, HEAP_ALIGN, HEAP_RESERVED};
 use ferrocomm::{CommOptions, Communicator, DType, Error, Result, Tensor};
 
-use super::{rotation, sizes, Args};
-
-/// Where a row's buffers live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Operands {
-    Plain,
-    Heap,
-}
-
-impl Operands {
-    pub fn name(self) -> &'static str {
-        match self {
-            Operands::Plain => "plain",
-            Operands::Heap => "heap",
-        }
-    }
-
-    /// `plain`, `heap` or `both` (plain, then heap).
-    pub fn parse(s: &str) -> Result<Vec<Operands>> {
-        match s.trim() {
-            "plain" => Ok(vec![Operands::Plain]),
-            "heap" => Ok(vec![Operands::Heap]),
-            "both" => Ok(vec![Operands::Plain, Operands::Heap]),
-            other => Err(Error::invalid(format!(
-                "--operands {other:?} is not one of plain, heap, both"
-            ))),
-        }
-    }
-}
+use crate::args::{Args, Operands};
+use crate::timing::rotation;
 
 /// Bytes between rotated inputs in the heap (each starts on the heap's
 /// alignment, as a `heap_alloc` of its own would).
@@ -55,7 +28,7 @@ fn regions(a: &Args, world: usize) -> (usize, usize) {
     let (mut input, mut output) = (0usize, 0usize);
     for &coll in &a.colls {
         for &dtype in &a.dtypes {
-            for bytes in sizes(a, dtype, world) {
+            for bytes in a.sizes(dtype, world) {
                 if let Some((n_in, n_out)) = coll.counts(bytes, dtype, world) {
                     let (in_bytes, out_bytes) = (n_in * dtype.size(), n_out * dtype.size());
                     input = input.max(rotation(in_bytes) * stride(in_bytes));
