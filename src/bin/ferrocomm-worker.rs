@@ -29,11 +29,17 @@
 //! - `coldstart`: the time from process start to a communicator that has run
 //!   its first all-reduce (point `FERROCOMM_CACHE_DIR` at an empty directory
 //!   to measure a cold kernel cache), printed as `COLD START ...`.
+//! - `broadcaster`, `broadcaster-kill`, `broadcaster-stall`: the metadata
+//!   broadcaster (`--max-bytes`: its slot size; `--writer`: its writer,
+//!   default 0); see `ferrocomm-worker/scenarios/broadcaster.rs`.
 //! - `precompile-cuda`: compile the CUDA kernels for `--cc` (default 9.0) into
 //!   `FERROCOMM_CACHE_DIR` with no GPU, one kernel per compile on every
 //!   core, so a GPU machine skips NVRTC.
 //!
 //! Each prints one `RESULT ok ...` or `RESULT fail ...` line.
+
+#[path = "ferrocomm-worker/scenarios/broadcaster.rs"]
+mod broadcaster;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -55,6 +61,8 @@ struct Args {
     cc: (i32, i32),
     /// The collective `kill`, `stall` and `mismatch` run.
     coll: String,
+    /// The broadcaster scenarios' writer rank.
+    writer: usize,
 }
 
 fn parse_args() -> Result<Args> {
@@ -62,7 +70,7 @@ fn parse_args() -> Result<Args> {
     let scenario = it.next().ok_or_else(|| {
         Error::invalid(
             "usage: ferrocomm-worker <scenario> [--backend B] [--victim R] [--timeout-secs S] [--max-bytes N] \
-             [--coll all_reduce|all_gather|reduce_scatter|all_to_all|sendrecv|broadcast|reduce]",
+             [--coll all_reduce|all_gather|reduce_scatter|all_to_all|sendrecv|broadcast|reduce] [--writer R]",
         )
     })?;
     let mut a = Args {
@@ -74,6 +82,7 @@ fn parse_args() -> Result<Args> {
         replays: 10_000,
         cc: (9, 0),
         coll: "all_reduce".into(),
+        writer: 0,
     };
     while let Some(flag) = it.next() {
         let value = it
@@ -87,6 +96,7 @@ fn parse_args() -> Result<Args> {
             "--max-bytes" => a.max_bytes = value.parse().map_err(|_| bad())?,
             "--replays" => a.replays = value.parse().map_err(|_| bad())?,
             "--coll" => a.coll = value.clone(),
+            "--writer" => a.writer = value.parse().map_err(|_| bad())?,
             "--cc" => {
                 let (major, minor) = value.split_once('.').ok_or_else(bad)?;
                 a.cc = (major.parse().map_err(|_| bad())?, minor.parse().map_err(|_| bad())?);
@@ -425,6 +435,7 @@ fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: usize,
             }
         }
         "replay" => replay(&comm, a),
+        s if broadcaster::handles(s) => broadcaster::run(&comm, s, &broadcaster_params(a)),
         "smoke" => {
             let cfg = SuiteConfig {
                 max_bytes: 1 << 20,
@@ -553,4 +564,13 @@ fn expect_failure<D: Device>(comm: &Communicator<D>, a: &Args, mut before: impl 
         }
     }
     Err(Error::Aborted("no error in 1000 iterations".into()))
+}
+
+fn broadcaster_params(a: &Args) -> broadcaster::Params {
+    broadcaster::Params {
+        slot: a.max_bytes,
+        writer: a.writer,
+        victim: a.victim,
+        timeout: a.timeout,
+    }
 }
