@@ -22,6 +22,7 @@
 //! against the exact rule, on the same samples; NCCL rows are not bitwise
 //! comparable on such data (`#wrong` shows `-`).
 
+mod broadcaster;
 mod colls;
 mod ep;
 mod fused;
@@ -69,6 +70,7 @@ const USAGE: &str =
                        [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok|all [--tokens 1,32,128,2048] [--hidden 4096]
                         [--fused-moe TOPK,..]]
                        [--heap]  (device put vs copy engine, user all-gather vs all_gather)
+                       [--broadcaster]  (the metadata broadcaster: msgs/s and latency at 64 B, 4 KiB, 1 MiB)
                        [--ep [--tokens 1,8,32,128,512,1024,4096] [--hidden 7168] [--experts 256] [--topk 8] [--eager-only]]
 sizes take K, M, G suffixes (powers of 1024); --iters and --warmup default to 20 and 5 on GPUs, 5 and 1 on the host";
 
@@ -102,6 +104,8 @@ struct Args {
     hidden: usize,
     /// `--heap`: the symmetric heap's rows (`heap.rs`) instead of the collectives.
     heap: bool,
+    /// `--broadcaster`: the metadata broadcaster's rows (`broadcaster.rs`).
+    broadcaster: bool,
     /// `--operands`: where the `--coll` rows' buffers live (plain first).
     operands: Vec<operands::Operands>,
     /// `--ep`: time EP dispatch + combine against an all-to-all-v pipeline.
@@ -244,6 +248,7 @@ fn parse_args() -> Result<Args> {
         quantization: Vec::new(),
         fused: None,
         heap: false,
+        broadcaster: false,
         operands: vec![operands::Operands::Plain],
         fused_moe: Vec::new(),
         tokens: vec![1, 32, 128, 2048],
@@ -296,6 +301,7 @@ fn parse_args() -> Result<Args> {
             }
             "--fused" => a.fused = Some(fused::parse_patterns(&value()?)?),
             "--heap" => a.heap = true,
+            "--broadcaster" => a.broadcaster = true,
             "--operands" => a.operands = operands::Operands::parse(&value()?)?,
             "--fused-moe" => a.fused_moe = fused::parse_topks(&value()?)?,
             "--ep" => a.ep = true,
@@ -553,6 +559,9 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     if let Some(patterns) = &a.fused {
         // --algo auto, oneshot-push or twoshot-push pick the fused family.
         return fused::bench_fused(&comm, a, patterns);
+    }
+    if a.broadcaster {
+        return broadcaster::bench_broadcaster(&comm, &store, a);
     }
     if a.heap {
         return heap::bench_heap(&comm, a);
