@@ -46,9 +46,9 @@ pub mod plan;
 pub mod testing;
 
 pub use comm::{
-    Algorithm, Axis, Call, Collective, CommOptions, Communicator, DtypeClass, Fusion, FusionPattern, Ladders, Mapping,
-    MixedComm, MixedMode, MixedOp, MoeFinalize, P2p, Reduction, Registration, Tensor, Timing, Topology, TuneReport,
-    TuneSource, UserModule, Window, Work,
+    Algorithm, Axis, Broadcaster, BroadcasterOptions, Call, Collective, CommOptions, Communicator, DtypeClass, Fusion,
+    FusionPattern, Ladders, Mapping, MixedComm, MixedMode, MixedOp, MoeFinalize, P2p, Reduction, Registration, Tensor,
+    Timing, Topology, TuneReport, TuneSource, UserModule, Window, Work,
 };
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 /// Sleep while `word` holds `expected`, for at most `timeout`. Returns early
 /// on a wake, a change of the word, or a signal; callers re-check.
-pub(super) fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+pub(crate) fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
         tv_nsec: timeout.subsec_nanos() as libc::c_long,
@@ -30,7 +30,7 @@ pub(super) fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
 }
 
 /// Wake every waiter on `word` (after storing to it).
-pub(super) fn wake_all(word: &AtomicU32) {
+pub(crate) fn wake_all(word: &AtomicU32) {
     // SAFETY: `word` is a live, aligned u32; FUTEX_WAKE does not access it.
     unsafe {
         libc::syscall(

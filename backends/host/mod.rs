@@ -9,7 +9,8 @@
 
 mod collectives;
 mod fused;
-mod futex;
+// Also the broadcaster's ring (`comm::broadcaster`) sleeps on these.
+pub(crate) mod futex;
 pub(crate) mod heap_kernels;
 mod kernels;
 mod ll;

@@ -34,6 +34,7 @@ from ._errors import (
     Unsupported,
 )
 from ._ops import ReduceOp
+from ._broadcaster import Broadcaster
 from ._comm import Communicator, HeapTensor, HeapTensorBits, P2POp, RemoteTensor, Window, Work
 from ._ep import DispatchOut, EpBuffer, EpTensor
 from ._bootstrap import from_store, from_torch, init
@@ -55,6 +56,7 @@ __all__ = [
     "EpBuffer",
     "DispatchOut",
     "EpTensor",
+    "Broadcaster",
     "ReduceOp",
     "FerrocommError",
     "InvalidArgument",

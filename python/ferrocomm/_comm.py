@@ -23,6 +23,7 @@ from numbers import Integral
 from typing import Any, Iterable, Optional, Sequence
 
 from . import _ferrocomm as _native
+from ._broadcaster import Broadcaster
 from ._call import Hints, Stream, Timeout, call_opts, seconds
 from ._ep import EpBuffer
 from ._errors import InvalidArgument
@@ -31,7 +32,7 @@ from ._tensors import HOST_MEMORY, call_stream, current_stream, device_type, pre
 
 __all__ = [
     "Communicator", "Work", "P2POp", "HeapTensor", "HeapTensorBits", "Window", "RemoteTensor", "EpBuffer",
-    "seconds",
+    "Broadcaster", "seconds",
 ]
 
 Work = _native.Work
@@ -741,6 +742,24 @@ class Communicator:
         buf = EpBuffer(native, self)
         self._ep_buffers.add(buf)
         return buf
+
+    def broadcaster(self, max_bytes: int, *, writer: int = 0, slots: Optional[int] = None) -> Broadcaster:
+        """A metadata broadcaster (:class:`Broadcaster`): ``writer`` sends
+        bytes with ``.send(data)``, every other rank gets them in order with
+        ``.recv()``. Readers on the writer's node read a lock-free ring in
+        shared memory of ``slots`` slots (default 8) of ``max_bytes``;
+        larger messages, and readers on other nodes, take a socket.
+
+        Collective: every rank the same arguments, in the same order
+        relative to the communicator's other setup calls. Host memory only,
+        whatever the backend; it outlives :meth:`finalize`."""
+        return Broadcaster(
+            self._native.broadcaster(
+                operator.index(max_bytes),
+                operator.index(writer),
+                None if slots is None else operator.index(slots),
+            )
+        )
 
     def device_ctx_bytes(self) -> bytes:
         """The device API's context (``FcDevCtx``, 104 bytes, docs/device-api.md)

@@ -28,6 +28,7 @@ use pyo3::types::{PyFloat, PyInt};
 
 use crate::args::{duration, invalid, CallOpts};
 use crate::backend::{self, with_any, AnyComm, AnyWork, Backend};
+use crate::broadcaster::PyBroadcaster;
 use crate::dlpack::{self, Imported, Owner, KDL_CUDA, KDL_CUDA_MANAGED, KDL_ROCM};
 use crate::ep::{EpShape, PyEpBuffer};
 use crate::errors::{run, run_interruptible, to_pyerr, Failure};
@@ -939,6 +940,13 @@ impl PyComm {
             dtype,
         };
         PyEpBuffer::create(py, slf.clone().unbind(), &me.comm, &me.lender, shape)
+    }
+
+    /// A metadata broadcaster from `writer` to every other rank, with ring
+    /// slots of `max_bytes` (collective: every rank the same arguments).
+    #[pyo3(signature = (max_bytes, writer=0, slots=None))]
+    fn broadcaster(&self, py: Python<'_>, max_bytes: i64, writer: i64, slots: Option<i64>) -> PyResult<PyBroadcaster> {
+        crate::broadcaster::create(py, &self.comm, max_bytes, writer, slots)
     }
 
     /// The device API's context (`FcDevCtx`, 104 bytes) for kernels of your

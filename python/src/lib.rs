@@ -6,6 +6,7 @@
 //! - [`export`]: ferrocomm's own memory handed out through DLPack;
 //! - [`heap`]: symmetric-heap tensors and one-sided windows;
 //! - [`ep`]: expert-parallel dispatch and combine buffers;
+//! - [`broadcaster`]: the metadata broadcaster (bytes from one rank to the others);
 //! - [`store`]: a ferrocomm store over a Python (torch.distributed) store;
 //! - [`membership`]: `init()`'s rendezvous, and leaving its store at exit;
 //! - [`backend`]: host, CUDA and ROCm communicators behind one class;
@@ -18,6 +19,7 @@
 
 mod args;
 mod backend;
+mod broadcaster;
 mod comm;
 mod dlpack;
 mod ep;
@@ -41,6 +43,7 @@ fn _ferrocomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<heap::PyWindow>()?;
     m.add_class::<heap::PyRemoteTensor>()?;
     m.add_class::<ep::PyEpBuffer>()?;
+    m.add_class::<broadcaster::PyBroadcaster>()?;
     m.add_class::<ep::PyEpTensor>()?;
     m.add_function(wrap_pyfunction!(membership::leave_stores, m)?)?;
     m.add_function(wrap_pyfunction!(membership::pause_compiles, m)?)?;

@@ -1295,3 +1295,11 @@ def ep_never_dispatched() -> None:
 
 if __name__ == "__main__":
     print("run through _worker.py", file=sys.stderr)
+
+
+# The broadcaster's, kept in their own file.
+from broadcaster_scenarios import (  # noqa: E402,F401
+    broadcaster_killed_reader,
+    broadcaster_messages,
+    broadcaster_stalled_reader,
+)

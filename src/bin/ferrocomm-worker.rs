@@ -29,6 +29,9 @@
 //! - `coldstart`: the time from process start to a communicator that has run
 //!   its first all-reduce (point `FERROCOMM_CACHE_DIR` at an empty directory
 //!   to measure a cold kernel cache), printed as `COLD START ...`.
+//! - `broadcaster`, `broadcaster-kill`, `broadcaster-stall`: the metadata
+//!   broadcaster (`--max-bytes`: its slot size; `--writer`: its writer,
+//!   default 0); see `ferrocomm-worker/scenarios/broadcaster.rs`.
 //! - `precompile-cuda`: compile the CUDA kernels for `--cc` (default 9.0) into
 //!   `FERROCOMM_CACHE_DIR` with no GPU, one kernel per compile on every
 //!   core, so a GPU machine skips NVRTC.

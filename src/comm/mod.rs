@@ -3,6 +3,7 @@
 //! hints) and returns a [`Work`] to wait on or poll.
 
 mod autotune;
+mod broadcaster;
 mod call;
 mod collectives;
 mod communicator;
@@ -26,6 +27,7 @@ mod work;
 
 pub use crate::algo::fused::FusionPattern;
 pub use crate::plan::{Algorithm, Collective, DtypeClass, Ladders};
+pub use broadcaster::{Broadcaster, BroadcasterOptions, Interrupt};
 pub use call::{Call, Factor, Reduction};
 pub use collectives::P2p;
 pub use communicator::Communicator;

@@ -23,6 +23,7 @@ pub const USAGE: &str =
                        [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok|all [--tokens 1,32,128,2048] [--hidden 4096]
                         [--fused-moe TOPK,..]]
                        [--heap]  (device put vs copy engine, user all-gather vs all_gather)
+                       [--broadcaster]  (the metadata broadcaster: msgs/s and latency at 64 B, 4 KiB, 1 MiB)
                        [--ep [--tokens 1,8,32,128,512,1024,4096] [--hidden 7168] [--experts 256] [--topk 8] [--eager-only]]
 sizes take K, M, G suffixes (powers of 1024); --iters and --warmup default to 20 and 5 on GPUs, 5 and 1 on the host";
 
@@ -83,6 +84,8 @@ pub struct Args {
     pub hidden: usize,
     /// `--heap`: the symmetric heap's rows (`heap.rs`) instead of the collectives.
     pub heap: bool,
+    /// `--broadcaster`: the metadata broadcaster's rows (`broadcaster.rs`).
+    pub broadcaster: bool,
     /// `--operands`: where the `--coll` rows' buffers live (plain first).
     pub operands: Vec<Operands>,
     /// `--ep`: time EP dispatch + combine against an all-to-all-v pipeline.
@@ -117,6 +120,7 @@ impl Default for Args {
             quantization: Vec::new(),
             fused: None,
             heap: false,
+            broadcaster: false,
             operands: vec![Operands::Plain],
             fused_moe: Vec::new(),
             tokens: vec![1, 32, 128, 2048],
@@ -182,6 +186,7 @@ impl Args {
             "--quantization" => self.quantization = parse_quantization(&value()?)?,
             "--fused" => self.fused = Some(parse_patterns(&value()?)?),
             "--heap" => self.heap = true,
+            "--broadcaster" => self.broadcaster = true,
             "--operands" => self.operands = parse_operands(&value()?)?,
             "--fused-moe" => self.fused_moe = parse_topks(&value()?)?,
             "--ep" => self.ep = true,
@@ -210,7 +215,7 @@ impl Args {
         {
             return Err(Error::invalid("--quantization runs f16/bf16 sums only"));
         }
-        let other_rows = self.fused.is_some() || !self.fused_moe.is_empty() || self.heap || self.ep;
+        let other_rows = self.fused.is_some() || !self.fused_moe.is_empty() || self.heap || self.broadcaster || self.ep;
         if self.operands != [Operands::Plain] && other_rows {
             return Err(Error::invalid(
                 "--operands heap|both applies to the --coll rows, not to --fused, --fused-moe, --heap or --ep",

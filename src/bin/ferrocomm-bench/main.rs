@@ -24,9 +24,11 @@
 //!
 //! The modules: `args` (the flags), `timing` (how every row is timed),
 //! the `--coll` rows (`sweep`, `measure`, `check`, `table`, over `colls`,
-//! `operands` and `plot`), and the other tables: `fused`, `heap`, `ep`.
+//! `operands` and `plot`), and the other tables: `fused`, `heap`, `ep`,
+//! `broadcaster`.
 
 mod args;
+mod broadcaster;
 mod check;
 mod colls;
 mod ep;
@@ -147,6 +149,9 @@ fn bench<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, a: &Args) -> Res
     if let Some(patterns) = &a.fused {
         // --algo auto, oneshot-push or twoshot-push pick the fused family.
         return fused::bench_fused(&comm, a, patterns);
+    }
+    if a.broadcaster {
+        return broadcaster::bench_broadcaster(&comm, &store, a);
     }
     if a.heap {
         return heap::bench_heap(&comm, a);

@@ -5,7 +5,7 @@ use std::time::Duration;
 use ferrocomm::{Error, Result};
 
 const USAGE: &str = "usage: ferrocomm-worker <scenario> [--backend B] [--victim R] [--timeout-secs S] [--max-bytes N] \
-                     [--coll all_reduce|all_gather|reduce_scatter|all_to_all|sendrecv|broadcast|reduce]";
+                     [--coll all_reduce|all_gather|reduce_scatter|all_to_all|sendrecv|broadcast|reduce] [--writer R]";
 
 pub struct Args {
     pub scenario: String,
@@ -18,6 +18,8 @@ pub struct Args {
     pub cc: (i32, i32),
     /// The collective `kill`, `stall` and `mismatch` run.
     pub coll: String,
+    /// The broadcaster scenarios' writer rank.
+    pub writer: usize,
 }
 
 pub fn parse_args() -> Result<Args> {
@@ -32,6 +34,7 @@ pub fn parse_args() -> Result<Args> {
         replays: 10_000,
         cc: (9, 0),
         coll: "all_reduce".into(),
+        writer: 0,
     };
     while let Some(flag) = it.next() {
         let value = it
@@ -45,6 +48,7 @@ pub fn parse_args() -> Result<Args> {
             "--max-bytes" => a.max_bytes = value.parse().map_err(|_| bad())?,
             "--replays" => a.replays = value.parse().map_err(|_| bad())?,
             "--coll" => a.coll = value.clone(),
+            "--writer" => a.writer = value.parse().map_err(|_| bad())?,
             "--cc" => {
                 let (major, minor) = value.split_once('.').ok_or_else(bad)?;
                 a.cc = (major.parse().map_err(|_| bad())?, minor.parse().map_err(|_| bad())?);

@@ -5,7 +5,7 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 /// Compares two secrets in time independent of where they differ.
-pub(super) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }

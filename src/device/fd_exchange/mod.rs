@@ -44,6 +44,10 @@ mod wire;
 mod tests;
 
 pub use socket::MAX_FDS;
+// The broadcaster's TCP handshake (`comm::broadcaster`) uses the same
+// secrets and their comparison.
+pub(crate) use credentials::constant_time_eq;
+pub(crate) use random::random_bytes;
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixListener;

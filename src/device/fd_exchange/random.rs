@@ -6,7 +6,7 @@ use std::io::{self, Read};
 use crate::error::{Error, Result};
 
 /// Cryptographically random bytes from the kernel.
-pub(super) fn random_bytes<const N: usize>() -> Result<[u8; N]> {
+pub(crate) fn random_bytes<const N: usize>() -> Result<[u8; N]> {
     let mut buf = [0u8; N];
     let mut filled = 0;
     while filled < N {

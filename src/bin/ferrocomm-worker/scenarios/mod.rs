@@ -1,7 +1,9 @@
 //! The scenarios, each a function of its own, on a communicator made for
 //! it: the test suites (`suites`), the failures a rank must survive as an
-//! error (`faults`), and the communicator's own life (`lifecycle`).
+//! error (`faults`), the communicator's own life (`lifecycle`), and the
+//! metadata broadcaster (`broadcaster`).
 
+mod broadcaster;
 mod faults;
 mod lifecycle;
 mod suites;
@@ -36,7 +38,18 @@ pub fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: us
         "finalize" => lifecycle::finalize(&comm),
         "replay" => suites::replay(&comm, a),
         "smoke" => suites::smoke(&comm, a),
+        s if broadcaster::handles(s) => broadcaster::run(&comm, s, &broadcaster_params(a)),
         other => Err(Error::invalid(format!("unknown scenario {other:?}"))),
+    }
+}
+
+/// The broadcaster scenarios' parameters from the flags.
+fn broadcaster_params(a: &Args) -> broadcaster::Params {
+    broadcaster::Params {
+        slot: a.max_bytes,
+        writer: a.writer,
+        victim: a.victim,
+        timeout: a.timeout,
     }
 }
 
