@@ -24,8 +24,8 @@ mod vendor;
 mod window;
 mod work;
 
-pub use crate::algo::fused::FusionPattern;
-pub use crate::plan::{Algorithm, Collective, DtypeClass, Ladders};
+pub use crate::algo::fused::{FusionPattern, FUSED_MAX_HIDDEN, MOE_MAX_TOPK};
+pub use crate::plan::{Algorithm, Collective, DtypeClass, Ladders, Step};
 pub use call::{Call, Factor, Reduction};
 pub use collectives::P2p;
 pub use communicator::Communicator;
