@@ -1,5 +1,5 @@
 //! Backends, each implementing [`crate::device::Device`]. `host` is always
-//! built. The GPU vendors share one implementation, [`gpu::GpuDevice`], over
+//! built. The GPU vendors share one implementation, `gpu::GpuDevice`, over
 //! a table each vendor folder provides (`cuda`, `hip`); they are behind
 //! features and load their vendor libraries at run time, so every feature
 //! builds with no toolkit.
@@ -15,5 +15,7 @@ pub mod cuda;
 #[cfg(feature = "rocm")]
 pub mod hip;
 
-#[cfg(any(feature = "nccl", feature = "rccl"))]
-pub mod ccl;
+testing_pub! {
+    #[cfg(any(feature = "nccl", feature = "rccl"))]
+    mod ccl;
+}

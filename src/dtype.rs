@@ -16,13 +16,21 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum DType {
+    /// IEEE binary32.
     F32 = 0,
+    /// IEEE binary16 (`half::f16`).
     F16 = 1,
+    /// bfloat16 (`half::bf16`).
     BF16 = 2,
+    /// 32-bit signed integer (reductions wrap).
     I32 = 3,
+    /// 8-bit signed integer.
     I8 = 4,
+    /// 8-bit unsigned integer.
     U8 = 5,
+    /// 64-bit signed integer.
     I64 = 6,
+    /// IEEE binary64.
     F64 = 7,
     /// FP8 e4m3 (OCP "fn" flavour on NVIDIA; the bits are only moved).
     F8E4M3 = 8,
@@ -31,6 +39,7 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every dtype, in code order.
     pub const ALL: [DType; 10] = [
         DType::F32,
         DType::F16,
@@ -52,6 +61,7 @@ impl DType {
     /// The dtypes ferrocomm's kernels (and the host reference) reduce.
     pub const REDUCIBLE: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::I32];
 
+    /// Bytes of one element.
     pub const fn size(self) -> usize {
         match self {
             DType::I8 | DType::U8 | DType::F8E4M3 | DType::F8E5M2 => 1,
@@ -61,6 +71,8 @@ impl DType {
         }
     }
 
+    /// The dtype's name as options, logs and `FromStr` spell it (`f32`,
+    /// `bf16`, `f8e4m3`, ...).
     pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -76,6 +88,7 @@ impl DType {
         }
     }
 
+    /// Whether the dtype is a floating-point type (FP8 included).
     pub const fn is_float(self) -> bool {
         matches!(
             self,
@@ -131,10 +144,15 @@ impl FromStr for DType {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum ReduceOp {
+    /// Sum.
     Sum = 0,
+    /// Product (floats).
     Prod = 1,
+    /// Minimum (a NaN loses to a number, as CUDA's `fminf`).
     Min = 2,
+    /// Maximum (a NaN loses to a number, as CUDA's `fmaxf`).
     Max = 3,
+    /// Sum divided by the number of ranks (floats).
     Avg = 4,
     /// Bitwise and (integers).
     BAnd = 5,
@@ -181,6 +199,8 @@ impl ReduceOp {
         matches!(self, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor)
     }
 
+    /// The operator's name as options, logs and `FromStr` spell it (`sum`,
+    /// `band`, `premul_sum`, ...).
     pub const fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
@@ -224,25 +244,34 @@ impl FromStr for ReduceOp {
     }
 }
 
-/// A host-side element type. The accumulator rules here are the reference that
-/// every kernel (host, CUDA, HIP) must match bit for bit.
-pub trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static {
-    const DTYPE: DType;
-    /// Accumulator: f32 for floating types, i32 (wrapping) for i32.
-    type Acc: Copy;
-    fn to_acc(self) -> Self::Acc;
-    fn from_acc(acc: Self::Acc) -> Self;
-    /// `acc = acc (op) x`, for sum/prod/min/max and the bitwise ops (avg and
-    /// premul_sum accumulate as sum; premul_sum's inputs are scaled first,
-    /// see [`Element::premul`]).
-    fn combine(op: ReduceOp, acc: Self::Acc, x: Self::Acc) -> Self::Acc;
-    /// premul_sum's scaling of one input: `x * factor` in the accumulator.
-    fn premul(x: Self::Acc, factor: f32) -> Self::Acc;
-    /// Final step for avg: divide by the world size.
-    fn finish(op: ReduceOp, acc: Self::Acc, world: usize) -> Self::Acc;
-    fn to_bits_u64(self) -> u64;
+testing_pub! {
+    /// A host-side element type. The accumulator rules here are the reference that
+    /// every kernel (host, CUDA, HIP) must match bit for bit.
+    #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
+    pub trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static {
+        /// The element's [`DType`].
+        const DTYPE: DType;
+        /// Accumulator: f32 for floating types, i32 (wrapping) for i32.
+        type Acc: Copy;
+        /// The element widened to its accumulator.
+        fn to_acc(self) -> Self::Acc;
+        /// An accumulator rounded (once) back to the element.
+        fn from_acc(acc: Self::Acc) -> Self;
+        /// `acc = acc (op) x`, for sum/prod/min/max and the bitwise ops (avg and
+        /// premul_sum accumulate as sum; premul_sum's inputs are scaled first,
+        /// see [`Element::premul`]).
+        fn combine(op: ReduceOp, acc: Self::Acc, x: Self::Acc) -> Self::Acc;
+        /// premul_sum's scaling of one input: `x * factor` in the accumulator.
+        fn premul(x: Self::Acc, factor: f32) -> Self::Acc;
+        /// Final step for avg: divide by the world size.
+        fn finish(op: ReduceOp, acc: Self::Acc, world: usize) -> Self::Acc;
+        /// The element's bits, zero-extended (bitwise comparisons).
+        fn to_bits_u64(self) -> u64;
+    }
 }
 
+// The reference rules: only the conformance harness and the tests run them.
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
 #[inline(always)]
 fn combine_f32(op: ReduceOp, acc: f32, x: f32) -> f32 {
     match op {
@@ -256,6 +285,7 @@ fn combine_f32(op: ReduceOp, acc: f32, x: f32) -> f32 {
     }
 }
 
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
 #[inline(always)]
 fn finish_f32(op: ReduceOp, acc: f32, world: usize) -> f32 {
     if op == ReduceOp::Avg {
@@ -337,14 +367,16 @@ impl Element for i32 {
     }
 }
 
-/// Check that `op` is defined for `dtype`.
-pub fn check_supported(dtype: DType, op: ReduceOp) -> Result<()> {
-    if dtype.supports(op) {
-        Ok(())
-    } else {
-        Err(Error::invalid(format!(
-            "op {op} is not supported for dtype {dtype} (f32, f16 and bf16 reduce with sum, prod, min, max, \
-             avg and premul_sum; i32 with sum, min, max, band, bor and bxor; other dtypes are only moved)"
-        )))
+testing_pub! {
+    /// Check that `op` is defined for `dtype`.
+    pub fn check_supported(dtype: DType, op: ReduceOp) -> Result<()> {
+        if dtype.supports(op) {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!(
+                "op {op} is not supported for dtype {dtype} (f32, f16 and bf16 reduce with sum, prod, min, max, \
+                 avg and premul_sum; i32 with sum, min, max, band, bor and bxor; other dtypes are only moved)"
+            )))
+        }
     }
 }

@@ -17,41 +17,73 @@ pub enum Error {
     /// The backend was not compiled into this build.
     #[error("the {backend} backend is not compiled in: rebuild with `--features {feature}`")]
     NotCompiled {
+        /// The backend asked for (`cuda`, `hip`).
         backend: &'static str,
+        /// The cargo feature that builds it in.
         feature: &'static str,
     },
 
     /// A shared library that a backend loads at run time could not be found or loaded.
     #[error("could not load {library}: {reason}")]
-    LibraryMissing { library: String, reason: String },
+    LibraryMissing {
+        /// The library's file name (`libcuda.so.1`, `libnccl.so.2`, ...).
+        library: String,
+        /// What the loader said.
+        reason: String,
+    },
 
     /// The backend's library loaded, but there is no usable device.
     #[error("no {backend} device: {reason}")]
-    NoDevice { backend: &'static str, reason: String },
+    NoDevice {
+        /// The backend (`cuda`, `hip`).
+        backend: &'static str,
+        /// Why: no devices, an ordinal past the last one, what the driver said.
+        reason: String,
+    },
 
     /// A call into a vendor library failed.
     #[error("{backend} call {call} failed: {message}")]
     Backend {
+        /// The library (`cuda`, `hip`, `nccl`, `rccl`, ...).
         backend: &'static str,
+        /// The function that failed.
         call: &'static str,
+        /// The library's error code and text.
         message: String,
     },
 
     /// A kernel failed to compile at run time.
     #[error("compiling kernel module {module} for {arch} failed:\n{log}")]
-    Compile { module: String, arch: String, log: String },
+    Compile {
+        /// The kernel module's name.
+        module: String,
+        /// The target (`sm_90`, `gfx942`).
+        arch: String,
+        /// The compiler's log.
+        log: String,
+    },
 
     /// A wait ran past its deadline. `missing` lists the ranks that never arrived, when known.
     #[error("timed out after {after:?} waiting for {what}{}", fmt_missing(.missing))]
     Timeout {
+        /// What was being waited for.
         what: String,
+        /// How long the wait lasted.
         after: Duration,
+        /// The ranks that never arrived (empty when unknown).
         missing: Vec<usize>,
     },
 
     /// Ranks called different collectives (count, dtype, op or algorithm differ).
     #[error("collective mismatch: rank {peer} issued a different collective than rank {rank} ({detail})")]
-    Mismatch { rank: usize, peer: usize, detail: String },
+    Mismatch {
+        /// This rank.
+        rank: usize,
+        /// The rank whose call differed.
+        peer: usize,
+        /// What differed, where it is known.
+        detail: String,
+    },
 
     /// The communicator hit an earlier fatal error and refuses further work.
     #[error("communicator aborted after an earlier error: {0}")]
@@ -68,7 +100,9 @@ pub enum Error {
     /// An operating-system call failed.
     #[error("{context}: {source}")]
     Io {
+        /// What was being done.
         context: String,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },

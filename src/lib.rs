@@ -6,7 +6,7 @@
 //!
 //! Layers, top to bottom (each calls only the one below):
 //! 1. [`comm`]: the [`Communicator`] and its [`Work`] handles;
-//! 2. [`plan`]: how each call runs, decided in one place; [`algo`]: the
+//! 2. [`plan`]: how each call runs, decided in one place; `algo`: the
 //!    host-side protocols (workspace, epochs, launches);
 //! 3. [`device`]: the device trait; [`heap`]: the symmetric heap and the
 //!    device API's context;
@@ -27,11 +27,49 @@
 //! # Ok(()) }
 //! ```
 
-pub mod algo;
+#![warn(missing_docs)]
+
+/// Declares a module, an item or a re-export `pub` with the `testing` feature
+/// (hidden from the docs: for this repository's tests, bench and worker, not
+/// an API) and `pub(crate)` without it: the crate's internals that those
+/// reach into, at the paths they use. (Items only they use are
+/// `#[cfg(any(test, feature = "testing"))]` instead.)
+macro_rules! testing_pub {
+    ($(#[$meta:meta])* mod $name:ident;) => {
+        #[cfg(feature = "testing")]
+        #[doc(hidden)]
+        $(#[$meta])*
+        pub mod $name;
+        #[cfg(not(feature = "testing"))]
+        $(#[$meta])*
+        pub(crate) mod $name;
+    };
+    ($(#[$meta:meta])* use $($tree:tt)*) => {
+        #[cfg(feature = "testing")]
+        #[doc(hidden)]
+        $(#[$meta])*
+        pub use $($tree)*
+        #[cfg(not(feature = "testing"))]
+        #[allow(unused_imports)]
+        $(#[$meta])*
+        pub(crate) use $($tree)*
+    };
+    ($(#[$meta:meta])* pub $($item:tt)*) => {
+        #[cfg(feature = "testing")]
+        #[doc(hidden)]
+        $(#[$meta])*
+        pub $($item)*
+        #[cfg(not(feature = "testing"))]
+        $(#[$meta])*
+        pub(crate) $($item)*
+    };
+}
+
+testing_pub! { mod algo; }
 #[path = "../backends/mod.rs"]
 pub mod backends;
 pub mod bootstrap;
-pub mod cache;
+pub(crate) mod cache;
 pub mod codec;
 pub mod comm;
 pub mod device;
@@ -39,19 +77,22 @@ pub mod dtype;
 pub mod ep;
 pub mod error;
 pub mod heap;
-#[doc(hidden)]
-pub mod log;
+pub(crate) mod log;
 pub mod plan;
+/// The conformance harness: the suites, references and process launchers
+/// that the tests, the bench and the worker run.
+#[cfg(any(test, feature = "testing"))]
 #[doc(hidden)]
 pub mod testing;
 
 pub use comm::{
     Algorithm, Axis, Broadcaster, BroadcasterOptions, Call, Collective, CommOptions, Communicator, DtypeClass, Fusion,
     FusionPattern, Ladders, Mapping, MixedComm, MixedMode, MixedOp, MoeFinalize, P2p, Reduction, Registration, Tensor,
-    Timing, Topology, TuneReport, TuneSource, UserModule, Window, Work,
+    Timing, Topology, TuneReport, TuneSource, UserModule, Window, Work, FUSED_MAX_HIDDEN, MOE_MAX_TOPK,
 };
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};
+pub(crate) use log::fc_log;
 
 /// Stop the process's background kernel compiles and wait (at most 20 s)
 /// for the ones running; returns how many still run.

@@ -93,8 +93,6 @@ pub(crate) fn emit(emit: impl FnOnce()) {
 }
 
 /// `fc_log!(Level::INFO, "text {}", x)`: an event with target `ferrocomm`.
-#[macro_export]
-#[doc(hidden)]
 macro_rules! fc_log {
     ($level:expr, $($arg:tt)+) => {
         if $crate::log::enabled($level) {
@@ -102,6 +100,7 @@ macro_rules! fc_log {
         }
     };
 }
+pub(crate) use fc_log;
 
 /// Writes events as one line each, `ferrocomm <pid> LEVEL message key=value`,
 /// through `write` (stderr, or a test's buffer).

@@ -5,12 +5,16 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::codes::{builtin_op, nccl_dtype};
+#[cfg(any(test, feature = "testing"))]
+use super::codes::builtin_op;
+use super::codes::nccl_dtype;
 use super::comm::CclComm;
 use super::ffi::{Api, NcclResult, RawComm, RawStream, NCCL_IN_PROGRESS, NCCL_SUCCESS};
 use super::premul::CclReduction;
 use crate::device::DevicePtr;
-use crate::dtype::{DType, ReduceOp};
+use crate::dtype::DType;
+#[cfg(any(test, feature = "testing"))]
+use crate::dtype::ReduceOp;
 use crate::error::{Error, Result};
 
 /// What every data call takes besides its op and its root or peer.
@@ -131,6 +135,7 @@ impl CclComm {
     /// holding `count` elements of `dtype`, kept alive until the stream has run
     /// the operation; `stream` must be a live stream of that device (or 0).
     #[allow(clippy::too_many_arguments)]
+    #[cfg(any(test, feature = "testing"))]
     pub unsafe fn all_reduce(
         &self,
         send: DevicePtr,
@@ -171,6 +176,7 @@ impl CclComm {
     /// As for [`CclComm::all_reduce`], with `send` holding `world * recv_count`
     /// elements and `recv` holding `recv_count`.
     #[allow(clippy::too_many_arguments)]
+    #[cfg(any(test, feature = "testing"))]
     pub unsafe fn reduce_scatter(
         &self,
         send: DevicePtr,
@@ -271,6 +277,7 @@ impl CclComm {
     ///
     /// # Safety
     /// As for [`CclComm::all_reduce`], for `buf` alone.
+    #[cfg(any(test, feature = "testing"))]
     pub unsafe fn send(&self, buf: DevicePtr, count: usize, dtype: DType, peer: usize, stream: u64) -> Result<()> {
         self.check_peer(peer)?;
         // SAFETY: forwarded from the caller's contract.
@@ -287,6 +294,7 @@ impl CclComm {
     ///
     /// # Safety
     /// As for [`CclComm::all_reduce`], for `buf` alone.
+    #[cfg(any(test, feature = "testing"))]
     pub unsafe fn recv(&self, buf: DevicePtr, count: usize, dtype: DType, peer: usize, stream: u64) -> Result<()> {
         self.check_peer(peer)?;
         // SAFETY: forwarded from the caller's contract.

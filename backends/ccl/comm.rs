@@ -59,10 +59,12 @@ impl CclComm {
         self.captured.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub fn rank(&self) -> usize {
         self.rank
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub fn world(&self) -> usize {
         self.world
     }
@@ -72,6 +74,7 @@ impl CclComm {
     }
 
     /// Whether the communicator is non-blocking (`FERROCOMM_NCCL_NONBLOCKING=1`).
+    #[cfg(any(test, feature = "testing"))]
     pub fn is_nonblocking(&self) -> bool {
         self.nonblocking
     }
@@ -158,6 +161,7 @@ impl CclComm {
     }
 
     /// Start a group on the calling thread (`ncclGroupStart`).
+    #[cfg(any(test, feature = "testing"))]
     pub fn group_start(&self) -> Result<()> {
         // SAFETY: takes no arguments; group state is per thread.
         let r = unsafe { (self.lib.api.group_start)() };
@@ -170,6 +174,7 @@ impl CclComm {
 
     /// End the calling thread's group (`ncclGroupEnd`) and wait until this
     /// communicator has accepted it.
+    #[cfg(any(test, feature = "testing"))]
     pub fn group_end(&self) -> Result<()> {
         let api = &self.lib.api;
         // SAFETY: takes no arguments; ends this thread's group.
@@ -178,6 +183,7 @@ impl CclComm {
 
     /// `Ok(())` while the communicator is healthy (or still settling);
     /// the pending asynchronous error otherwise.
+    #[cfg(any(test, feature = "testing"))]
     pub fn async_error(&self) -> Result<()> {
         let guard = lock(&self.comm);
         let Some(Handle(comm)) = guard.as_ref() else {

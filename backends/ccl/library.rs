@@ -122,6 +122,7 @@ impl CclLibrary {
     }
 
     /// Whether communicators can be created non-blocking (bounded init).
+    #[cfg(any(test, feature = "testing"))]
     pub fn supports_nonblocking_init(&self) -> bool {
         self.api.comm_init_rank_config.is_some()
     }

@@ -8,8 +8,8 @@
 //! *blocking* (every call returns once queued, with no polling, as
 //! PyTorch's ProcessGroupNCCL uses it), and its init runs on a thread of its
 //! own that the caller waits for up to the timeout: a peer that never
-//! arrives gives the caller [`Error::Timeout`] while that thread stays
-//! behind in NCCL. With `FERROCOMM_NCCL_NONBLOCKING=1` (and NCCL >= 2.14)
+//! arrives gives the caller [`Error::Timeout`](crate::Error::Timeout)
+//! while that thread stays behind in NCCL. With `FERROCOMM_NCCL_NONBLOCKING=1` (and NCCL >= 2.14)
 //! the communicator is *non-blocking* instead: init and every call are
 //! polled with `ncclCommGetAsyncError` until they settle (bounded by the
 //! same timeout), which costs tens of microseconds per eager call.
@@ -49,7 +49,6 @@ mod gpu_tests;
 mod tests;
 
 pub use comm::CclComm;
-pub use ffi::UNIQUE_ID_BYTES;
 pub use library::{CclFlavor, CclLibrary};
 pub use premul::CclReduction;
 

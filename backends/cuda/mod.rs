@@ -32,14 +32,13 @@ mod ipc;
 mod rtc;
 mod table;
 
-pub use driver::Context;
 pub use interop::{cudarc_device_ptr, cudarc_stream};
-pub use ipc::{CudaMapping, IpcMapping, Vmm};
-pub use table::Caps;
 
+#[cfg(any(test, feature = "testing"))]
 use crate::backends::gpu::compile::images::Precompiled;
 use crate::backends::gpu::vendor::Driver;
 use crate::backends::gpu::GpuDevice;
+#[cfg(any(test, feature = "testing"))]
 use crate::device::ModuleSource;
 use crate::error::Result;
 
@@ -74,27 +73,34 @@ pub fn can_access_peer(a: usize, b: usize) -> Result<bool> {
 
 /// How many resource releases have failed in this process (each is logged
 /// once, then counted).
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
 pub fn drop_error_count() -> u64 {
     driver::DROP_ERRORS.count()
-}
-
-/// The stream's `CUstream` as an integer, for the NCCL layer (`backends::ccl`).
-pub fn raw_stream(stream: &CudaStream) -> u64 {
-    stream.raw_handle()
 }
 
 /// Compile every kernel of `source` for compute capability `cc` into the
 /// disk cache (`FERROCOMM_CACHE_DIR`) without a device, one kernel per
 /// compile on parallel threads, so a GPU machine skips NVRTC. Needs only
 /// libnvrtc (see `FERROCOMM_NVRTC_LIB`).
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
 pub fn precompile(source: &ModuleSource, cc: (i32, i32)) -> Result<()> {
     precompile_report(source, cc, std::thread::available_parallelism().map_or(1, |n| n.get())).map(|_| ())
 }
 
 /// [`precompile`] on `threads` threads, saying how many kernels were
 /// already on disk and how many were compiled.
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
 pub fn precompile_report(source: &ModuleSource, cc: (i32, i32), threads: usize) -> Result<Precompiled> {
     crate::backends::gpu::precompile::<Cuda>(source, rtc::target_for(cc)?, threads)
+}
+
+/// The stream's `CUstream` as an integer, for the NCCL layer's tests.
+#[cfg(test)]
+pub(crate) fn raw_stream(stream: &CudaStream) -> u64 {
+    stream.raw_handle()
 }
 
 impl GpuDevice<Cuda> {

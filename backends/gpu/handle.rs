@@ -105,7 +105,7 @@ pub struct ParsedHandle {
 
 impl ParsedHandle {
     /// Whether this process made the handle.
-    pub fn from_this_process(&self) -> bool {
+    pub fn is_from_this_process(&self) -> bool {
         self.nonce == process_nonce()
     }
 }
@@ -226,7 +226,7 @@ mod tests {
         assert_eq!(b.len(), HEADER_BYTES + IPC_HANDLE_BYTES);
         let h = decode(&b, 1000, BackendKind::Hip).unwrap();
         assert_eq!(h.kind, HandleKind::HipIpc);
-        assert!(h.own && h.from_this_process());
+        assert!(h.own && h.is_from_this_process());
         assert_eq!((h.exporter, h.base, h.alloc_size), (3, 0xdead_0000, 4 << 20));
         assert_eq!(h.payload[63], 63);
         let fd = encode(BackendKind::Cuda, HandleKind::VmmFd, false, 0, 0x1000, 2 << 20, &[]);

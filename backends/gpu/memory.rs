@@ -130,7 +130,7 @@ impl<V: Vendor> GpuPeerBuffer<V> {
     pub(super) fn import(ctx: &Arc<V::Context>, handle: ExportedHandle) -> Result<GpuPeerBuffer<V>> {
         let h: ParsedHandle = handle::decode(&handle.bytes, handle.size, V::KIND)?;
         let fd: Option<&OwnedFd> = handle.fd.as_ref();
-        let memory = if h.kind.is_address_based() && h.from_this_process() {
+        let memory = if h.kind.is_address_based() && h.is_from_this_process() {
             let (addr, keep) = local::resolve::<V>(ctx, &h)?;
             PeerMemory::Local { addr, _keep: keep }
         } else {

@@ -1,11 +1,11 @@
 //! One implementation of the [`Device`] trait for every GPU vendor:
-//! [`GpuDevice<V>`] over a small vendor table ([`vendor`]) that each vendor
+//! [`GpuDevice<V>`] over a small vendor table (`vendor.rs`) that each vendor
 //! folder implements (`backends/cuda` for NVIDIA, `backends/hip` for AMD).
 //! What is written once here: the device's methods and their checks
 //! (ranges, same-context handles, refusing host copies and synchronisation
 //! while a stream captures a graph), buffers, peer mappings and the handle
 //! format, host-mapped error flags, streams (owned or borrowed), events,
-//! graphs, and kernel modules compiled lazily on a worker pool ([`compile`]).
+//! graphs, and kernel modules compiled lazily on a worker pool (`compile/`).
 //!
 //! The rules every vendor keeps:
 //! - every method first makes the device's context current, so any thread
@@ -16,20 +16,23 @@
 //! - releases in `Drop` never panic: failures are counted and logged once;
 //! - NVLink/XGMI multicast is never used.
 
-pub mod compile;
-pub mod errors;
+pub(crate) mod compile;
+pub(crate) mod errors;
 #[cfg(test)]
 mod fake;
-pub mod handle;
-pub mod load;
+pub(crate) mod handle;
+pub(crate) mod load;
 mod local;
 mod memory;
 mod module;
 mod stream;
-pub mod vendor;
+pub(crate) mod vendor;
 
 pub use memory::{GpuBuffer, GpuHostFlags, GpuPeerBuffer};
-pub use module::{compile_units, precompile, priority as module_priority, GpuModule};
+pub use module::GpuModule;
+// Precompiling is the CUDA worker's (`backends::cuda::precompile`).
+#[cfg(all(feature = "cuda", any(test, feature = "testing")))]
+pub(crate) use module::precompile;
 pub use stream::{GpuEvent, GpuGraph, GpuStream};
 
 use std::sync::{Arc, Mutex};
@@ -126,7 +129,7 @@ impl<V: Vendor> GpuDevice<V> {
     }
 
     /// What the run-time compiler builds for this device.
-    pub fn compile_target(&self) -> Result<Arc<CompileTarget>> {
+    pub(crate) fn compile_target(&self) -> Result<Arc<CompileTarget>> {
         let mut t = self.target.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(t) = t.as_ref() {
             return Ok(t.clone());

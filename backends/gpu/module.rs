@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use super::compile::images::{self, ImageResult, Precompiled, Unit};
+use super::compile::images::{self, ImageResult, Unit};
 use super::compile::pool::Pool;
 use super::compile::queue::{Lane, Priority};
 use super::errors::clone_error;
@@ -290,7 +290,12 @@ pub fn compile_units<V: Vendor>(
 
 /// Fill the disk cache with every unit of `source` for `target`, on
 /// `threads` threads of its own (precompiling for another machine).
-pub fn precompile<V: Vendor>(source: &ModuleSource, target: CompileTarget, threads: usize) -> Result<Precompiled> {
+#[cfg(all(feature = "cuda", any(test, feature = "testing")))]
+pub fn precompile<V: Vendor>(
+    source: &ModuleSource,
+    target: CompileTarget,
+    threads: usize,
+) -> Result<images::Precompiled> {
     if super::compile::disk::cache_dir().is_none() {
         return Err(Error::invalid(
             "precompiling needs a disk cache: set FERROCOMM_CACHE_DIR to a directory",

@@ -32,12 +32,9 @@ mod ipc;
 mod rtc;
 mod table;
 
-pub use driver::DeviceCtx;
-pub use ipc::{HipMapping, HipShared, SHAREABLE_GRANULARITY};
-pub use table::HipCaps;
-
 use crate::backends::gpu::vendor::Driver;
 use crate::backends::gpu::GpuDevice;
+#[cfg(any(test, feature = "testing"))]
 use crate::device::{BackendKind, ModuleSource};
 #[cfg(doc)]
 use crate::error::Error;
@@ -84,16 +81,21 @@ pub fn hiprtc_version() -> Result<((i32, i32), String)> {
 /// Errors: [`Error::LibraryMissing`] without libamdhip64 or hipRTC,
 /// [`Error::Compile`] with hipRTC's log, [`Error::Unsupported`] for a module
 /// with no HIP text.
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
 pub fn compile_module(source: &ModuleSource, arch: &str) -> Result<Vec<u8>> {
     compile_units(source, arch, None)
 }
 
 /// Like [`compile_module`], but only the entry points `kernels` (one compile
 /// unit, as the lazy module loader builds them).
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
 pub fn compile_kernels(source: &ModuleSource, arch: &str, kernels: &[&str]) -> Result<Vec<u8>> {
     compile_units(source, arch, Some(kernels))
 }
 
+#[cfg(any(test, feature = "testing"))]
 fn compile_units(source: &ModuleSource, arch: &str, kernels: Option<&[&str]>) -> Result<Vec<u8>> {
     if source.hip.is_empty() {
         return Err(crate::error::Error::Unsupported(format!(
@@ -118,24 +120,16 @@ pub fn can_access_peer(a: usize, b: usize) -> Result<bool> {
 
 /// How many resource releases have failed in this process (each is logged
 /// once, then counted).
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
 pub fn drop_error_count() -> u64 {
     driver::DROP_ERRORS.count()
-}
-
-/// The stream's `hipStream_t` as an integer, for the RCCL layer (`backends::ccl`).
-pub fn raw_stream(stream: &HipStream) -> u64 {
-    stream.raw_handle()
 }
 
 impl GpuDevice<Hip> {
     /// HIP's compute capability `(major, minor)` (the gfx major and minor).
     pub fn compute_capability(&self) -> (i32, i32) {
         self.extra().cc
-    }
-
-    /// The wall-clock rate the kernels' deadlines are computed with, in kHz.
-    pub fn wallclock_khz(&self) -> u32 {
-        self.extra().wallclock_khz
     }
 }
 

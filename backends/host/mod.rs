@@ -5,7 +5,7 @@
 //! pages after receiving the fd (IPC). A stream is a worker thread that runs
 //! its queue in order; events are markers in that queue; graph capture
 //! records the queued work, and replay queues it again. Kernels are Rust
-//! functions in [`kernels`] that follow `docs/protocol.md` exactly.
+//! functions in `kernels.rs` that follow `docs/protocol.md` exactly.
 
 mod collectives;
 mod fused;
@@ -47,7 +47,10 @@ fn launch_counts() -> &'static Mutex<HashMap<String, u64>> {
 /// How many launches of `kernel` (an entry-point name such as
 /// `fc_exchange_ll`) the host backend has queued in this process, over every
 /// device. It shows which protocol a call took: tests compare it before and
-/// after their calls (other threads' launches only add to it).
+/// after their calls (other threads' launches only add to it). For the
+/// tests alone.
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
 pub fn launches(kernel: &str) -> u64 {
     launch_counts()
         .lock()

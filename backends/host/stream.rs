@@ -30,7 +30,7 @@ struct Shared {
 }
 
 /// An in-order queue of work run by one worker thread. Handles to one
-/// queue ([`HostStream::borrow`]) share it; the last one to go closes it.
+/// queue (`HostStream::borrow`) share it; the last one to go closes it.
 pub struct HostStream(Arc<Queue>);
 
 pub struct Queue {

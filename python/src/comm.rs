@@ -17,11 +17,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferrocomm::algo::fused::MOE_MAX_TOPK;
 use ferrocomm::bootstrap::{rendezvous_from_env, Store};
 use ferrocomm::device::Device;
 use ferrocomm::{
     CommOptions, Error, Fusion, FusionPattern, MoeFinalize, P2p, ReduceOp, Reduction, Registration, Tensor,
+    MOE_MAX_TOPK,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyFloat, PyInt};

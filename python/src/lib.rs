@@ -50,6 +50,6 @@ fn _ferrocomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BACKENDS", backend::compiled())?;
     m.add("LIBRARIES", backend::libraries())?;
-    m.add("MOE_MAX_TOPK", ferrocomm::algo::fused::MOE_MAX_TOPK)?;
+    m.add("MOE_MAX_TOPK", ferrocomm::MOE_MAX_TOPK)?;
     Ok(())
 }

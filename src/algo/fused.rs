@@ -41,6 +41,7 @@ pub enum FusionPattern {
 }
 
 impl FusionPattern {
+    /// Every pattern.
     pub const ALL: [FusionPattern; 5] = [
         FusionPattern::ResidualAdd,
         FusionPattern::ResidualRmsNorm,
@@ -61,7 +62,7 @@ impl FusionPattern {
     }
 
     /// The device-code constant (`FU_PAT_*` in `fused.cu`).
-    pub const fn code(self) -> u32 {
+    pub(crate) const fn code(self) -> u32 {
         self as u32
     }
 

@@ -58,6 +58,7 @@ pub const FUSED: ModuleSource = ModuleSource {
 };
 
 /// Every module, for compile checks.
+#[cfg(any(test, feature = "testing"))]
 pub const ALL_MODULES: &[ModuleSource] = &[COLLECTIVES, QUICK_REDUCE, FUSED];
 
 /// The device-code element type of a reducible dtype (`common.cuh`).
@@ -362,6 +363,7 @@ pub fn quick_reduce_kernel_names() -> Vec<String> {
 }
 
 /// Every entry point of every module ([`ALL_MODULES`]).
+#[cfg(any(test, feature = "testing"))]
 pub fn all_kernel_names() -> Vec<String> {
     let mut names = collective_kernel_names();
     names.extend(quick_reduce_kernel_names());

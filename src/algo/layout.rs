@@ -119,7 +119,7 @@ pub const fn ll_parity_bytes(slot_bytes: usize) -> usize {
 /// Offset of the Lamport area (after the LL lines): the fused LL one-shot's
 /// rows travel there as they are, a 16-bit half of 0xffff meaning "not
 /// arrived" (kernels-cuda/common.cuh, `lamport_offset`). It must hold 0xff
-/// in every byte before the first launch ([`super::Workspace::create`]
+/// in every byte before the first launch (`Workspace::create`
 /// fills it); every launch leaves it so.
 pub const fn lamport_offset(slot_bytes: usize) -> usize {
     ll_offset(slot_bytes) + LL_FP_BYTES + 2 * ll_parity_bytes(slot_bytes)

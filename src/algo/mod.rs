@@ -10,6 +10,7 @@ pub mod layout;
 mod workspace;
 
 pub use grid::{GridTable, BLOCK_THREADS};
-pub use launch::{chunk_elems, fingerprint, whole_call, CollectiveCall, KernelNames};
-pub(crate) use workspace::PeerMaps;
-pub use workspace::Workspace;
+#[cfg(any(test, feature = "testing"))]
+pub(crate) use launch::chunk_elems;
+pub(crate) use launch::{CollectiveCall, KernelNames};
+pub(crate) use workspace::{PeerMaps, Workspace};

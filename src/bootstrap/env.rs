@@ -45,17 +45,28 @@ pub enum Launcher {
     /// torchrun. With `agent_store`, torch's store holds `MASTER_PORT` and
     /// ferrocomm finds its own store through it; without, it is handled like
     /// [`Launcher::Plain`].
-    Torchrun { agent_store: bool },
+    Torchrun {
+        /// Whether torch's agent store serves the job
+        /// (`TORCHELASTIC_USE_AGENT_STORE`; assumed when only
+        /// `TORCHELASTIC_RUN_ID` is set).
+        agent_store: bool,
+    },
 }
 
 /// The result of a rendezvous: a connected store and this rank's place.
 pub struct EnvRendezvous {
+    /// The job's store, connected (rank 0 also serves it).
     pub store: Arc<dyn Store>,
+    /// This rank (`RANK`).
     pub rank: usize,
+    /// Ranks in the job (`WORLD_SIZE`).
     pub world: usize,
+    /// This rank's index on its host (`LOCAL_RANK`, else the rank): the
+    /// device ordinal to open.
     pub local_rank: usize,
     /// Ranks on this host (`LOCAL_WORLD_SIZE`), when the launcher says.
     pub local_world: Option<usize>,
+    /// Who started the job.
     pub launcher: Launcher,
     /// Rank 0 owns the server; it lives as long as this value.
     server: Option<TcpStoreServer>,
@@ -80,7 +91,7 @@ impl EnvRendezvous {
     /// communicators finalized). Every rank but 0 marks that it has left and
     /// returns at once; rank 0, which hosts the store, waits until every
     /// other rank has, for up to the rendezvous timeout (at most
-    /// [`DEPART_WAIT_MAX`]), then returns, and the store closes when this
+    /// `DEPART_WAIT_MAX`, 60 s), then returns, and the store closes when this
     /// value drops. Without it a rank still using the store when rank 0
     /// exits finds it closed: the last rank out of a store barrier deletes
     /// its keys after the others have gone on (`store closed the

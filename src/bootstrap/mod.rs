@@ -26,6 +26,7 @@ use crate::error::Result;
 
 /// A small key-value store shared by all ranks of a job.
 pub trait Store: Send + Sync {
+    /// Set `key` to `value`, replacing what it held.
     fn set(&self, key: &str, value: &[u8]) -> Result<()>;
     /// Wait until `key` exists, then return its value. Errors with
     /// [`Error::Timeout`](crate::Error::Timeout) after `timeout`.

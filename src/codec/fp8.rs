@@ -18,7 +18,8 @@ pub enum Fp8Flavor {
 }
 
 impl Fp8Flavor {
-    pub fn max(self) -> f32 {
+    /// Largest finite magnitude.
+    pub(crate) fn max(self) -> f32 {
         match self {
             Fp8Flavor::E4m3Fn => 448.0,
             Fp8Flavor::E4m3Fnuz => 240.0,
@@ -26,7 +27,8 @@ impl Fp8Flavor {
     }
 
     /// Smallest positive (subnormal) value.
-    pub fn min_subnormal(self) -> f32 {
+    #[cfg(test)]
+    pub(crate) fn min_subnormal(self) -> f32 {
         match self {
             Fp8Flavor::E4m3Fn => 2f32.powi(-9),
             Fp8Flavor::E4m3Fnuz => 2f32.powi(-10),
@@ -50,7 +52,7 @@ impl Fp8Flavor {
 
     /// Value of a code (NaN codes give NaN): [`Fp8Flavor::decode_exact`],
     /// looked up (the reference codecs decode every element of a test).
-    pub fn decode(self, code: u8) -> f32 {
+    pub(crate) fn decode(self, code: u8) -> f32 {
         static FN: OnceLock<[f32; 256]> = OnceLock::new();
         static FNUZ: OnceLock<[f32; 256]> = OnceLock::new();
         let cell = match self {
@@ -92,7 +94,7 @@ impl Fp8Flavor {
     }
 
     /// Round `v` to the nearest code (ties to even), saturating; NaN -> NaN code.
-    pub fn encode(self, v: f32) -> u8 {
+    pub(crate) fn encode(self, v: f32) -> u8 {
         if v.is_nan() {
             return match self {
                 Fp8Flavor::E4m3Fn => 0x7F,

@@ -3,9 +3,9 @@
 //!
 //! # Wire format
 //!
-//! Data is cut into blocks of [`BLOCK`] = 32 elements (the last one padded
-//! with zeros). A block's codes ([`Codec::code_bytes`]) are one or two
-//! planes ([`Codec::planes`]): INT4, INT8 and FP8 one (16, 32, 32 bytes),
+//! Data is cut into blocks of `BLOCK` = 32 elements (the last one padded
+//! with zeros). A block's codes (`Codec::code_bytes`) are one or two
+//! planes (`Codec::planes`): INT4, INT8 and FP8 one (16, 32, 32 bytes),
 //! INT6 two (16 bytes of low nibbles, 8 bytes of high 2-bit parts). A run of
 //! `B` blocks stores each plane of every block in turn, then `B`
 //! little-endian 16-bit scales:
@@ -46,7 +46,7 @@
 //! # Error bounds (per element, finite input)
 //!
 //! With `s` the exact scale of the element's block and `r` its 16-bit
-//! rounding ([`Codec::error_bound`]):
+//! rounding (`Codec::error_bound`, which the unit tests check):
 //! - INT-b: `|x - x'| <= |r| + 2^(b-1) |s - r|`: one code step (the `-absmax`
 //!   side clamps) plus what rounding the scale costs.
 //! - FP8 e4m3: `|x - x'| <= 2^-4 |x| + |r| min_subnormal / 2 + max |s - r|`.
@@ -63,19 +63,27 @@ use half::{bf16, f16};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// Elements per block.
-pub const BLOCK: usize = 32;
+testing_pub! {
+    /// Elements per block.
+    pub const BLOCK: usize = 32;
+}
 
 /// A quick-reduce codec.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Codec {
+    /// FP8 e4m3 codes of the given flavour (8 bits per element).
     Fp8(Fp8Flavor),
+    /// 8-bit integer codes.
     Int8,
+    /// 6-bit integer codes.
     Int6,
+    /// 4-bit integer codes.
     Int4,
 }
 
 impl Codec {
+    /// The codec's name as `FromStr` and the algorithm names spell it
+    /// (`fp8`, `fp8fnuz`, `int8`, `int6`, `int4`).
     pub fn name(self) -> &'static str {
         match self {
             Codec::Fp8(Fp8Flavor::E4m3Fn) => "fp8",
@@ -87,7 +95,7 @@ impl Codec {
     }
 
     /// Bits per code.
-    pub const fn bits(self) -> usize {
+    pub(crate) const fn bits(self) -> usize {
         match self {
             Codec::Fp8(_) | Codec::Int8 => 8,
             Codec::Int6 => 6,
@@ -96,17 +104,17 @@ impl Codec {
     }
 
     /// Bytes of one block's codes (a multiple of 8; 16 for INT4).
-    pub const fn code_bytes(self) -> usize {
+    pub(crate) const fn code_bytes(self) -> usize {
         BLOCK * self.bits() / 8
     }
 
     /// Bytes that `elems` elements encode to.
-    pub const fn encoded_bytes(self, elems: usize) -> usize {
+    pub(crate) const fn encoded_bytes(self, elems: usize) -> usize {
         elems.div_ceil(BLOCK) * (self.code_bytes() + 2)
     }
 
     /// Bytes of each plane of a block's codes (they add up to `code_bytes`).
-    pub const fn planes(self) -> &'static [usize] {
+    pub(crate) const fn planes(self) -> &'static [usize] {
         match self {
             Codec::Int6 => &[16, 8],
             Codec::Int4 => &[16],
@@ -116,7 +124,7 @@ impl Codec {
 
     /// Where block `k`'s codes lie in a run of `blocks` blocks: for each
     /// plane, (offset in the run, offset in the block's codes, length).
-    pub fn code_ranges(self, blocks: usize, k: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    pub(crate) fn code_ranges(self, blocks: usize, k: usize) -> impl Iterator<Item = (usize, usize, usize)> {
         let (mut run_at, mut block_at) = (0, 0);
         self.planes().iter().map(move |&len| {
             let r = (run_at + k * len, block_at, len);
@@ -127,7 +135,7 @@ impl Codec {
     }
 
     /// Offset of block `k`'s scale in a run of `blocks` blocks.
-    pub const fn scale_offset(self, blocks: usize, k: usize) -> usize {
+    pub(crate) const fn scale_offset(self, blocks: usize, k: usize) -> usize {
         blocks * self.code_bytes() + 2 * k
     }
 
@@ -157,7 +165,8 @@ impl Codec {
     /// `2^(b-1) |s - r|`; FP8 gives half an e4m3 ulp (`2^-4 |x|`), half a
     /// subnormal step (`|r| * min_subnormal / 2`) and `max * |s - r|` where
     /// saturation bites. An `r` that underflows to 0 decodes the block to 0.
-    pub fn error_bound<S: Half16>(self, absmax: f32, x: f32) -> f32 {
+    #[cfg(test)]
+    pub(crate) fn error_bound<S: Half16>(self, absmax: f32, x: f32) -> f32 {
         let s = self.exact_scale(absmax);
         let r = S::from_f32(s).to_f32();
         let slack = x.abs() * 2f32.powi(-20);
@@ -194,11 +203,16 @@ impl std::str::FromStr for Codec {
 /// `FERROCOMM_QUICK_REDUCE`). FP8 becomes the device's flavour.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Quantization {
+    /// No quick-reduce: all-reduce stays exact.
     #[default]
     None,
+    /// FP8 e4m3 codes (the device's flavour).
     Fp8,
+    /// 8-bit integer codes.
     Int8,
+    /// 6-bit integer codes.
     Int6,
+    /// 4-bit integer codes.
     Int4,
 }
 
@@ -232,15 +246,23 @@ impl std::str::FromStr for Quantization {
     }
 }
 
-/// The 16-bit float types quick-reduce carries (input, output and scale).
-pub trait Half16: Copy + Send + Sync + 'static {
-    const DTYPE: DType;
-    fn to_f32(self) -> f32;
-    fn from_f32(v: f32) -> Self;
-    fn to_bits(self) -> u16;
-    fn from_bits(b: u16) -> Self;
-    /// The canonical quiet NaN.
-    const NAN_BITS: u16;
+testing_pub! {
+    /// The 16-bit float types quick-reduce carries (input, output and scale).
+    pub trait Half16: Copy + Send + Sync + 'static {
+        /// The type's [`DType`].
+        #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
+        const DTYPE: DType;
+        /// Widen to f32 (exact).
+        fn to_f32(self) -> f32;
+        /// Round an f32 to nearest even.
+        fn from_f32(v: f32) -> Self;
+        /// The type's bits.
+        fn to_bits(self) -> u16;
+        /// The value of bits `b`.
+        fn from_bits(b: u16) -> Self;
+        /// The canonical quiet NaN.
+        const NAN_BITS: u16;
+    }
 }
 
 impl Half16 for f16 {
@@ -293,7 +315,7 @@ fn code_pieces(codec: Codec, i: usize) -> [(usize, u32, u32); 2] {
 
 /// Encode one block of up to 32 values (already widened to f32) with scale type `S`.
 /// Returns the scale bits; `codes` receives `code_bytes` bytes.
-pub fn encode_block<S: Half16>(codec: Codec, x: &[f32], codes: &mut [u8]) -> u16 {
+pub(crate) fn encode_block<S: Half16>(codec: Codec, x: &[f32], codes: &mut [u8]) -> u16 {
     debug_assert!(x.len() <= BLOCK && codes.len() == codec.code_bytes());
     codes.fill(0);
     if x.iter().any(|v| !v.is_finite()) {
@@ -337,7 +359,7 @@ pub fn encode_block<S: Half16>(codec: Codec, x: &[f32], codes: &mut [u8]) -> u16
 }
 
 /// Decode one block into f32 (what quick-reduce accumulates).
-pub fn decode_block<S: Half16>(codec: Codec, codes: &[u8], scale_bits: u16, out: &mut [f32]) {
+pub(crate) fn decode_block<S: Half16>(codec: Codec, codes: &[u8], scale_bits: u16, out: &mut [f32]) {
     let s = S::from_bits(scale_bits).to_f32();
     if s.is_nan() {
         out.fill(f32::NAN);
@@ -366,7 +388,7 @@ pub fn decode_block<S: Half16>(codec: Codec, codes: &[u8], scale_bits: u16, out:
 }
 
 /// Encode a run of elements in the wire format (code planes, then scales).
-pub fn encode<S: Half16>(codec: Codec, input: &[S], out: &mut [u8]) -> Result<()> {
+pub(crate) fn encode<S: Half16>(codec: Codec, input: &[S], out: &mut [u8]) -> Result<()> {
     let blocks = input.len().div_ceil(BLOCK);
     if out.len() != codec.encoded_bytes(input.len()) {
         return Err(Error::invalid(format!(
@@ -396,7 +418,8 @@ pub fn encode<S: Half16>(codec: Codec, input: &[S], out: &mut [u8]) -> Result<()
 }
 
 /// Decode a run of `out.len()` elements (to f32) from the wire format.
-pub fn decode<S: Half16>(codec: Codec, input: &[u8], out: &mut [f32]) -> Result<()> {
+#[cfg(test)]
+pub(crate) fn decode<S: Half16>(codec: Codec, input: &[u8], out: &mut [f32]) -> Result<()> {
     let blocks = out.len().div_ceil(BLOCK);
     if input.len() != codec.encoded_bytes(out.len()) {
         return Err(Error::invalid(format!(
@@ -428,6 +451,8 @@ mod tests;
 /// rounded to `S`, quantized and decoded again, and rounded to `S`. Every
 /// backend's quick-reduce must produce exactly this (blocks start at
 /// multiples of [`BLOCK`], which the protocol's segments and chunks keep).
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
 pub fn reference_all_reduce<S: Half16>(codec: Codec, inputs: &[&[S]]) -> Vec<S> {
     let n = inputs.first().map_or(0, |x| x.len());
     let mut out = Vec::with_capacity(n);

@@ -63,16 +63,22 @@ impl<'s, D: Device> Call<'s, D> {
         }
     }
 
+    /// Run on `stream` instead of the communicator's own.
     pub fn stream(mut self, stream: &'s D::Stream) -> Self {
         self.stream = Some(stream);
         self
     }
 
+    /// Bound every wait of this call on a peer by `timeout` instead of the
+    /// communicator's (`CommOptions::timeout`).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
         self
     }
 
+    /// Set hint `key` to `value` (`algo`, `coll_algo`: the same choices as
+    /// [`Call::algo`] and [`Call::coll_algo`], by name; unknown keys are
+    /// ignored).
     pub fn hint(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.hints.insert(key.into(), value.into());
         self
@@ -144,7 +150,9 @@ impl<'s, D: Device> Call<'s, D> {
 /// current value).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Factor {
+    /// A value known on the host when the call is made.
     Host(f64),
+    /// One element of the call's dtype in device memory.
     Device(Tensor),
 }
 
@@ -156,7 +164,9 @@ pub enum Factor {
 /// by NCCL/RCCL on GPUs (whose bits may differ).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Reduction {
+    /// An operator that needs nothing else.
     Op(ReduceOp),
+    /// premul_sum, with its factor.
     PreMulSum(Factor),
 }
 
@@ -182,6 +192,7 @@ impl Reduction {
         Reduction::PreMulSum(Factor::Device(factor))
     }
 
+    /// The operator (`ReduceOp::PreMulSum` for a premul_sum).
     pub fn op(&self) -> ReduceOp {
         match self {
             Reduction::Op(op) => *op,

@@ -268,10 +268,12 @@ impl<D: Device> Communicator<D> {
         lock(&self.inner.tuned).clone()
     }
 
+    /// This rank's index in the communicator, `0..size()`.
     pub fn rank(&self) -> usize {
         self.inner.rank
     }
 
+    /// How many ranks the communicator has.
     pub fn size(&self) -> usize {
         self.inner.world
     }
@@ -282,6 +284,8 @@ impl<D: Device> Communicator<D> {
         &self.inner.name
     }
 
+    /// The device the communicator runs on (for streams, events, copies and
+    /// allocations of the caller's own).
     pub fn device(&self) -> &D {
         &self.inner.device
     }
@@ -296,6 +300,8 @@ impl<D: Device> Communicator<D> {
         &self.inner.topology
     }
 
+    /// The options the communicator was created with (after the
+    /// environment's, for `CommOptions::from_env`).
     pub fn options(&self) -> &CommOptions {
         &self.inner.opts
     }
@@ -306,8 +312,10 @@ impl<D: Device> Communicator<D> {
     }
 
     /// Run `f` on the NCCL/RCCL communicator underneath, if there is one
-    /// (for side-by-side measurements of the library itself).
-    #[cfg(any(feature = "nccl", feature = "rccl"))]
+    /// (for side-by-side measurements of the library itself). Public only
+    /// for the bench (another crate), behind `testing` and hidden: the
+    /// NCCL/RCCL table is no part of the API.
+    #[cfg(all(any(feature = "nccl", feature = "rccl"), feature = "testing"))]
     #[doc(hidden)]
     pub fn with_ccl<R>(&self, f: impl FnOnce(&crate::backends::ccl::CclComm) -> R) -> Result<Option<R>> {
         self.with_resources(|res| res.vendor.ccl().map(f))

@@ -194,7 +194,7 @@ impl<D: Device> Communicator<D> {
 
     /// Set `len` bytes of `buf` at `offset` to `value`, ordered on the
     /// communicator's stream.
-    pub fn heap_fill(&self, buf: &HeapBuffer, offset: usize, len: usize, value: u8) -> Result<()> {
+    pub(crate) fn heap_fill(&self, buf: &HeapBuffer, offset: usize, len: usize, value: u8) -> Result<()> {
         crate::device::check_range("heap_fill", buf.bytes, offset, len)?;
         self.with_heap_own(buf, |dev, own, stream| {
             dev.memset(own, buf.offset + offset, len, value, stream)
@@ -218,11 +218,6 @@ impl<D: Device> Communicator<D> {
             Some(h) => f(&inner.device, h.own(), &inner.stream),
             None => Err(Error::invalid("this communicator has no heap")),
         })?
-    }
-
-    /// Bytes of the heap still free, or `None` before it is reserved.
-    pub fn heap_free_bytes(&self) -> Result<Option<usize>> {
-        self.with_resources(|res| res.heap.as_mut().map(|h| h.alloc().free_bytes()))
     }
 
     /// This communicator's heap's id, or 0 before it is reserved.

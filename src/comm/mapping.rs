@@ -35,8 +35,10 @@ pub enum Axis {
 }
 
 impl Axis {
+    /// Every axis.
     pub const ALL: [Axis; 5] = [Axis::Tp, Axis::Cp, Axis::Pp, Axis::Dp, Axis::Ep];
 
+    /// The axis's short name: `tp`, `cp`, `pp`, `dp` or `ep`.
     pub fn name(self) -> &'static str {
         match self {
             Axis::Tp => "tp",
@@ -51,18 +53,26 @@ impl Axis {
 /// A rank's coordinates in a [`Mapping`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Coords {
+    /// Index along the tensor-parallel axis.
     pub tp: usize,
+    /// Index along the context-parallel axis.
     pub cp: usize,
+    /// Index along the pipeline-parallel axis.
     pub pp: usize,
+    /// Index along the data-parallel axis.
     pub dp: usize,
 }
 
 /// The sizes of the parallel dimensions of a world (`dp` is what is left).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Mapping {
+    /// Tensor-parallel size (ranks `tp` apart differ only in tp).
     pub tp: usize,
+    /// Context-parallel size.
     pub cp: usize,
+    /// Pipeline-parallel size.
     pub pp: usize,
+    /// Data-parallel size: the world divided by the others.
     pub dp: usize,
 }
 
@@ -83,6 +93,7 @@ impl Mapping {
         }
     }
 
+    /// The number of ranks, `tp * cp * pp * dp`.
     pub fn world(&self) -> usize {
         self.tp * self.cp * self.pp * self.dp
     }

@@ -40,14 +40,20 @@ pub enum MixedMode {
 /// The operations of [`MixedComm`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MixedOp {
+    /// [`MixedComm::all_reduce`].
     AllReduce,
+    /// [`MixedComm::all_gather`].
     AllGather,
+    /// [`MixedComm::reduce_scatter`].
     ReduceScatter,
+    /// [`MixedComm::all_reduce_all_gather`].
     AllReduceAllGather,
+    /// [`MixedComm::reduce_scatter_all_reduce`].
     ReduceScatterAllReduce,
 }
 
 impl MixedOp {
+    /// Every operation.
     pub const ALL: [MixedOp; 5] = [
         MixedOp::AllReduce,
         MixedOp::AllGather,
@@ -59,7 +65,9 @@ impl MixedOp {
 
 /// The tensor- and data-parallel communicators of one rank.
 pub struct MixedComm<D: Device> {
+    /// This rank's tensor-parallel group.
     pub tp: Communicator<D>,
+    /// This rank's data-parallel group.
     pub dp: Communicator<D>,
     mode: MixedMode,
 }

@@ -25,8 +25,8 @@ mod vendor;
 mod window;
 mod work;
 
-pub use crate::algo::fused::FusionPattern;
-pub use crate::plan::{Algorithm, Collective, DtypeClass, Ladders};
+pub use crate::algo::fused::{FusionPattern, FUSED_MAX_HIDDEN, MOE_MAX_TOPK};
+pub use crate::plan::{Algorithm, Collective, DtypeClass, Ladders, Step};
 pub use broadcaster::{Broadcaster, BroadcasterOptions, Interrupt};
 pub use call::{Call, Factor, Reduction};
 pub use collectives::P2p;

@@ -85,7 +85,7 @@ pub struct CommOptions {
     pub direct_min_bytes: Option<usize>,
     /// Blocks of the EP dispatch and combine kernels on GPUs
     /// (`FERROCOMM_EP_BLOCKS`, 1 to 128, at most the GPU's
-    /// multiprocessors). `None`: [`crate::ep::EP_GPU_BLOCKS`].
+    /// multiprocessors). `None`: 128 (`ep::EP_GPU_BLOCKS`).
     pub ep_blocks: Option<u32>,
     /// The EP combine as two kernels with a flag wait between them even
     /// where rows allow the one-kernel Lamport combine
@@ -246,6 +246,7 @@ impl CommOptions {
         Ok(o)
     }
 
+    /// See [`CommOptions::timeout`].
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -270,16 +271,19 @@ impl CommOptions {
         self
     }
 
+    /// See [`CommOptions::quantization`].
     pub fn with_quantization(mut self, q: Quantization) -> Self {
         self.quantization = q;
         self
     }
 
+    /// See [`CommOptions::name`].
     pub fn with_name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
         self
     }
 
+    /// See [`CommOptions::slot_bytes`].
     pub fn with_slot_bytes(mut self, bytes: usize) -> Self {
         self.slot_bytes = Some(bytes);
         self

@@ -84,14 +84,17 @@ impl Tensor {
         Ok(Tensor { dtype, ..*self })
     }
 
+    /// The address of the first element.
     pub fn ptr(&self) -> DevicePtr {
         self.ptr
     }
 
+    /// The number of elements.
     pub fn count(&self) -> usize {
         self.count
     }
 
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 pub struct Topology {
     /// This rank's node, numbered in order of each node's lowest rank.
     pub node: usize,
+    /// How many nodes the communicator spans.
     pub nodes: usize,
     /// This rank's index among its node's ranks.
     pub local_rank: usize,

@@ -20,19 +20,22 @@ pub enum TuneSource {
 /// One measurement: a rank's median of one candidate at one size.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Timing {
+    /// The collective measured.
     pub collective: Collective,
     /// The class measured (all-gather and all-to-all: narrow, for both).
     pub class: DtypeClass,
     /// The payload for all-reduce, bytes per peer for the others.
     pub bytes: usize,
-    /// The candidate's name ([`Algorithm::name`]).
+    /// The candidate's name ([`Algorithm::name`](crate::Algorithm::name)).
     pub candidate: &'static str,
+    /// The median time of one call, in microseconds.
     pub median_us: f64,
 }
 
 /// What autotune chose, and how.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TuneReport {
+    /// Where the table came from.
     pub source: TuneSource,
     /// The ladders in force for this communicator's world: per collective,
     /// per dtype class.

@@ -188,7 +188,7 @@ impl Vendor {
     }
 
     /// The vendor communicator itself, for side-by-side measurements.
-    #[cfg(any(feature = "nccl", feature = "rccl"))]
+    #[cfg(all(any(feature = "nccl", feature = "rccl"), feature = "testing"))]
     pub(crate) fn ccl(&self) -> Option<&crate::backends::ccl::CclComm> {
         self.comm.as_ref()
     }

@@ -7,13 +7,16 @@
 //! [`DevicePtr`], an opaque address token it may offset and hand back to the
 //! same backend (in a [`KernelParams`] or a copy), never dereference.
 
-pub mod abi;
-pub mod fd_exchange;
+testing_pub! { mod abi; }
+pub(crate) mod fd_exchange;
 mod params;
 
-pub use params::{
-    KernelParams, ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE, ERR_CODE_TIMEOUT, ERR_WORDS, KERNEL_PARAMS_ABI,
-    KERNEL_PARAMS_BYTES, MAX_RANKS, PARAM_DIRECT_OK, PARAM_SCALAR_IS_PTR,
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) use params::KERNEL_PARAMS_BYTES;
+pub use params::{KernelParams, MAX_RANKS};
+pub(crate) use params::{
+    ERR_CODE_ABORTED, ERR_CODE_MISMATCH, ERR_CODE_NONE, ERR_CODE_TIMEOUT, ERR_WORDS, PARAM_DIRECT_OK,
+    PARAM_SCALAR_IS_PTR,
 };
 
 use std::os::fd::OwnedFd;
@@ -28,6 +31,7 @@ use crate::error::Result;
 pub struct DevicePtr(pub u64);
 
 impl DevicePtr {
+    /// The null address: no buffer (an absent operand or table).
     pub const NULL: DevicePtr = DevicePtr(0);
 
     /// The address `bytes` further on.
@@ -40,12 +44,18 @@ impl DevicePtr {
 /// Which backend a device belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BackendKind {
+    /// The CPU backend (`backends::host`): ranks are threads or processes of
+    /// this host, device memory is host memory.
     Host,
+    /// NVIDIA GPUs through the CUDA driver API (`backends::cuda`).
     Cuda,
+    /// AMD GPUs through the HIP runtime (`backends::hip`).
     Hip,
 }
 
 impl BackendKind {
+    /// The backend's name as the options and logs spell it: `host`, `cuda`
+    /// or `hip`.
     pub const fn name(self) -> &'static str {
         match self {
             BackendKind::Host => "host",
@@ -58,9 +68,12 @@ impl BackendKind {
 /// What the algorithms need to know about a device.
 #[derive(Debug, Clone)]
 pub struct DeviceFacts {
+    /// The backend the device belongs to.
     pub backend: BackendKind,
     /// Index of the device among the backend's devices on this host.
     pub ordinal: usize,
+    /// The device's product name as the driver reports it (`host` on the
+    /// host backend).
     pub name: String,
     /// `sm_90`, `gfx942`, or `host`.
     pub arch: String,
@@ -68,6 +81,7 @@ pub struct DeviceFacts {
     pub multiprocessors: u32,
     /// 32 on NVIDIA, 64 on CDNA, 1 on host.
     pub warp_size: u32,
+    /// Bytes of device memory (host memory on the host backend).
     pub total_memory: u64,
 }
 
@@ -91,18 +105,25 @@ pub enum MemKind {
 }
 
 /// A buffer exported for a peer. `bytes` travel through the store; `fd`, when
-/// present, travels over a Unix socket with SCM_RIGHTS (see [`fd_exchange`]).
+/// present, travels over a Unix socket with SCM_RIGHTS.
 #[derive(Debug)]
 pub struct ExportedHandle {
+    /// The backend's description of the buffer (IPC handle, ids, offsets),
+    /// for the peer's [`Device::import`].
     pub bytes: Vec<u8>,
+    /// The file descriptor behind the memory, where the backend shares it
+    /// that way (VMM and memfd handles).
     pub fd: Option<OwnedFd>,
+    /// Bytes the peer maps.
     pub size: usize,
 }
 
 /// Grid shape for a launch. Kernels are 1-D.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LaunchConfig {
+    /// Blocks in the grid.
     pub grid: u32,
+    /// Threads per block.
     pub block: u32,
     /// Programmatic dependent launch, where the device takes it (CUDA,
     /// compute capability 9.0 and up; the backend launches plainly
@@ -127,7 +148,8 @@ impl LaunchConfig {
     }
 
     /// An error unless `1 <= grid <= max_grid` and `1 <= block <= max_block`.
-    pub fn check_within(&self, kernel: &str, max_grid: usize, max_block: u32) -> Result<()> {
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
+    pub(crate) fn check_within(&self, kernel: &str, max_grid: usize, max_block: u32) -> Result<()> {
         if self.grid == 0 || self.grid as usize > max_grid || self.block == 0 || self.block > max_block {
             return Err(crate::error::Error::invalid(format!(
                 "launch of {kernel} with grid {} x block {}: the grid must be 1..={max_grid} and the block 1..={max_block}",
@@ -139,7 +161,7 @@ impl LaunchConfig {
 }
 
 /// An error unless `offset..offset+len` lies inside a buffer of `buf_len` bytes.
-pub fn check_range(what: &str, buf_len: usize, offset: usize, len: usize) -> Result<()> {
+pub(crate) fn check_range(what: &str, buf_len: usize, offset: usize, len: usize) -> Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= buf_len => Ok(()),
         _ => Err(crate::error::Error::invalid(format!(
@@ -156,8 +178,11 @@ pub fn check_range(what: &str, buf_len: usize, offset: usize, len: usize) -> Res
 /// the entry points asked for, so a compile can hold one kernel or all.
 #[derive(Debug, Clone, Copy)]
 pub struct ModuleSource {
+    /// The module's name, in logs, errors and the kernel cache's keys.
     pub name: &'static str,
+    /// The CUDA C++ text (prelude, shared device code, templates).
     pub cuda: &'static str,
+    /// The HIP C++ text (prelude, shared device code, templates).
     pub hip: &'static str,
     /// Every entry point of the module.
     pub kernels: fn() -> Vec<String>,
@@ -221,8 +246,11 @@ impl ModuleSource {
 
 /// A device allocation the core holds (owned or imported).
 pub trait DeviceBuffer: Send + Sync {
+    /// The buffer's first byte, in the device's address space.
     fn ptr(&self) -> DevicePtr;
+    /// The buffer's size in bytes.
     fn len(&self) -> usize;
+    /// Whether the buffer holds no bytes.
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -231,8 +259,11 @@ pub trait DeviceBuffer: Send + Sync {
 /// Host-mapped words that kernels write (error flags) and the host reads while
 /// a kernel may still be running.
 pub trait HostFlags: Send + Sync {
+    /// The words' address as kernels see it.
     fn device_ptr(&self) -> DevicePtr;
+    /// Read word `index` (a volatile load: kernels may write it meanwhile).
     fn load(&self, index: usize) -> u32;
+    /// Write word `index` (a volatile store that running kernels see).
     fn store(&self, index: usize, value: u32);
 }
 
@@ -243,18 +274,30 @@ pub trait HostFlags: Send + Sync {
 /// back zeroed. On a stream that is capturing a graph, `record`, the host
 /// copies and `synchronize` return errors rather than break the capture.
 pub trait Device: Send + Sync + Sized + 'static {
+    /// Device memory this rank owns (freed on drop).
     type Buffer: DeviceBuffer;
+    /// A peer's buffer mapped into this process ([`Device::import`]; unmapped
+    /// on drop).
     type PeerBuffer: DeviceBuffer;
+    /// Host-mapped words kernels write ([`Device::alloc_host_flags`]).
     type Flags: HostFlags;
+    /// A stream: the device's own, or a borrowed one ([`Device::borrow_stream`]).
     type Stream: Send + Sync;
+    /// A stream event, for ordering, completion polls and timing.
     type Event: Send + Sync;
+    /// A captured, instantiated graph ([`Device::end_capture`]).
     type Graph: Send + Sync;
+    /// A loaded kernel module ([`Device::load_module`]).
     type Module: Send + Sync;
 
+    /// What the device is: backend, ordinal, arch, multiprocessors, memory.
     fn facts(&self) -> &DeviceFacts;
 
     // ---- memory ----
+    /// Allocate `bytes` of device memory of `kind`, zeroed.
     fn alloc(&self, bytes: usize, kind: MemKind) -> Result<Self::Buffer>;
+    /// Allocate `words` host-mapped `u32` words, zeroed, that kernels can
+    /// write while the host reads them.
     fn alloc_host_flags(&self, words: usize) -> Result<Self::Flags>;
     /// Stream-ordered byte fill of `buf[offset..offset+len]`.
     fn memset(&self, buf: &Self::Buffer, offset: usize, len: usize, value: u8, stream: &Self::Stream) -> Result<()>;
@@ -324,20 +367,31 @@ pub trait Device: Send + Sync + Sized + 'static {
     }
 
     // ---- streams and events ----
+    /// A new non-blocking stream, owned by the wrapper.
     fn create_stream(&self) -> Result<Self::Stream>;
+    /// Block until everything queued on `stream` has finished.
     fn synchronize(&self, stream: &Self::Stream) -> Result<()>;
+    /// A new event (with timing).
     fn create_event(&self) -> Result<Self::Event>;
+    /// Record `event` at the current end of `stream`.
     fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;
     /// True once everything before the record has finished.
     fn query(&self, event: &Self::Event) -> Result<bool>;
+    /// Make later work on `stream` wait for `event` (on the device, without
+    /// blocking the host).
     fn wait_event(&self, stream: &Self::Stream, event: &Self::Event) -> Result<()>;
     /// Milliseconds between two completed events.
     fn elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> Result<f32>;
 
     // ---- graphs ----
+    /// Start capturing the work queued on `stream` into a graph (thread-local
+    /// capture mode) instead of running it.
     fn begin_capture(&self, stream: &Self::Stream) -> Result<()>;
+    /// End the capture begun on `stream` and instantiate what it captured.
     fn end_capture(&self, stream: &Self::Stream) -> Result<Self::Graph>;
+    /// Whether `stream` is capturing a graph now.
     fn is_capturing(&self, stream: &Self::Stream) -> Result<bool>;
+    /// Queue one replay of `graph` on `stream`.
     fn launch_graph(&self, graph: &Self::Graph, stream: &Self::Stream) -> Result<()>;
 
     // ---- kernels ----

@@ -2,7 +2,7 @@
 //! argument. [`KernelParams`] is the source of its layout; `struct FcParams`
 //! in `kernels-cuda/prelude.cuh`, `kernels-hip/prelude.hip.h` and
 //! `ci/emu/emu_prelude.h` are its C copies, and the compile checks hold each
-//! to [`KERNEL_PARAMS_ABI`] field by field (see [`super::abi`]).
+//! to `KERNEL_PARAMS_ABI` field by field (see `device::abi`).
 
 use super::abi::{abi_struct, AbiStruct};
 use super::DevicePtr;
@@ -26,10 +26,12 @@ pub const ERR_CODE_ABORTED: u32 = 3;
 pub struct KernelParams {
     /// Every rank's workspace, as mapped in this process. `[rank]` is our own.
     pub peer_ws: [DevicePtr; MAX_RANKS],
-    /// This rank's input and output (may be equal: in place).
+    /// This rank's input (may equal `output`: in place).
     pub input: DevicePtr,
+    /// This rank's output.
     pub output: DevicePtr,
-    /// Host-mapped error words (see [`ERR_WORDS`]).
+    /// Host-mapped error words (`ERR_WORDS` of them: code, missing ranks,
+    /// mismatched rank, failed epoch).
     pub error_flags: DevicePtr,
     /// Elements in this launch.
     pub count: u64,
@@ -37,21 +39,28 @@ pub struct KernelParams {
     pub fingerprint: u64,
     /// Bound on every spin wait, in nanoseconds.
     pub timeout_ns: u64,
-    /// Byte offsets inside a workspace (see `algo::layout`).
+    /// Byte offset of the fingerprint area inside a workspace (see
+    /// `algo::layout`).
     pub fp_offset: u64,
+    /// Byte offset of the flag area inside a workspace.
     pub flags_offset: u64,
+    /// Byte offset of the data slots inside a workspace.
     pub data_offset: u64,
     /// Bytes of one data slot.
     pub slot_bytes: u64,
+    /// This rank in the communicator.
     pub rank: u32,
+    /// Ranks in the communicator.
     pub world: u32,
+    /// The element type's code (`DType as u32`).
     pub dtype: u32,
+    /// The reduction's code (`ReduceOp as u32`).
     pub op: u32,
     /// Root rank for broadcast; unused elsewhere.
     pub root: u32,
     /// Quick-reduce: codec blocks per inbox segment (`algo::layout::qr_segment_blocks`).
     pub aux: u32,
-    /// premul_sum's factor: its f32 bits, or (with [`PARAM_SCALAR_IS_PTR`])
+    /// premul_sum's factor: its f32 bits, or (with `PARAM_SCALAR_IS_PTR`)
     /// the address of one element of the call's dtype in device memory.
     pub scalar: u64,
     /// A table in memory the kernel can read, or null. The direct kinds:
@@ -60,7 +69,8 @@ pub struct KernelParams {
     pub table: DevicePtr,
     /// The other rank of a send or receive.
     pub peer: u32,
-    /// `PARAM_*` bits.
+    /// `PARAM_*` bits (the scalar is an address; the direct kinds may read or
+    /// write peers' heap buffers in place).
     pub flags: u32,
     /// Four per-peer lists, in elements or addresses; their meaning depends on
     /// the collective (`algo::launch`): all-to-all-v: send counts, send
@@ -81,6 +91,7 @@ pub const PARAM_SCALAR_IS_PTR: u32 = 1;
 pub const PARAM_DIRECT_OK: u32 = 2;
 
 /// Size of the ABI struct.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 pub const KERNEL_PARAMS_BYTES: usize = std::mem::size_of::<KernelParams>();
 
 /// Every field of [`KernelParams`] with its offset and size, which each

@@ -3,7 +3,7 @@
 //! Every rank allocates the same [`EpLayout::total`] bytes in the same order,
 //! so each region has the same offset on every rank: a kernel names its own
 //! address of a region and the device API adds the peer's base. Regions are
-//! [`REGION_ALIGN`]-aligned, so 16-byte copies apply wherever the row sizes
+//! `REGION_ALIGN`-aligned, so 16-byte copies apply wherever the row sizes
 //! allow them.
 //!
 //! ```text
@@ -34,7 +34,7 @@ use crate::error::{Error, Result};
 use super::{EpConfig, EpPayload};
 
 /// Alignment of every region inside the allocation.
-pub const REGION_ALIGN: usize = 256;
+pub(crate) const REGION_ALIGN: usize = 256;
 /// Channels that share one fp8 scale.
 pub const SCALE_BLOCK: usize = 128;
 
@@ -69,25 +69,39 @@ pub(crate) const FLAGS_BYTES: usize = 8 * (FLAG_TAKEN + 1);
 /// Byte offsets of the regions (see the module docs) and the sizes they derive from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EpLayout {
+    /// Ranks of the buffer.
     pub world: usize,
+    /// Channels per token ([`EpConfig::hidden`]).
     pub hidden: usize,
+    /// Rows per source ([`EpConfig::max_tokens_per_rank`]).
     pub max_tokens: usize,
+    /// Experts per token ([`EpConfig::topk`]).
     pub topk: usize,
     /// Bytes of one dispatched row: `hidden * 2` (bf16) or `hidden` (fp8).
     pub row_bytes: usize,
     /// f32 scales per row: `hidden / 128` (fp8), else 0.
     pub scale_cols: usize,
+    /// Offset of the flag words (the protocol's epochs, counts and signals).
     pub flags: usize,
+    /// Offset of the rows received from each source (`i32 [MAX_RANKS]`).
     pub recv_counts: usize,
+    /// Offset of the tokens this rank sends each rank (`i32 [MAX_RANKS]`, local).
     pub send_counts: usize,
+    /// Offset of the received rows (`[world][max_tokens][row_bytes]`).
     pub recv_x: usize,
+    /// Offset of the received fp8 scales (`f32 [world][max_tokens][scale_cols]`).
     pub recv_scales: usize,
+    /// Offset of the received local expert ids (`i32 [world][max_tokens][topk]`).
     pub recv_idx: usize,
+    /// Offset of the received router weights (`f32 [world][max_tokens][topk]`).
     pub recv_weights: usize,
+    /// Offset of each received row's token index at its source (`i32 [world][max_tokens]`).
     pub recv_src: usize,
+    /// Offset of the combine's inbox (`bf16 [world][max_tokens][hidden]`).
     pub inbox: usize,
     /// Bytes of the inbox region.
     pub inbox_bytes: usize,
+    /// Offset of each token's row at each rank (`i32 [max_tokens][MAX_RANKS]`, local).
     pub slots: usize,
     /// Bytes of the whole allocation.
     pub total: usize,

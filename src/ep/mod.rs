@@ -11,9 +11,9 @@
 //! applies the router weights to its own experts' outputs and writes them in
 //! the same padded layout; [`EpBuffer::combine`] sends each row back to its
 //! source and sums a token's rows over the ranks it went to, in rank order,
-//! in f32, rounded to bf16 once (deterministic, bitwise equal to
-//! [`reference`] for every finite input; on GPUs a NaN sums to the one
-//! canonical NaN).
+//! in f32, rounded to bf16 once (deterministic, bitwise equal to the host
+//! reference in `ep/reference.rs` for every finite input; on GPUs a NaN sums
+//! to the one canonical NaN).
 //!
 //! Top-k ids below 0 mean "no expert"; ids at or past `num_experts` are
 //! ignored (a token whose ids are all such goes nowhere and combines to 0).
@@ -22,10 +22,12 @@
 //! combine would let a source overwrite rows a receiver still reads, so the
 //! buffer refuses it ([`crate::Error::InvalidArgument`]). The protocol is in
 //! docs/protocol.md, "Expert-parallel dispatch and combine"; the regions in
-//! [`layout`]; the kernels in `kernels-cuda/ep.cu` and their host twins in
+//! [`EpLayout`]; the kernels in `kernels-cuda/ep.cu` and their host twins in
 //! `twins`.
 
-pub mod layout;
+pub(crate) mod layout;
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
 pub mod reference;
 pub(crate) mod twins;
 
@@ -43,11 +45,11 @@ use crate::heap::{DevCtx, HeapBuffer};
 pub use layout::{EpLayout, SCALE_BLOCK};
 
 /// The EP kernels' module (`kernels-cuda/ep.cu`).
-pub const EP_MODULE_NAME: &str = "ep";
+pub(crate) const EP_MODULE_NAME: &str = "ep";
 
 /// Prelude + device API + Lamport packs + the EP kernels, per vendor (the HIP text shares
 /// the body, as every module does).
-pub const EP_MODULE: ModuleSource = ModuleSource::raw(
+pub(crate) const EP_MODULE: ModuleSource = ModuleSource::raw(
     EP_MODULE_NAME,
     concat!(
         include_str!("../../kernels-cuda/prelude.cuh"),
@@ -70,7 +72,7 @@ pub const EP_MODULE: ModuleSource = ModuleSource::raw(
 );
 
 /// Every kernel of [`EP_MODULE`].
-pub const EP_KERNELS: [&str; 7] = [
+pub(crate) const EP_KERNELS: [&str; 7] = [
     "fc_ep_layout",
     "fc_ep_dispatch",
     "fc_ep_dispatch_layout",
@@ -93,7 +95,7 @@ pub const EP_KERNELS: [&str; 7] = [
 /// 1655 / 1563, 32: 709 / 627, 64: 556 / 477, 128 (the most a launch
 /// takes): 491 / 410; to 1024 tokens 64 and 128 are level, and the grid
 /// changes nothing below 512 tokens.
-pub const EP_GPU_BLOCKS: u32 = 128;
+pub(crate) const EP_GPU_BLOCKS: u32 = 128;
 // A dispatch block has its own flag word, MAX_BLOCKS a source (layout.rs).
 const _: () = assert!(EP_GPU_BLOCKS as usize <= crate::algo::layout::MAX_BLOCKS);
 
@@ -139,6 +141,7 @@ pub struct EpConfig {
     pub num_experts: usize,
     /// Experts per token (columns of `topk_idx`).
     pub topk: usize,
+    /// What the rows carry.
     pub payload: EpPayload,
 }
 
@@ -238,8 +241,8 @@ pub(crate) struct EpArgs {
 }
 
 /// Every field of `EpArgs` with its offset and size, which `struct
-/// FcEpArgs` must match (see [`crate::device::abi`]).
-pub const EP_ARGS_ABI: AbiStruct = abi_struct!(EpArgs as "FcEpArgs" {
+/// FcEpArgs` must match (see `device::abi`).
+pub(crate) const EP_ARGS_ABI: AbiStruct = abi_struct!(EpArgs as "FcEpArgs" {
     ctx, x, scales, topk_idx, topk_weights, out, recv_x, recv_scales, recv_idx, recv_weights, recv_src,
     recv_counts, inbox, flags, slots, send_counts, hidden, max_tokens, num_experts, topk, num_tokens, payload,
     row_bytes, scale_cols, rank_recip, per_rank, pad,
@@ -312,6 +315,7 @@ impl<D: Device> EpBuffer<D> {
         })
     }
 
+    /// The shape the buffer was made for.
     pub fn config(&self) -> &EpConfig {
         &self.cfg
     }
@@ -363,6 +367,7 @@ impl<D: Device> EpBuffer<D> {
     /// Bytes of the inbox that are not 0xff, read after the stream's work
     /// (the inbox is empty between calls: each combine gives back every pack
     /// it read). For the conformance suite.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn inbox_stray_bytes(&self) -> Result<usize> {
         let mut inbox = vec![0u8; self.layout.inbox_bytes];
         self.comm.heap_read(self.heap()?, self.layout.inbox, &mut inbox)?;

@@ -91,11 +91,6 @@ impl SymmetricAlloc {
     pub fn free_bytes(&self) -> usize {
         self.free.iter().map(|&(_, len)| len).sum()
     }
-
-    /// Bytes the allocator manages.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
 }
 
 #[cfg(test)]

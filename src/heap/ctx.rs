@@ -15,7 +15,7 @@ use crate::device::abi::{abi_struct, AbiStruct};
 use crate::device::{DevicePtr, ERR_CODE_NONE, ERR_CODE_TIMEOUT, MAX_RANKS};
 
 /// Error word 3's value when a device-API wait (not a collective launch) timed out.
-pub const ERR_EPOCH_DEVICE_API: u32 = u32::MAX;
+pub(crate) const ERR_EPOCH_DEVICE_API: u32 = u32::MAX;
 
 /// The context every heap kernel gets by value. ABI twin of `FcDevCtx`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -31,7 +31,9 @@ pub struct DevCtx {
     pub timeout_ns: u64,
     /// Offset in the heap of the sync area (barrier words).
     pub sync_offset: u64,
+    /// This rank in the communicator.
     pub rank: u32,
+    /// Ranks in the communicator.
     pub world: u32,
 }
 
@@ -39,16 +41,18 @@ pub struct DevCtx {
 pub const DEV_CTX_BYTES: usize = std::mem::size_of::<DevCtx>();
 
 /// Every field of [`DevCtx`] with its offset and size, which `struct
-/// FcDevCtx` must match (see [`crate::device::abi`]).
-pub const DEV_CTX_ABI: AbiStruct = abi_struct!(DevCtx as "FcDevCtx" {
+/// FcDevCtx` must match (see `device::abi`).
+pub(crate) const DEV_CTX_ABI: AbiStruct = abi_struct!(DevCtx as "FcDevCtx" {
     heap, heap_bytes, error_flags, timeout_ns, sync_offset, rank, world,
 });
 const _: () = DEV_CTX_ABI.assert_packed();
 
 /// How [`DevCtx::wait_until`] compares a signal with its value (`FC_CMP_*`).
+// The device API's whole set; the host twins wait with `Ge` alone.
+#[allow(dead_code)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
-pub enum Cmp {
+pub(crate) enum Cmp {
     Eq = 0,
     Ne = 1,
     Gt = 2,

@@ -21,8 +21,12 @@
 mod alloc;
 mod ctx;
 
-pub use alloc::{SymmetricAlloc, HEAP_ALIGN};
-pub use ctx::{Cmp, DevCtx, DEV_CTX_ABI, DEV_CTX_BYTES, ERR_EPOCH_DEVICE_API};
+pub(crate) use alloc::SymmetricAlloc;
+pub use alloc::HEAP_ALIGN;
+#[cfg(any(test, feature = "testing"))]
+pub(crate) use ctx::DEV_CTX_ABI;
+pub(crate) use ctx::{Cmp, ERR_EPOCH_DEVICE_API};
+pub use ctx::{DevCtx, DEV_CTX_BYTES};
 
 use std::time::Duration;
 
@@ -34,13 +38,13 @@ use crate::error::{Error, Result};
 /// Bytes at the start of every heap that ferrocomm keeps for itself.
 pub const HEAP_RESERVED: usize = 64 * 1024;
 /// Sync area: `u64 [MAX_RANKS]`, word `p` written by rank `p` at each barrier.
-pub const SYNC_BARRIER_ARRIVED: usize = 0;
+pub(crate) const SYNC_BARRIER_ARRIVED: usize = 0;
 /// Sync area: `u64`, this rank's barrier count (local).
-pub const SYNC_BARRIER_COUNT: usize = 8 * MAX_RANKS;
+pub(crate) const SYNC_BARRIER_COUNT: usize = 8 * MAX_RANKS;
 /// Sync area: `u64 [MAX_RANKS]`, every rank's heap base as mapped in this
 /// process, so a kernel given only this table can reach into peers' heaps
 /// (`KernelParams::table` of the direct kinds).
-pub const SYNC_PEER_BASES: usize = SYNC_BARRIER_COUNT + 8;
+pub(crate) const SYNC_PEER_BASES: usize = SYNC_BARRIER_COUNT + 8;
 const _: () = assert!(SYNC_PEER_BASES + 8 * MAX_RANKS <= HEAP_RESERVED);
 
 /// This rank's heap and every peer's mapping of theirs.
@@ -158,7 +162,7 @@ pub struct HeapBuffer {
     pub(crate) ptr: DevicePtr,
     pub(crate) offset: usize,
     pub(crate) bytes: usize,
-    /// Which heap ([`Heap`]'s process-unique id), so a buffer cannot be
+    /// Which heap (`Heap`'s process-unique id), so a buffer cannot be
     /// freed into another.
     pub(crate) heap_id: u64,
 }

@@ -104,16 +104,18 @@ impl Algorithm {
         )
     }
 
-    /// The all-reduce kernel family that runs it.
-    pub const fn all_reduce_kind(self) -> Option<KernelKind> {
-        match self {
-            Algorithm::OneShot => Some(KernelKind::OneShot),
-            Algorithm::TwoShot => Some(KernelKind::TwoShot),
-            Algorithm::OneShotPush => Some(KernelKind::OneShotPush),
-            Algorithm::OneShotLl => Some(KernelKind::OneShotLl),
-            Algorithm::TwoShotPush => Some(KernelKind::TwoShotPush),
-            Algorithm::QuickReduce(_) => Some(KernelKind::QuickReduce),
-            _ => None,
+    testing_pub! {
+        /// The all-reduce kernel family that runs it.
+        pub const fn all_reduce_kind(self) -> Option<KernelKind> {
+            match self {
+                Algorithm::OneShot => Some(KernelKind::OneShot),
+                Algorithm::TwoShot => Some(KernelKind::TwoShot),
+                Algorithm::OneShotPush => Some(KernelKind::OneShotPush),
+                Algorithm::OneShotLl => Some(KernelKind::OneShotLl),
+                Algorithm::TwoShotPush => Some(KernelKind::TwoShotPush),
+                Algorithm::QuickReduce(_) => Some(KernelKind::QuickReduce),
+                _ => None,
+            }
         }
     }
 
@@ -177,20 +179,28 @@ pub fn parse_choice(s: &str) -> Result<Option<Algorithm>> {
 /// What a call is, as the planner and the tuned table name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Collective {
+    /// All-reduce (and its fused and mixed forms).
     AllReduce,
+    /// All-gather.
     AllGather,
+    /// Reduce-scatter.
     ReduceScatter,
     /// All-to-all without splits: every rank's blocks are `count / world`,
     /// a block the group agrees on.
     AllToAll,
     /// All-to-all with splits (or of lists): no block the group agrees on.
     AllToAllV,
+    /// Broadcast from a root.
     Broadcast,
+    /// Reduce to a root.
     Reduce,
+    /// Gather to a root.
     Gather,
+    /// Scatter from a root.
     Scatter,
     /// A batch of sends and receives.
     SendRecv,
+    /// A barrier.
     Barrier,
 }
 
@@ -203,6 +213,7 @@ impl Collective {
         Collective::AllToAll,
     ];
 
+    /// Its name, as the tuned table, the cache file and the bench spell it.
     pub const fn name(self) -> &'static str {
         match self {
             Collective::AllReduce => "all_reduce",

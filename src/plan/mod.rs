@@ -1,9 +1,9 @@
 //! The planner: how one call runs, decided in one place.
 //!
-//! [`plan`] is a pure function of a [`Request`] (the collective, dtype, op,
+//! `plan` is a pure function of a `Request` (the collective, dtype, op,
 //! count, the call's own choice and this rank's operand addresses) and the
-//! communicator's [`Facts`] (backend, world, workspace, levels, library,
-//! options, tuned table). It returns a [`Plan`]: nothing, a local copy,
+//! communicator's `Facts` (backend, world, workspace, levels, library,
+//! options, tuned table). It returns a `Plan`: nothing, a local copy,
 //! NCCL/RCCL, the two levels across nodes, or one of ferrocomm's kernels,
 //! possibly staged.
 //!
@@ -13,7 +13,7 @@
 //! sets them alike), whether the library loaded (on every rank, or the
 //! communicator failed at init) and the tuned table (rank 0's, adopted by
 //! every rank). This rank's own addresses decide only local staging
-//! ([`Kernel::staged`]): a choice every rank must share is never made from a
+//! (`Kernel::staged`): a choice every rank must share is never made from a
 //! per-rank fact.
 //!
 //! Precedence, the first that applies:
@@ -27,7 +27,7 @@
 //! 4. the tuned table's ladder (autotune at init; a step whose way cannot
 //!    run the call hands it to the next);
 //! 5. the defaults: the table's default ladders and thresholds
-//!    ([`table`]), the inbox kinds, which run everything.
+//!    (`table`), the inbox kinds, which run everything.
 
 mod algorithm;
 pub(crate) mod fused;
@@ -35,8 +35,11 @@ pub(crate) mod table;
 #[cfg(test)]
 mod tests;
 
-pub use algorithm::{parse_choice, Algorithm, Collective};
-pub use table::{step_for, well_formed, DispatchTable, DtypeClass, Ladders, Step};
+pub use algorithm::{Algorithm, Collective};
+pub(crate) use table::DispatchTable;
+pub use table::{DtypeClass, Ladders, Step};
+testing_pub! { use algorithm::parse_choice; }
+testing_pub! { use table::step_for; }
 
 use crate::algo::kernels::{KernelKind, KERNEL_OPS, QR_DTYPES};
 use crate::codec::Codec;
@@ -143,6 +146,7 @@ impl Kernel {
 impl Plan {
     /// The way it runs, in the one vocabulary (the bench's `algo` column):
     /// `None` for nothing, a copy and the levels.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn algorithm(&self) -> Option<Algorithm> {
         match self {
             Plan::Vendor => Some(Algorithm::Vendor),

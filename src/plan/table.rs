@@ -27,8 +27,10 @@ pub enum DtypeClass {
 }
 
 impl DtypeClass {
+    /// Both classes, in ladder order.
     pub const ALL: [DtypeClass; 2] = [DtypeClass::Narrow, DtypeClass::Wide];
 
+    /// The class of `dtype`.
     pub const fn of(dtype: DType) -> Self {
         if dtype.size() <= 2 {
             DtypeClass::Narrow
@@ -37,6 +39,7 @@ impl DtypeClass {
         }
     }
 
+    /// Its name as the cache file spells it: `narrow` or `wide`.
     pub const fn name(self) -> &'static str {
         match self {
             DtypeClass::Narrow => "narrow",
@@ -82,7 +85,9 @@ impl FromStr for DtypeClass {
 /// payload, the others bytes per peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Step<A = Algorithm> {
+    /// The largest payload this step takes (`usize::MAX` on the last step).
     pub max_bytes: usize,
+    /// What those payloads run.
     pub algo: A,
 }
 
@@ -96,7 +101,7 @@ pub fn step_for<A>(ladder: &[Step<A>], bytes: usize) -> Option<&Step<A>> {
 }
 
 /// Whether `ladder` is well formed: increasing bounds, the last one unbounded.
-pub fn well_formed<A>(ladder: &[Step<A>]) -> bool {
+pub(crate) fn well_formed<A>(ladder: &[Step<A>]) -> bool {
     ladder.last().map(|s| s.max_bytes) == Some(usize::MAX) && ladder.windows(2).all(|w| w[0].max_bytes < w[1].max_bytes)
 }
 
@@ -135,7 +140,7 @@ impl Ladders {
     }
 
     /// [`Ladders::coll`], to replace (`None` where there is none).
-    pub fn coll_mut(&mut self, coll: Collective, class: DtypeClass) -> Option<&mut Vec<Step>> {
+    pub(crate) fn coll_mut(&mut self, coll: Collective, class: DtypeClass) -> Option<&mut Vec<Step>> {
         let i = class.index();
         match coll {
             Collective::AllGather => Some(&mut self.all_gather[i]),
@@ -146,7 +151,7 @@ impl Ladders {
     }
 
     /// The defaults of `world` ranks on `backend` (see [`DispatchTable::default_for`]).
-    pub fn default_for(backend: BackendKind, world: usize) -> Self {
+    pub(crate) fn default_for(backend: BackendKind, world: usize) -> Self {
         let ar = default_all_reduce(backend, world);
         // The static rules that measured on 2x H200 (NV18): LL up to
         // `ll_max_block_bytes`, then NCCL/RCCL below `CUSTOM_MIN_BLOCK_BYTES`

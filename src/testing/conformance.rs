@@ -1,5 +1,5 @@
 //! The conformance suite: one body of checks that every backend runs, from
-//! every rank of a communicator. Instantiate it with [`conformance_tests!`]
+//! every rank of a communicator. Instantiate it with [`conformance_tests!`](crate::conformance_tests)
 //! or call [`run_suite`] from a worker process.
 //!
 //! What it checks (the correctness method of ARCHITECTURE.md): fresh inputs
@@ -745,7 +745,7 @@ pub(super) fn context(e: Error, case: &str) -> Error {
 /// with a communicator made by `make(rank)` and `opts` applied to the
 /// defaults, and assert every rank passed with at least `min_collectives`.
 /// `skip` (a reason) skips with a message, or fails when
-/// `FERROCOMM_REQUIRE_GPU=1`. The body of [`conformance_tests!`].
+/// `FERROCOMM_REQUIRE_GPU=1`. The body of [`conformance_tests!`](crate::conformance_tests).
 #[allow(clippy::too_many_arguments)]
 pub fn run_thread_suite<D: Device>(
     backend: &str,

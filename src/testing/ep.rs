@@ -100,7 +100,7 @@ const POISON: u16 = 0x7FC1;
 
 /// The test's "experts": bf16 rows computed from a received row (payload,
 /// scales, local ids and weights), the same function on every backend.
-/// Rows past each source's count are [`POISON`].
+/// Rows past each source's count are `POISON`.
 pub fn expert_out(cfg: &EpConfig, world: usize, recv: &Received) -> Vec<u16> {
     let (max, h, k, sc) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, scale_cols(cfg));
     let rb = row_bytes(cfg);

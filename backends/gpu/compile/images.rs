@@ -262,15 +262,19 @@ pub fn obtain(unit: &Unit, fresh: bool) -> Result<Image> {
 }
 
 /// What [`precompile`] did.
+#[cfg(all(feature = "cuda", any(test, feature = "testing")))]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Precompiled {
+    /// Units already in the disk cache.
     pub from_disk: usize,
+    /// Units compiled now (and written to the cache).
     pub compiled: usize,
 }
 
 /// Fill the disk cache with every unit, on `threads` threads of its own
 /// (not the pool: there is nothing else to do). The first error is returned
 /// after every unit was tried.
+#[cfg(all(feature = "cuda", any(test, feature = "testing")))]
 pub fn precompile(units: &[Arc<Unit>], threads: usize) -> Result<Precompiled> {
     let next = AtomicU64::new(0);
     let done = Mutex::new((Precompiled::default(), None::<Error>));

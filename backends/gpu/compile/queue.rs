@@ -130,14 +130,17 @@ impl<T> TaskQueue<T> {
         }
     }
 
+    #[cfg(test)]
     pub fn contains(&self, key: &str) -> bool {
         self.tasks.contains_key(key)
     }
 
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.tasks.len()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.tasks.is_empty()
     }

@@ -324,7 +324,7 @@ fn parse_patterns(s: &str) -> Result<Vec<FusionPattern>> {
 
 /// `--fused-moe`: top-k values, each 1 to `MOE_MAX_TOPK`.
 fn parse_topks(s: &str) -> Result<Vec<usize>> {
-    let max = ferrocomm::algo::fused::MOE_MAX_TOPK;
+    let max = ferrocomm::MOE_MAX_TOPK;
     s.split(',')
         .map(|x| match x.trim().parse::<usize>() {
             Ok(k) if (1..=max).contains(&k) => Ok(k),

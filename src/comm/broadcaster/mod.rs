@@ -62,15 +62,16 @@ pub struct BroadcasterOptions {
     /// The rank that sends (default 0).
     pub writer: usize,
     /// Slots of the ring: how far the writer may run ahead of the slowest
-    /// reader on its node (default [`DEFAULT_SLOTS`]).
+    /// reader on its node (default 8).
     pub slots: usize,
     /// How long a waiting rank spins before sleeping (default
-    /// [`DEFAULT_SPIN`]); engines that keep a core per rank busy anyway
+    /// 100 us); engines that keep a core per rank busy anyway
     /// may raise it for lower latency after idle periods.
     pub spin: Duration,
 }
 
 impl BroadcasterOptions {
+    /// Slots of `max_bytes`, writer 0, the default slots and spin.
     pub fn new(max_bytes: usize) -> Self {
         BroadcasterOptions {
             max_bytes,
@@ -80,16 +81,19 @@ impl BroadcasterOptions {
         }
     }
 
+    /// The rank that sends.
     pub fn with_writer(mut self, writer: usize) -> Self {
         self.writer = writer;
         self
     }
 
+    /// How many slots the ring has.
     pub fn with_slots(mut self, slots: usize) -> Self {
         self.slots = slots;
         self
     }
 
+    /// How long a waiting rank spins before it sleeps.
     pub fn with_spin(mut self, spin: Duration) -> Self {
         self.spin = spin;
         self
@@ -270,10 +274,12 @@ impl Broadcaster {
         &self.name
     }
 
+    /// This rank in the communicator.
     pub fn rank(&self) -> usize {
         self.rank
     }
 
+    /// The communicator's ranks.
     pub fn size(&self) -> usize {
         self.world
     }
@@ -283,6 +289,7 @@ impl Broadcaster {
         self.opts.writer
     }
 
+    /// Whether this rank is the writer.
     pub fn is_writer(&self) -> bool {
         matches!(self.role, Role::Writer(_))
     }
@@ -292,6 +299,7 @@ impl Broadcaster {
         self.opts.max_bytes
     }
 
+    /// Slots of the ring.
     pub fn slots(&self) -> usize {
         self.opts.slots
     }

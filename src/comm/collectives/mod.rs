@@ -115,8 +115,10 @@ impl<D: Device> Communicator<D> {
     /// broadcast, reduce) or `count` a peer (the others) of `dtype` and
     /// `op` would run on this communicator, with `asked` as the call's
     /// choice: `None` where it runs nothing (an empty call, a world of one)
-    /// or runs in two levels across nodes. For logs, and the bench's `algo`
-    /// column.
+    /// or runs in two levels across nodes. For the bench's `algo` column and
+    /// the conformance suite; hidden: an engine has no use for it.
+    #[cfg(any(test, feature = "testing"))]
+    #[doc(hidden)]
     pub fn planned_algorithm(
         &self,
         coll: Collective,

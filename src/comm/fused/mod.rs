@@ -26,9 +26,10 @@ use crate::error::{Error, Result};
 /// [`Communicator::all_reduce_fused`] before anything is launched.
 #[derive(Debug, Clone, Copy)]
 pub struct Fusion {
+    /// What runs after the all-reduce.
     pub pattern: FusionPattern,
     /// Elements of a row (the model's hidden size): a multiple of 8, at
-    /// most [`FUSED_MAX_HIDDEN`](crate::algo::fused::FUSED_MAX_HIDDEN).
+    /// most [`FUSED_MAX_HIDDEN`](super::FUSED_MAX_HIDDEN).
     pub hidden: usize,
     /// The residual stream, `tokens x hidden` of the input's dtype.
     pub residual_in: Tensor,
@@ -72,7 +73,7 @@ pub struct MoeFinalize {
     pub expanded_idx_to_permuted_idx: Tensor,
     /// The router's weights, `tokens x topk`, f32 or the input's dtype.
     pub expert_scales: Tensor,
-    /// Experts per token, 1 to [`MOE_MAX_TOPK`](crate::algo::fused::MOE_MAX_TOPK).
+    /// Experts per token, 1 to [`MOE_MAX_TOPK`](super::MOE_MAX_TOPK).
     pub topk: usize,
     /// The shared expert's output, `tokens x hidden` of the input's dtype
     /// (added first; optional).
