@@ -29,6 +29,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CXX="${CXX:-g++}"
 OUT="$(mktemp -d)"
+# Every world of each program (the lean `cargo test` runs up to world 3).
+unset FC_EMU_MAX_WORLD
 trap 'rm -rf "$OUT"' EXIT
 FLAGS=(-std=c++20 -O1 -g -ffp-contract=off -pthread -Wall -Wno-unused-function -Wno-unknown-pragmas)
 for prog in exchange_emu device_api_emu fused_emu; do

@@ -47,6 +47,13 @@
 //! are laid out as their Rust sources (`ferrocomm::device::abi`: every
 //! field's offset and size).
 //!
+//! Each emulation runs every case once a seed (the seed draws the random
+//! counts, splits and data). The full sweep (`FERROCOMM_TEST_FULL=1`, run by
+//! CI) runs two seeds at every world of each program (2, 3, 4 and, for the
+//! LL exchanges, 8). The lean run (`cargo test`) runs one seed at worlds 2
+//! and 3 only (`FC_EMU_MAX_WORLD=3`: the fused epilogues run only there
+//! anyway); the threads of worlds 4 and 8 are most of the run time.
+//!
 //! Needs a C++20 compiler (`CXX`, default `g++`); skipped with a reason
 //! without one, unless `FERROCOMM_REQUIRE_EMU=1`. `ci/check-kernels-emu.sh`
 //! runs them too, and with `TSAN=1` under ThreadSanitizer.
@@ -103,9 +110,19 @@ fn has_cxx20(cxx: &str, stem: &str) -> Result<(), String> {
     }
 }
 
+/// The seeds each emulation runs with, and the largest world of their world
+/// loops (`FC_EMU_MAX_WORLD`, none: every world); see the module comment.
+fn seeds_and_max_world() -> (&'static [&'static str], Option<&'static str>) {
+    if ferrocomm::testing::conformance::full_sweep() {
+        (&["1", "2"], None)
+    } else {
+        (&["1"], Some("3"))
+    }
+}
+
 /// Compiles `ci/emu/<source>` and runs it once per seed; each run must print
 /// "all ok".
-fn run_emulation(source: &str, seeds: &[&str]) {
+fn run_emulation(source: &str) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     let require = std::env::var("FERROCOMM_REQUIRE_EMU").as_deref() == Ok("1");
@@ -129,8 +146,14 @@ fn run_emulation(source: &str, seeds: &[&str]) {
         String::from_utf8_lossy(&compiled.stderr)
     );
     drop(compiled);
+    let (seeds, max_world) = seeds_and_max_world();
     for seed in seeds {
-        let run = Command::new(&out).arg(seed).output().expect("running the emulation");
+        let mut cmd = Command::new(&out);
+        match max_world {
+            Some(w) => cmd.env("FC_EMU_MAX_WORLD", w),
+            None => cmd.env_remove("FC_EMU_MAX_WORLD"),
+        };
+        let run = cmd.arg(seed).output().expect("running the emulation");
         let text = String::from_utf8_lossy(&run.stdout);
         println!("{source} seed {seed}:\n{text}");
         assert!(
@@ -143,17 +166,17 @@ fn run_emulation(source: &str, seeds: &[&str]) {
 
 #[test]
 fn exchange_and_reduce_to_kernels_run_on_the_cpu() {
-    run_emulation("exchange_emu.cpp", &["1", "2"]);
+    run_emulation("exchange_emu.cpp");
 }
 
 #[test]
 fn device_api_and_user_allgather_run_on_the_cpu() {
-    run_emulation("device_api_emu.cpp", &["1", "2"]);
+    run_emulation("device_api_emu.cpp");
 }
 
 #[test]
 fn fused_epilogue_kernels_run_on_the_cpu() {
-    run_emulation("fused_emu.cpp", &["1", "2"]);
+    run_emulation("fused_emu.cpp");
 }
 
 /// The emulated prelude and the device API, then the `static_assert`s of

@@ -515,8 +515,10 @@ fn flood(addr: SocketAddr, slots: usize, first_kind: usize, stop: &AtomicBool, s
 /// ~1100 connections that never authenticate (silent, half a hello, wrong
 /// token, oversized token), refilled as the server closes them, from three
 /// threads; meanwhile a rank sets and gets every 250 ms, both on a pooled
-/// client and on a freshly connected one, for six seconds: no failures, and
-/// no operation slower than a second.
+/// client and on a freshly connected one, for three seconds (six with
+/// `FERROCOMM_TEST_FULL=1`; either way the 1 s handshake timeout closes
+/// flood connections several times over and the flood refills them): no
+/// failures, and no operation slower than a second.
 #[test]
 #[serial]
 fn store_keeps_serving_under_a_handshake_flood() {
@@ -547,11 +549,16 @@ fn store_keeps_serving_under_a_handshake_flood() {
         .collect();
     thread::sleep(Duration::from_millis(500)); // let the flood build up
 
+    let secs = if ferrocomm::testing::conformance::full_sweep() {
+        6
+    } else {
+        3
+    };
     let mut failures = Vec::new();
     let mut ops = 0;
     let mut slowest = Duration::ZERO;
     let began = Instant::now();
-    while began.elapsed() < 6 * SECOND {
+    while began.elapsed() < secs * SECOND {
         let t0 = Instant::now();
         let key = format!("flood/{ops}");
         let fresh = TcpStore::connect(addr, TOKEN, 5 * SECOND).and_then(|fresh| {
@@ -585,7 +592,8 @@ fn store_keeps_serving_under_a_handshake_flood() {
         failures.len()
     );
     assert!(failures.is_empty(), "{failures:#?}");
-    assert!(ops >= 20, "only {ops} rounds in 6 s");
+    // Rounds of 250 ms: at least five in six of them run (20 in 6 s).
+    assert!(ops >= secs * 10 / 3, "only {ops} rounds in {secs} s");
     assert!(slowest < SECOND, "a round took {slowest:?}");
     // The flood was real: the slots were filled and refilled.
     assert!(opened >= connections, "only {opened} flood connections opened");

@@ -566,7 +566,12 @@ fn unreachable_agent_store_is_an_error_naming_master_port() {
 }
 
 /// The unmodified worker binary, as separate processes with torchrun's
-/// variables and no token, runs the host conformance suite.
+/// variables and no token: with the full sweep it runs the host
+/// conformance suite, in the lean run the smoke run (one checked call of
+/// every kernel family). The suite as processes is `tests/process_host.rs`'s,
+/// and the store operations it adds here (add, set, waiting get: the ranks
+/// compare their results) `fake_torch_store_client_operations` checks
+/// against this fake.
 #[test]
 fn fake_torch_store_worker_processes_run_the_host_suite() {
     let fake = FakeTorchStore::start(false);
@@ -575,11 +580,16 @@ fn fake_torch_store_worker_processes_run_the_host_suite() {
 
 fn run_worker_processes(master: SocketAddr, world: usize) {
     let tmp = scratch(&format!("workers-{}", master.port()));
+    let scenario = if ferrocomm::testing::conformance::full_sweep() {
+        "conformance"
+    } else {
+        "smoke"
+    };
     let children: Vec<(usize, Child)> = (0..world)
         .map(|rank| {
             let mut cmd = Command::new(worker());
             cmd.args([
-                "conformance",
+                scenario,
                 "--backend",
                 "host",
                 "--max-bytes",

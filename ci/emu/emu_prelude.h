@@ -240,6 +240,14 @@ FC_DEVICE fc_u64 fc_atomic_cas_sys_u64(fc_u64* p, fc_u64 cmp, fc_u64 val, FC_EMU
 // a world of 8 takes many times as long. Off, waiters preempted only by the
 // scheduler give other interleavings.
 inline bool emu_poll_yield = false;
+// The largest world a program's world loops run: FC_EMU_MAX_WORLD if set
+// (`cargo test --test kernels_emu` sets 3 unless FERROCOMM_TEST_FULL=1: an
+// even and an odd world, the threads of the larger ones being most of the
+// run time), else every world.
+inline int emu_max_world() {
+    const char* v = std::getenv("FC_EMU_MAX_WORLD");
+    return v && *v ? std::atoi(v) : 1 << 30;
+}
 FC_DEVICE fc_u64 fc_globaltimer_ns() {
     if (emu_poll_yield) std::this_thread::yield();
     return (fc_u64)std::chrono::duration_cast<std::chrono::nanoseconds>(

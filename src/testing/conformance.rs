@@ -40,13 +40,35 @@ pub struct SuiteConfig {
     pub graph_replays: usize,
     /// Wait bound per collective.
     pub timeout: Duration,
+    /// Largest world at which the host backend runs the volume cases: the
+    /// size sweep's f32 all-reduce payloads of two and three chunks and
+    /// `max_bytes`, and the quick-reduce, fused and MoE-finalize cases
+    /// above [`VOLUME_ELEMS`] elements a rank. At a
+    /// larger world they take the paths that the smaller cases there and
+    /// the volume cases at smaller worlds take, at a CPU cost that grows as
+    /// the square of the world (every rank computes the whole reference,
+    /// and on the host reads every peer's input). GPU backends run them at
+    /// every world.
+    pub volume_world: usize,
+    /// Workspace slot of the quick-reduce-over-chunks test
+    /// ([`run_quick_reduce_chunked`]): its cases are 2.5 and 2 chunks, so
+    /// their size, and cost, follow it.
+    pub chunked_slot_bytes: usize,
 }
+
+/// Elements a rank above which a case is a volume case
+/// ([`SuiteConfig::volume_world`]): the all-reduce matrix's largest count.
+pub const VOLUME_ELEMS: usize = MATRIX_COUNTS[MATRIX_COUNTS.len() - 1];
 
 impl Default for SuiteConfig {
     /// The lean suite, unless `FERROCOMM_TEST_FULL=1` asks for the full
-    /// sweep (CI runs both). The lean one has every case of the full one;
-    /// it leaves out the 64 MiB payload (chunking is covered at one and
-    /// three chunks) and runs fewer random sizes and replays.
+    /// sweep (CI runs both). The lean one has every case of the full one,
+    /// at smaller sizes or fewer worlds: payloads up to 24 MiB (one, two
+    /// and three chunks), the volume cases at world 2 only on the host,
+    /// quick-reduce over chunks of 64 KiB slots, and fewer random sizes
+    /// and graph replays. The full sweep adds the 64 MiB payload, the
+    /// volume cases at every world, 1 MiB slots for quick-reduce over
+    /// chunks, 6 random sizes and 20 replays.
     fn default() -> Self {
         if full_sweep() {
             SuiteConfig {
@@ -55,14 +77,18 @@ impl Default for SuiteConfig {
                 random_sizes: 6,
                 graph_replays: 20,
                 timeout: Duration::from_secs(120),
+                volume_world: usize::MAX,
+                chunked_slot_bytes: 1 << 20,
             }
         } else {
             SuiteConfig {
                 seed: 0x5eed,
                 max_bytes: 24 << 20,
                 random_sizes: 3,
-                graph_replays: 8,
+                graph_replays: 4,
                 timeout: Duration::from_secs(120),
+                volume_world: 2,
+                chunked_slot_bytes: 64 << 10,
             }
         }
     }
@@ -354,6 +380,18 @@ impl<D: Device> Suite<'_, D> {
         self.comm.device().facts().backend == crate::device::BackendKind::Host
     }
 
+    /// Whether this communicator runs the volume cases
+    /// ([`SuiteConfig::volume_world`]).
+    pub(super) fn volume(&self) -> bool {
+        self.comm.size() <= self.cfg.volume_world || !self.host_backend()
+    }
+
+    /// Whether a case of `elems` elements a rank runs here: every case up
+    /// to [`VOLUME_ELEMS`], the volume cases where [`Suite::volume`].
+    pub(super) fn runs_size(&self, elems: usize) -> bool {
+        elems <= VOLUME_ELEMS || self.volume()
+    }
+
     /// Buffer `slot`, if it exists.
     pub(super) fn bufs_at(&self, slot: usize) -> Option<&Option<D::Buffer>> {
         self.bufs.get(slot)
@@ -418,12 +456,20 @@ impl<D: Device> Suite<'_, D> {
 
     fn large(&mut self) -> Result<()> {
         // Odd byte counts: inside one 8 MiB slot (the host's default), two
-        // chunks, three chunks (a parity reused inside one launch), max_bytes.
-        let sizes = [(1 << 20) + 6, (9 << 20) + 2, (21 << 20) + 2, self.cfg.max_bytes];
-        for bytes in sizes.into_iter().filter(|&b| b <= self.cfg.max_bytes) {
-            self.all_reduce_case(DType::F32, ReduceOp::Sum, Values::Random, bytes / 4, false, 0)?;
+        // chunks (bf16 in place, f32), three chunks (a parity reused inside
+        // one launch), max_bytes. One chunk and two (bf16) at every world;
+        // the rest are volume cases.
+        let one = (1 << 20) + 6;
+        if one <= self.cfg.max_bytes {
+            self.all_reduce_case(DType::F32, ReduceOp::Sum, Values::Random, one / 4, false, 0)?;
         }
         self.all_reduce_case(DType::BF16, ReduceOp::Sum, Values::Random, ((9 << 20) + 2) / 2, true, 0)?;
+        if self.volume() {
+            let sizes = [(9 << 20) + 2, (21 << 20) + 2, self.cfg.max_bytes];
+            for bytes in sizes.into_iter().filter(|&b| b <= self.cfg.max_bytes) {
+                self.all_reduce_case(DType::F32, ReduceOp::Sum, Values::Random, bytes / 4, false, 0)?;
+            }
+        }
         Ok(())
     }
 
@@ -821,15 +867,17 @@ macro_rules! conformance_tests {
                 );
             }
 
-            /// Quick-reduce over several chunks (1 MiB slots), opted in.
+            /// Quick-reduce over several chunks (slots of
+            /// `cfg.chunked_slot_bytes`), opted in.
             fn run_chunked(world: usize) {
                 let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
+                let slot = cfg.chunked_slot_bytes;
                 $crate::testing::conformance::run_thread_suite(
                     stringify!($backend),
                     world,
                     $skip(world),
                     &$make,
-                    |o| o.with_slot_bytes(1 << 20).with_quantization($crate::codec::Quantization::Int4),
+                    |o| o.with_slot_bytes(slot).with_quantization($crate::codec::Quantization::Int4),
                     |comm, _, cfg| $crate::testing::conformance::run_quick_reduce_chunked(comm, cfg),
                     &cfg,
                     1,

@@ -383,11 +383,9 @@ const MOE_SPARE_ROWS: usize = 3;
 impl<D: Device> Suite<'_, D> {
     /// The fused matrix, special values, graph replays and validation.
     pub(super) fn fused(&mut self) -> Result<()> {
-        let world = self.comm.size();
         for (k, &(tokens, hidden)) in SHAPES.iter().enumerate() {
-            // The largest shapes repeat the same paths at a host cost that
-            // grows with the world: at 8 ranks only with the full sweep.
-            if world > 4 && tokens * hidden > 200_000 && !super::conformance::full_sweep() {
+            // The largest shapes are volume cases.
+            if !self.runs_size(tokens * hidden) {
                 continue;
             }
             for (j, pattern) in FusionPattern::ALL.into_iter().enumerate() {
@@ -445,6 +443,10 @@ impl<D: Device> Suite<'_, D> {
     /// replay and its validation errors.
     fn fused_moe(&mut self) -> Result<()> {
         for (k, &(tokens, hidden)) in MOE_SHAPES.iter().enumerate() {
+            // The largest shape is a volume case.
+            if !self.runs_size(tokens * hidden) {
+                continue;
+            }
             for (i, &topk) in MOE_TOPK.iter().enumerate() {
                 for shared in [false, true] {
                     // Every pattern in turn, the optional outputs alternating.

@@ -104,16 +104,12 @@ pub fn relative_error<S: FromF64>(inputs: &[Vec<S>], out: &[S]) -> f64 {
 impl<D: Device> Suite<'_, D> {
     /// The all-reduce matrix, the codec kernel, and graph replays.
     pub(super) fn quick_reduce(&mut self) -> Result<()> {
-        // The largest count (many GPU thread blocks) at worlds up to 4; above
-        // that it repeats the same paths at a host cost that grows with the
-        // world, unless the full sweep asks for it.
-        let most = if self.comm.size() <= 4 || super::conformance::full_sweep() {
-            QR_COUNTS.len()
-        } else {
-            QR_COUNTS.len() - 1
-        };
         for codec in QR_CODECS {
-            for (k, count) in QR_COUNTS.into_iter().take(most).enumerate() {
+            // The largest count (many GPU thread blocks) is a volume case.
+            for (k, count) in QR_COUNTS.into_iter().enumerate() {
+                if !self.runs_size(count) {
+                    continue;
+                }
                 let in_place = k % 3 == 1;
                 self.qr_case::<f16>(codec, count, in_place, count >= 300)?;
                 self.qr_case::<bf16>(codec, count, !in_place, count >= 300)?;
