@@ -28,9 +28,12 @@ class RankResult:
     output: str
 
 
-def launch(world: int, scenario: str, *args: str, timeout: float = 120, env: dict | None = None) -> list[RankResult]:
-    """Start `world` workers running `scenarios.<scenario>(comm, *args)` and
-    wait for all of them (killing the lot after `timeout` seconds)."""
+def launch(
+    world: int, scenario: str, *args: str, timeout: float = 120, env: dict | None = None, worker: str = "_worker.py"
+) -> list[RankResult]:
+    """Start `world` workers running `scenarios.<scenario>(comm, *args)` (or
+    what another `worker` script beside this file runs) and wait for all of
+    them (killing the lot after `timeout` seconds)."""
     base = dict(os.environ)
     base.update(
         MASTER_ADDR="127.0.0.1",
@@ -46,7 +49,7 @@ def launch(world: int, scenario: str, *args: str, timeout: float = 120, env: dic
         e = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(HERE / "_worker.py"), scenario, *args],
+                [sys.executable, str(HERE / worker), scenario, *args],
                 env=e,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

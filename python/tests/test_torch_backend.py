@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from _ranks import free_port
+from _ranks import free_port, launch
 
 HERE = Path(__file__).resolve().parent
 WORLD = int(os.environ.get("FERROCOMM_TORCH_WORLD", "2"))
@@ -92,28 +92,11 @@ def test_cpu_gloo_cuda_ferrocomm() -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_killed_rank_raises_within_the_timeout(kind: str) -> None:
     _need(kind)
-    port = str(free_port())
-    name = "torch_backend_scenarios:killed_rank"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "_gpu_worker.py"), name, kind],
-            env=dict(_env(), RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), MASTER_PORT=port,
-                     MASTER_ADDR="127.0.0.1"),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(WORLD)
-    ]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-            out += "\n[test] killed: the scenario hung"
-        outs.append((p.returncode, out))
-        print(f"--- exit {p.returncode}\n{out}")
-    assert outs[-1][0] == 17, outs[-1][1]
-    for rc, out in outs[:-1]:
-        assert rc == 0 and "raised" in out, out
+    outs = launch(
+        WORLD, "torch_backend_scenarios:killed_rank", kind, timeout=120, env=_env(), worker="_gpu_worker.py"
+    )
+    for r in outs:
+        print(f"--- rank {r.rank} exit {r.returncode}\n{r.output}")
+    assert outs[-1].returncode == 17, outs[-1].output
+    for r in outs[:-1]:
+        assert r.returncode == 0 and "raised" in r.output, r.output

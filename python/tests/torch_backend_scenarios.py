@@ -191,18 +191,24 @@ def _batch(rank: int, step: int) -> tuple:
     return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
 
 
+def _train(model: nn.Module, dev: torch.device, steps: int) -> None:
+    """``steps`` SGD steps on this rank's batches, the gradients of the
+    last one left in place (not applied)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(steps):
+        x, y = _batch(dist.get_rank(), s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x.to(dev)), y.to(dev)).backward()
+        if s + 1 < steps:
+            opt.step()
+
+
 def _reference_grads(gloo: dist.ProcessGroup, steps: int) -> list:
     """The same training on CPU under DDP on gloo: the gradients of the last
     step, for every parameter."""
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(_Mlp(), process_group=gloo)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for s in range(steps):
-        x, y = _batch(dist.get_rank(), s)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        if s + 1 < steps:
-            opt.step()
+    _train(model, torch.device("cpu"), steps)
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
@@ -224,13 +230,7 @@ def ddp(kind: str, steps: int = 3) -> None:
     model = nn.parallel.DistributedDataParallel(
         _Mlp().to(dev), device_ids=[dev.index] if dev.type == "cuda" else None
     )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for s in range(steps):
-        x, y = _batch(dist.get_rank(), s)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x.to(dev)), y.to(dev)).backward()
-        if s + 1 < steps:
-            opt.step()
+    _train(model, dev, steps)
     for k, (p, w) in enumerate(zip(model.parameters(), want)):
         assert torch.allclose(p.grad.cpu(), w, rtol=1e-5, atol=1e-6), f"DDP grad {k}: {(p.grad.cpu() - w).abs().max()}"
         _same_on_every_rank(p.grad, f"DDP grad {k}")
@@ -258,13 +258,7 @@ def fsdp(kind: str, steps: int = 3) -> None:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for s in range(steps):
-        x, y = _batch(dist.get_rank(), s)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x.to(dev)), y.to(dev)).backward()
-        if s + 1 < steps:
-            opt.step()
+    _train(model, dev, steps)
     for k, (p, w) in enumerate(zip(model.parameters(), want)):
         full = p.grad.full_tensor()
         assert torch.allclose(full.cpu(), w, rtol=1e-5, atol=1e-6), f"FSDP2 grad {k}: {(full.cpu() - w).abs().max()}"
