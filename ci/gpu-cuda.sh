@@ -4,7 +4,7 @@
 #
 #   ci/gpu-cuda.sh [BIN_DIR] [STEPS...]
 #   STEPS: tests coldstart torchrun layered example sanitizer bench collbench
-#          fused heap epbench qrbench python torch flashinfer baseline (default: all),
+#          fused heap epbench qrbench python torch broadcaster flashinfer baseline (default: all),
 #          and autotune and shared (not
 #          in the default: protocol checks for a machine of one GPU)
 #
@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(cd "${1:-.carry/bin}" && pwd)"
 shift || true
-STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused heap epbench qrbench python torch flashinfer baseline}"
+STEPS="${*:-tests coldstart torchrun layered example sanitizer bench collbench fused heap epbench qrbench python torch broadcaster flashinfer baseline}"
 # Logs go to one folder; with $OUT set (the lent machines bring back a
 # limited number of files) they are packed into $OUT/gpu-logs.tgz at the end,
 # beside summary.txt, also when the job is stopped.
@@ -215,6 +215,10 @@ if [[ " $STEPS " == *" shared "* ]] && command -v torchrun >/dev/null; then
         step "shared_autotune_$k" "${shared[@]}" FERROCOMM_AUTOTUNE=1 FERROCOMM_CACHE_DIR="$tuned" torchrun \
             --nproc_per_node=2 --no-python "$BIN/ferrocomm-worker" coldstart --backend cuda --timeout-secs 60
     done
+    # The fused epilogues' bench rows, MoE finalize among them, checked
+    # against the host reference on GPU memory (#wrong; no timing meaning).
+    step shared_fused_bench "${shared[@]}" "$BIN/ferrocomm-bench" --backend cuda --world 2 --fused all \
+        --fused-moe 1,2,8 --tokens 1,32,128 --hidden 4096 --iters 3 --warmup 1
     if command -v compute-sanitizer >/dev/null; then
         for tool in memcheck racecheck; do
             wrapper="/tmp/ferrocomm-sanitize-shared-$tool.sh"
@@ -415,6 +419,19 @@ if [[ " $STEPS " == *" torch "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/nul
     fi
     step torch_backend_tests "${torch_env[@]}" python3 -m pytest -v -rs python/tests/test_torch_backend.py
     step torch_ddp_example "${torch_env[@]}" torchrun --nproc_per_node=2 python/examples/torch_ddp.py
+fi
+
+if [[ " $STEPS " == *" broadcaster "* ]]; then
+    # The metadata broadcaster on this host's CPUs (no GPU): ferrocomm's
+    # bench, then from Python beside torch's broadcast_object_list on gloo.
+    for w in 2 4; do
+        step "broadcaster_bench_w$w" "$BIN/ferrocomm-bench" --backend host --world "$w" --broadcaster
+    done
+    if ls .carry/python/ferrocomm-*.whl >/dev/null 2>&1 && command -v torchrun >/dev/null; then
+        python_site
+        step broadcaster_python torchrun --nproc_per_node=2 python/bench/bench_broadcaster.py --no-nccl \
+            --json "$LOG/broadcaster_python.json"
+    fi
 fi
 
 if [[ " $STEPS " == *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/null 2>&1; then

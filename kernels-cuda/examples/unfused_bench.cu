@@ -6,7 +6,7 @@ struct FcbFinalize {
     fc_u64 expert, idx, scales, shared, out, tokens, hidden, topk, rows;
 };
 struct FcbNorm {
-    fc_u64 ar, residual_in, residual_out, weight, norm_out, hidden;
+    fc_u64 ar, residual_in, residual_out, weight, norm_out, hidden, tokens;
     float eps;
     fc_u32 norm;
 };
@@ -46,11 +46,12 @@ FC_DEVICE void fcb_finalize(const FcbFinalize& a) {
     }
 }
 
+// One row per block at a time, rows strided over the grid (a launch has at
+// most 128 blocks).
 template <bool BF>
-FC_DEVICE void fcb_add_rms_norm(const FcbNorm& a) {
-    __shared__ float part[33];
+FC_DEVICE void fcb_add_rms_norm_row(const FcbNorm& a, fc_u64 row, float (&part)[33]) {
     const fc_u32 tid = fc_thread_id(), nt = fc_block_threads();
-    const fc_u64 packs = a.hidden / 8, rb = (fc_u64)fc_block_id() * a.hidden * 2;
+    const fc_u64 packs = a.hidden / 8, rb = row * a.hidden * 2;
     float ss = 0.0f;
     for (fc_u64 i = tid; i < packs; i += nt) {
         float x[8], r[8];
@@ -73,6 +74,8 @@ FC_DEVICE void fcb_add_rms_norm(const FcbNorm& a) {
     }
     fc_barrier();
     const float rstd = part[32];
+    // Every thread has its rstd before the next row's partials overwrite
+    // part (thread 0 writes part[32] only after that row's first barrier).
     for (fc_u64 i = tid; i < packs; i += nt) {
         float x[8], w[8];
         fcb_unpack<BF>(fc_load16(fc_ptr<const char>(a.residual_out) + rb + i * 16), x);
@@ -80,6 +83,12 @@ FC_DEVICE void fcb_add_rms_norm(const FcbNorm& a) {
         for (int j = 0; j < 8; ++j) x[j] = fc_fmul(fc_fmul(x[j], rstd), w[j]);
         fc_store16(fc_ptr<char>(a.norm_out) + rb + i * 16, fcb_pack<BF>(x));
     }
+}
+
+template <bool BF>
+FC_DEVICE void fcb_add_rms_norm(const FcbNorm& a) {
+    __shared__ float part[33];
+    for (fc_u64 row = fc_block_id(); row < a.tokens; row += fc_grid_blocks()) fcb_add_rms_norm_row<BF>(a, row, part);
 }
 
 extern "C" __global__ void fcb_moe_finalize_bf16(const FcbFinalize a) { fcb_finalize<true>(a); }

@@ -115,17 +115,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="64,4K,1M", help="payload sizes (K, M suffixes)")
     ap.add_argument("--samples", type=int, default=1000, help="latency samples per row (200 at 1 MiB and up)")
-    ap.add_argument("--no-nccl", action="store_true", help="leave out broadcast_object_list on the NCCL group")
+    ap.add_argument("--no-nccl", action="store_true", help="CPU only: a gloo default group, no NCCL row")
     ap.add_argument("--json", help="write the rows here (rank 0)")
     args = ap.parse_args()
     sizes = [parse_bytes(s) for s in args.sizes.split(",")]
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    if args.no_nccl:
+        # CPU metadata only: no GPU needed, any number of ranks on one host.
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     cpu = dist.new_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = ferrocomm.from_torch()
+    comm = ferrocomm.from_torch(backend="host" if args.no_nccl else "auto")
     # Slots hold the largest pickled payload with room for the pickle's frame.
     ring = comm.broadcaster(max(sizes) + 4096)
     socket_only = comm.broadcaster(0)

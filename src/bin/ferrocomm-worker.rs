@@ -101,7 +101,7 @@ fn run_scenario(args: &Args, store: Arc<dyn Store>, rank: usize, world: usize, l
         ),
         #[cfg(feature = "cuda")]
         "cuda" => scenario(
-            ferrocomm::backends::cuda::CudaDevice::new(job::cuda_index(local)?)?,
+            ferrocomm::backends::cuda::CudaDevice::new(ferrocomm::testing::launch::cuda_index(local)?)?,
             store,
             rank,
             world,

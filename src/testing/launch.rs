@@ -204,3 +204,16 @@ pub fn assert_victim_killed(outs: &[RankOutput], victim: usize) {
         }
     }
 }
+
+/// The GPU a rank opens: its local rank, or with `FERROCOMM_TEST_SHARE_GPU=1`
+/// that modulo the GPUs there are, so that a one-GPU machine runs the
+/// multi-process protocols (processes time-slice the GPU; no performance
+/// meaning). Shared ranks need `FERROCOMM_CCL=0`: NCCL refuses two ranks on
+/// one GPU.
+#[cfg(feature = "cuda")]
+pub fn cuda_index(local: usize) -> Result<usize> {
+    if std::env::var("FERROCOMM_TEST_SHARE_GPU").as_deref() != Ok("1") {
+        return Ok(local);
+    }
+    Ok(local % crate::backends::cuda::device_count()?.max(1))
+}

@@ -114,7 +114,10 @@ fn rank_main(a: &Args) -> Result<()> {
     match a.backend.as_str() {
         "host" => bench(ferrocomm::backends::host::HostDevice::new(rank)?, store, rank, a),
         #[cfg(feature = "cuda")]
-        "cuda" => bench(ferrocomm::backends::cuda::CudaDevice::new(rank)?, store, rank, a),
+        "cuda" => {
+            let dev = ferrocomm::backends::cuda::CudaDevice::new(ferrocomm::testing::launch::cuda_index(rank)?)?;
+            bench(dev, store, rank, a)
+        }
         #[cfg(not(feature = "cuda"))]
         "cuda" => Err(Error::NotCompiled {
             backend: "cuda",

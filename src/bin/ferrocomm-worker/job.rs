@@ -48,16 +48,3 @@ pub fn connect() -> Result<Job> {
         rdv: Some(rdv),
     })
 }
-
-/// The GPU a rank opens: its local rank, or with `FERROCOMM_TEST_SHARE_GPU=1`
-/// that modulo the GPUs there are, so that a one-GPU machine runs the
-/// multi-process protocols (processes time-slice the GPU; no performance
-/// meaning). Shared ranks need `FERROCOMM_CCL=0`: NCCL refuses two ranks on
-/// one GPU.
-#[cfg(feature = "cuda")]
-pub fn cuda_index(local: usize) -> Result<usize> {
-    if std::env::var("FERROCOMM_TEST_SHARE_GPU").as_deref() != Ok("1") {
-        return Ok(local);
-    }
-    Ok(local % ferrocomm::backends::cuda::device_count()?.max(1))
-}

@@ -3,6 +3,7 @@
 //! ferrocomm's `auto`), then an add (+ RMSNorm) kernel; three launches on
 //! one stream, outputs checked within [`close`].
 
+use ferrocomm::algo::layout::MAX_BLOCKS;
 use ferrocomm::codec::Half16;
 use ferrocomm::device::Device;
 use ferrocomm::{Algorithm, Call, Communicator, ReduceOp, Result, UserModule};
@@ -19,7 +20,8 @@ use crate::timing::time_samples;
 /// - `fcb_moe_finalize_<dtype>`: `x[t] = shared[t] + sum_k scale[t][k] *
 ///   expert[idx[t][k]]` per 8-element pack (the order of the fused
 ///   prologue; f32 weights), one thread per pack, grid-stride.
-/// - `fcb_add_rms_norm_<dtype>`: one block per row, `residual_out =
+/// - `fcb_add_rms_norm_<dtype>`: one block per row (rows strided over the
+///   grid), `residual_out =
 ///   round(ar + residual_in)`, then (`norm != 0`) `norm_out = round(x *
 ///   rstd * w)` with the sum of squares reduced by warp butterflies and a
 ///   shared-memory pass (as vLLM's `fused_add_rms_norm`; not the fused
@@ -62,7 +64,10 @@ impl<D: Device> Unfused<D> {
         let (dtype, hidden, tokens) = (<S as Half16>::DTYPE, a.hidden, spec.tokens);
         let n = tokens * hidden;
         let (fin, norm) = kernel_args(bufs, spec, *topk, hidden, dtype)?;
-        let fin_grid = (n / 8).div_ceil(UNFUSED_BLOCK as usize).clamp(1, 1024) as u32;
+        // Both kernels stride over their work: a launch takes at most
+        // MAX_BLOCKS blocks.
+        let fin_grid = (n / 8).div_ceil(UNFUSED_BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
+        let norm_grid = tokens.clamp(1, MAX_BLOCKS) as u32;
         let x = bufs.t(10, dtype, n)?;
         let suffix = dtype.name();
         let run = || -> Result<()> {
@@ -81,7 +86,7 @@ impl<D: Device> Unfused<D> {
             // SAFETY: as above.
             unsafe {
                 let add_norm = format!("fcb_add_rms_norm_{suffix}");
-                comm.launch_user(&self.module, &add_norm, tokens as u32, UNFUSED_BLOCK, &norm, &call)?;
+                comm.launch_user(&self.module, &add_norm, norm_grid, UNFUSED_BLOCK, &norm, &call)?;
             }
             Ok(())
         };
@@ -113,7 +118,11 @@ fn kernel_args<D: Device>(
     let fin = arg_bytes(&[ptr(0)?, ptr(7)?, ptr(8)?, ptr(9)?, ptr(10)?], &sizes, &[]);
     let mut tail = EPS.to_le_bytes().to_vec();
     tail.extend_from_slice(&u32::from(spec.pattern.norms()).to_le_bytes());
-    let norm = arg_bytes(&[ptr(10)?, ptr(1)?, ptr(2)?, ptr(3)?, ptr(4)?], &[hidden as u64], &tail);
+    let norm = arg_bytes(
+        &[ptr(10)?, ptr(1)?, ptr(2)?, ptr(3)?, ptr(4)?],
+        &[hidden as u64, spec.tokens as u64],
+        &tail,
+    );
     Ok((fin, norm))
 }
 
