@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import ferrocomm
+import ferrocomm.torch  # noqa: F401  (registers the backend "ferrocomm")
 
 
 def parse_bytes(s: str) -> int:
@@ -102,6 +103,7 @@ def main() -> None:
     esize = torch.tensor([], dtype=dtype).element_size()
     comm = ferrocomm.from_torch()
     comm.prepare()
+    fc_group = dist.new_group(backend="ferrocomm") if args.eager else None
     symm = None
     if not args.no_symm_mem:
         try:
@@ -135,6 +137,9 @@ def main() -> None:
             if args.eager:
                 add("all_reduce", "ferrocomm-eager", nbytes, eager_time(lambda: comm.all_reduce(x), k, reps))
                 add("all_reduce", "nccl-eager", nbytes, eager_time(lambda: dist.all_reduce(x), k, reps))
+                # The same call through torch.distributed on the ferrocomm backend.
+                add("all_reduce", "ferrocomm-pg-eager", nbytes,
+                    eager_time(lambda: dist.all_reduce(x, group=fc_group), k, reps))
             if symm is not None and nbytes <= (1 << 26):
                 buf = symm.empty(n, device="cuda", dtype=dtype)
                 symm.rendezvous(buf, gname)

@@ -125,6 +125,14 @@ class _Work(dist._Work):
         self.wait()
 
 
+class _Capabilities:
+    """The backend features torch's Python code checks before using them."""
+
+    supports_splitting = False
+    supports_coalescing = True
+    supports_tensor_alloc = False
+
+
 class ProcessGroupFerrocomm(dist.ProcessGroup):
     """A torch process group whose collectives run on ferrocomm.
 
@@ -186,6 +194,12 @@ class ProcessGroupFerrocomm(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"<ProcessGroupFerrocomm rank {self.rank()} of {self.size()} on {sorted(self._comms) or 'no device yet'}>"
+
+    def _get_backend(self, device: Any) -> "_Capabilities":
+        """What torch's Python code asks a group's backend for a device
+        (``new_group`` under a bound device asks ``supports_splitting``):
+        this group is its own backend, with no C++ one behind it."""
+        return _Capabilities()
 
     # ------------------------------------------------------------ running a call
 
