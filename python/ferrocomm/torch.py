@@ -126,11 +126,20 @@ class _Work(dist._Work):
 
 
 class _Capabilities:
-    """The backend features torch's Python code checks before using them."""
+    """What torch's Python code asks of a group's backend: no feature it
+    checks for (``supports_*``) but coalescing, and for anything else the
+    RuntimeError a group without that device's backend raises, which
+    torch's callers already expect."""
 
-    supports_splitting = False
     supports_coalescing = True
-    supports_tensor_alloc = False
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("supports_"):
+            return False
+        raise RuntimeError(f"the ferrocomm backend is a Python group without a C++ backend: it has no {name}")
 
 
 class ProcessGroupFerrocomm(dist.ProcessGroup):
