@@ -171,34 +171,25 @@ impl<D: Device> Communicator<D> {
             )));
         }
         store_barrier(store.as_ref(), &format!("{prefix}/ready"), rank, world, opts.timeout)?;
-        let levels = match layered {
-            true => {
-                let sub = SubCommunicators {
-                    device: &device,
-                    store: &store,
-                    prefix: &prefix,
-                    opts: &opts,
-                    root_rank,
-                };
-                let inter = if on_host { Shape::Flat } else { Shape::VendorOnly };
-                sub.levels(
-                    &topology,
-                    &opts.name.clone().unwrap_or_else(|| prefix.replace('/', "-")),
-                    inter,
-                )?
-            }
-            false => None,
+        let name = opts.name.clone().unwrap_or_else(|| prefix.replace('/', "-"));
+        let sub = SubCommunicators {
+            device: &device,
+            store: &store,
+            prefix: &prefix,
+            opts: &opts,
+            root_rank,
+        };
+        let inter = if on_host { Shape::Flat } else { Shape::VendorOnly };
+        let levels = if layered {
+            sub.levels(&topology, &name, inter)?
+        } else {
+            None
         };
         let table = DispatchTable::default_for(device.facts().backend);
         let grids = GridTable::new(device.facts())?;
         let has_vendor = vendor.available();
-        let name = opts.name.clone().unwrap_or_else(|| prefix.replace('/', "-"));
         if crate::log::enabled(tracing::Level::INFO) {
-            let workspace = match (&ws, &levels) {
-                (Some(ws), _) => format!("{} MiB ({} MiB slots)", ws.own().len() >> 20, ws.slot_bytes() >> 20),
-                (None, Some(_)) => "none (a node level and a between-nodes level)".into(),
-                (None, None) => "none (NCCL/RCCL only)".into(),
-            };
+            let workspace = workspace_text(ws.as_ref(), levels.is_some());
             log_ready(
                 &name,
                 started,
@@ -439,4 +430,13 @@ fn log_ready<D: Device>(
         f.multiprocessors,
         device.runtime_info()
     );
+}
+
+/// The workspace line of the ready log: its size, or why there is none.
+fn workspace_text<D: Device>(ws: Option<&Workspace<D>>, has_levels: bool) -> String {
+    match (ws, has_levels) {
+        (Some(ws), _) => format!("{} MiB ({} MiB slots)", ws.own().len() >> 20, ws.slot_bytes() >> 20),
+        (None, true) => "none (a node level and a between-nodes level)".into(),
+        (None, false) => "none (NCCL/RCCL only)".into(),
+    }
 }
