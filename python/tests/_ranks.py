@@ -74,3 +74,34 @@ def expect_ok(results: list[RankResult]) -> None:
     if bad:
         text = "\n".join(f"--- rank {r.rank} (exit {r.returncode})\n{r.output}" for r in results)
         raise AssertionError(f"ranks {[r.rank for r in bad]} failed:\n{text}")
+
+
+def why_no_cuda(world: int, shared_ok: bool = False) -> str | None:
+    """Why `world` ranks cannot run on CUDA here through torch (None when
+    they can): no torch, no CUDA, too few GPUs (unless `shared_ok` and
+    FERROCOMM_TEST_SHARE_GPU=1 lets ranks share one), or a ferrocomm built
+    without its cuda backend."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "CUDA is not available to torch"
+    sharing = shared_ok and os.environ.get("FERROCOMM_TEST_SHARE_GPU") == "1"
+    if torch.cuda.device_count() < world and not sharing:
+        return f"{torch.cuda.device_count()} GPU(s), the tests need {world}"
+    import ferrocomm
+
+    if "cuda" not in ferrocomm.BACKENDS:
+        return "ferrocomm was built without the cuda backend"
+    return None
+
+
+def gpu_env() -> dict:
+    """This environment for GPU ranks: unbuffered output, and never NVLink
+    multicast (it can take a shared host's GPUs down; ferrocomm does not
+    use it)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    return env

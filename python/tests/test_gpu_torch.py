@@ -16,43 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from _ranks import free_port
+from _ranks import free_port, gpu_env, why_no_cuda
 
 HERE = Path(__file__).resolve().parent
 WORLD = int(os.environ.get("FERROCOMM_GPU_WORLD", "2"))
 
 
-def _why_not() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "CUDA is not available to torch"
-    if torch.cuda.device_count() < WORLD:
-        return f"{torch.cuda.device_count()} GPU(s), the tests need {WORLD}"
-    import ferrocomm
-
-    if "cuda" not in ferrocomm.BACKENDS:
-        return "ferrocomm was built without the cuda backend"
-    return None
-
-
 @pytest.fixture(scope="module", autouse=True)
 def need_gpus():
-    why = _why_not()
+    why = why_no_cuda(WORLD)
     if why is not None:
         if os.environ.get("FERROCOMM_REQUIRE_GPU") == "1":
             pytest.fail(f"FERROCOMM_REQUIRE_GPU=1 but {why}")
         pytest.skip(why)
-
-
-def _env() -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # Never NVLink multicast on shared hosts; ferrocomm does not use it.
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    return env
 
 
 # FERROCOMM_PY_TEST_TIMEOUT bounds each launch (seconds), for CI jobs with a budget.
@@ -64,7 +40,7 @@ def _torchrun(scenario: str, *args: str, timeout: float = LAUNCH_TIMEOUT) -> str
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
         f"--master_port={free_port()}", str(HERE / "_gpu_worker.py"), scenario, *args,
     ]
-    p = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    p = subprocess.run(cmd, env=gpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     print(p.stdout)
     assert p.returncode == 0, f"{scenario} failed (exit {p.returncode}):\n{p.stdout[-6000:]}"
     assert p.stdout.count(f"rank ok: {scenario}") == WORLD, p.stdout[-3000:]
@@ -76,7 +52,7 @@ def _spawn(scenario: str, timeout: float = min(180.0, LAUNCH_TIMEOUT)) -> list:
     procs = [
         subprocess.Popen(
             [sys.executable, str(HERE / "_gpu_worker.py"), scenario],
-            env=dict(_env(), RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), MASTER_PORT=port),
+            env=dict(gpu_env(), RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), MASTER_PORT=port),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for r in range(WORLD)

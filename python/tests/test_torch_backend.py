@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from _ranks import free_port, launch
+from _ranks import free_port, gpu_env, launch, why_no_cuda
 
 HERE = Path(__file__).resolve().parent
 WORLD = int(os.environ.get("FERROCOMM_TORCH_WORLD", "2"))
@@ -28,19 +28,12 @@ TIMEOUT = float(os.environ.get("FERROCOMM_PY_TEST_TIMEOUT", "300"))
 
 
 def _why_not(kind: str) -> str | None:
+    if kind == "cuda":
+        return why_no_cuda(WORLD, shared_ok=True)
     try:
-        import torch
+        import torch  # noqa: F401
     except ImportError:
         return "torch is not installed"
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            return "CUDA is not available to torch"
-        if torch.cuda.device_count() < WORLD and os.environ.get("FERROCOMM_TEST_SHARE_GPU") != "1":
-            return f"{torch.cuda.device_count()} GPU(s) for {WORLD} ranks (FERROCOMM_TEST_SHARE_GPU=1 shares one)"
-        import ferrocomm
-
-        if "cuda" not in ferrocomm.BACKENDS:
-            return "ferrocomm was built without the cuda backend"
     return None
 
 
@@ -54,20 +47,13 @@ def _need(kind: str) -> None:
     pytest.skip(why)
 
 
-def _env() -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    return env
-
-
 def _torchrun(scenario: str, kind: str) -> str:
     name = f"torch_backend_scenarios:{scenario}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
         f"--master_port={free_port()}", str(HERE / "_gpu_worker.py"), name, kind,
     ]
-    p = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+    p = subprocess.run(cmd, env=gpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
     print(p.stdout)
     assert p.returncode == 0, f"{scenario} on {kind} failed (exit {p.returncode}):\n{p.stdout[-6000:]}"
     assert p.stdout.count(f"rank ok: {name}") == WORLD, p.stdout[-3000:]
@@ -93,7 +79,7 @@ def test_cpu_gloo_cuda_ferrocomm() -> None:
 def test_killed_rank_raises_within_the_timeout(kind: str) -> None:
     _need(kind)
     outs = launch(
-        WORLD, "torch_backend_scenarios:killed_rank", kind, timeout=120, env=_env(), worker="_gpu_worker.py"
+        WORLD, "torch_backend_scenarios:killed_rank", kind, timeout=120, env=gpu_env(), worker="_gpu_worker.py"
     )
     for r in outs:
         print(f"--- rank {r.rank} exit {r.returncode}\n{r.output}")
