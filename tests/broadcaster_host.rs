@@ -11,18 +11,12 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ferrocomm::backends::host::HostDevice;
+use ferrocomm::testing::broadcaster::{message, step};
 use ferrocomm::testing::harness::run_thread_ranks;
 use ferrocomm::testing::launch::{assert_all_ok, run_process_ranks, RankOutput};
-use ferrocomm::{Broadcaster, BroadcasterOptions, CommOptions, Communicator, Error, Result};
+use ferrocomm::{BroadcasterOptions, CommOptions, Communicator, Error, Result};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ferrocomm-worker");
-
-/// The bytes of message `m` of `len` bytes (the worker's formula).
-fn message(m: usize, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i.wrapping_mul(131) ^ m.wrapping_mul(7919)) as u8)
-        .collect()
-}
 
 fn comm_opts(timeout: Duration) -> CommOptions {
     CommOptions::default().with_timeout(timeout).with_slot_bytes(64 << 10)
@@ -43,22 +37,6 @@ fn check_all<T: std::fmt::Debug>(results: Vec<Result<T>>) -> Vec<T> {
         .enumerate()
         .map(|(rank, r)| r.unwrap_or_else(|e| panic!("rank {rank}: {e}")))
         .collect()
-}
-
-/// Send (writer) or receive and check (readers) message `m` of `len` bytes.
-fn step(bc: &mut Broadcaster, m: usize, len: usize, got: &mut Vec<u8>) -> Result<()> {
-    if bc.is_writer() {
-        return bc.send(&message(m, len), None);
-    }
-    bc.recv_into(got, None)?;
-    if *got != message(m, len) {
-        return Err(Error::Aborted(format!(
-            "rank {}: message #{m} ({len} bytes) arrived as {} different bytes",
-            bc.rank(),
-            got.len()
-        )));
-    }
-    Ok(())
 }
 
 /// Every size the brief names, then `extra` messages that wrap the ring

@@ -2,6 +2,7 @@
 //! deterministic inputs, the exact reference, rank harnesses, and the
 //! conformance suite that every backend instantiates.
 
+pub mod broadcaster;
 mod check;
 mod collectives;
 pub mod conformance;

@@ -14,7 +14,8 @@
 use std::time::{Duration, Instant};
 
 use ferrocomm::device::Device;
-use ferrocomm::{Broadcaster, BroadcasterOptions, Communicator, Error, Result};
+use ferrocomm::testing::broadcaster::step;
+use ferrocomm::{BroadcasterOptions, Communicator, Error, Result};
 
 /// What the scenarios take from the command line.
 pub struct Params {
@@ -42,35 +43,12 @@ pub fn run<D: Device>(comm: &Communicator<D>, scenario: &str, p: &Params) -> Res
     }
 }
 
-/// The bytes of message `m` of `len` bytes (the tests' formula too).
-fn message(m: usize, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i.wrapping_mul(131) ^ m.wrapping_mul(7919)) as u8)
-        .collect()
-}
-
 /// Every message size the `broadcaster` scenario sends, in order.
 fn sizes(slot: usize) -> Vec<usize> {
     let mut sizes = vec![0, 64, 4096, slot, slot + 1, 1 << 20];
     // Wrap the ring of 4 slots many times, inline and through the socket.
     sizes.extend((0..200).map(|i| (i * 997) % (2 * slot + 3)));
     sizes
-}
-
-/// Send message `m` (writer) or receive it and check every byte (readers).
-fn step(bc: &mut Broadcaster, m: usize, len: usize, got: &mut Vec<u8>) -> Result<()> {
-    if bc.is_writer() {
-        return bc.send(&message(m, len), None);
-    }
-    bc.recv_into(got, None)?;
-    if *got != message(m, len) {
-        return Err(Error::Aborted(format!(
-            "rank {}: message #{m} ({len} bytes) arrived as {} different bytes",
-            bc.rank(),
-            got.len()
-        )));
-    }
-    Ok(())
 }
 
 fn every_size<D: Device>(comm: &Communicator<D>, p: &Params) -> Result<String> {
