@@ -58,6 +58,7 @@ pub(super) const DRIVER_SYMBOLS: &[&str] = &[
     "cuMemGetAllocationPropertiesFromHandle",
     "cuMemGetAddressRange_v2",
     "cuPointerGetAttribute",
+    "cuPointerGetAttributes",
     "cuIpcGetMemHandle",
     "cuIpcOpenMemHandle_v2",
     "cuIpcCloseMemHandle",

@@ -76,6 +76,54 @@ fn pointer_attribute<T: Default>(ptr: DevicePtr, attr: sys::CUpointer_attribute)
     }
 }
 
+/// What `pointer_info` reads, the allocation's range with it, in one
+/// driver call: every collective checks its tensors, and asked one by one
+/// the attributes cost seven calls a tensor on the eager path. `None` where
+/// the driver refuses the query as a whole; the one-by-one path answers then.
+fn pointer_info_at_once(ptr: DevicePtr) -> Option<PointerInfo> {
+    use sys::CUpointer_attribute as P;
+    let mut attrs = [
+        P::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        P::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+        P::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+        P::CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR,
+        P::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        P::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+    ];
+    // Zeroed 8-byte slots hold every attribute's type (unsigned int, int,
+    // bool, pointers, size_t), read back in its width below.
+    let mut vals = [0u64; 7];
+    let base = vals.as_mut_ptr();
+    let mut data: [*mut c_void; 7] = std::array::from_fn(|i| base.wrapping_add(i) as *mut c_void);
+    // SAFETY: `data[i]` points at `vals[i]`, 8 writable bytes, for each of
+    // the `attrs.len()` attributes; the driver validates `ptr` (an address it
+    // does not know gets zeros, not an error).
+    let r = unsafe { sys::cuPointerGetAttributes(attrs.len() as u32, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr.0) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    let [kind, ordinal, pool, legacy_ipc, mapping, start, size] = vals;
+    let memory = match kind as u32 {
+        t if t == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 => MemoryType::Host,
+        t if t == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 => MemoryType::Device,
+        t if t == sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED as u32 => MemoryType::Device,
+        _ => MemoryType::Unknown,
+    };
+    let device_memory = memory == MemoryType::Device;
+    let pooled = device_memory && pool != 0;
+    Some(PointerInfo {
+        memory,
+        device: device_memory
+            .then(|| usize::try_from(ordinal as u32 as i32).ok())
+            .flatten(),
+        pooled,
+        // As below: cuMemAlloc memory is legacy-IPC capable, a VMM mapping is not.
+        vmm: device_memory && !pooled && legacy_ipc as u8 == 0 && mapping != 0,
+        range: (start != 0 && size > 0).then_some((DevicePtr(start), size as usize)),
+    })
+}
+
 /// `CUmemAllocationProp` as the driver fills it, with plain integers where
 /// the bindings have Rust enums: a value the bindings do not know (a newer
 /// driver's) must not become an invalid enum.
@@ -355,6 +403,9 @@ impl Driver for Cuda {
     }
 
     fn pointer_info(_ctx: &Context, ptr: DevicePtr) -> Result<Option<PointerInfo>> {
+        if let Some(info) = pointer_info_at_once(ptr) {
+            return Ok(Some(info));
+        }
         use sys::CUpointer_attribute as P;
         let memory = match pointer_attribute::<u32>(ptr, P::CU_POINTER_ATTRIBUTE_MEMORY_TYPE) {
             Ok(t) if t == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 => MemoryType::Host,
@@ -388,6 +439,7 @@ impl Driver for Cuda {
             device,
             pooled,
             vmm,
+            range: None,
         }))
     }
 

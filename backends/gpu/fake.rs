@@ -168,6 +168,7 @@ impl Driver for Fake {
             device,
             pooled: false,
             vmm: false,
+            range: None,
         }))
     }
     fn address_range(_: &FakeCtx, ptr: DevicePtr) -> Result<Option<(DevicePtr, usize)>> {

@@ -364,8 +364,12 @@ impl<V: Vendor> Device for GpuDevice<V> {
         // when another one happens to follow.
         let mut at = ptr;
         let mut vmm = info.vmm;
+        let mut known = info.range;
         for _ in 0..MAX_CHUNKS {
-            let (base, size) = self.allocation_of(at)?;
+            let (base, size) = match known.take() {
+                Some(range) => range,
+                None => self.allocation_of(at)?,
+            };
             let alloc_end = base.0 + size as u64;
             if end <= alloc_end {
                 return Ok(());

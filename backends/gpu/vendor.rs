@@ -89,6 +89,9 @@ pub struct PointerInfo {
     /// A VMM mapping: one chunk of a reservation, which the next chunk may
     /// continue (PyTorch's expandable segments), unlike plain allocations.
     pub vmm: bool,
+    /// The allocation (or mapped chunk) that holds the address, where the
+    /// same query told; `None`: ask `address_range`.
+    pub range: Option<(DevicePtr, usize)>,
 }
 
 /// How a compiled image is checked before it is loaded.

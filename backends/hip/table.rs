@@ -367,6 +367,7 @@ impl Driver for Hip {
             device,
             pooled: false,
             vmm: false,
+            range: None,
         }))
     }
 

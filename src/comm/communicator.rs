@@ -89,6 +89,8 @@ pub(crate) struct State<D: Device> {
     pub(crate) phase: Phase,
     pub(crate) res: Option<Resources<D>>,
     pub(crate) last: Option<LastStream<D>>,
+    /// Events for calls' `Work`s and cross-stream order, reused.
+    pub(crate) events: super::events::EventPool<D>,
 }
 
 pub(crate) struct Inner<D: Device> {

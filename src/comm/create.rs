@@ -205,6 +205,7 @@ impl<D: Device> Communicator<D> {
             inner: Arc::new(Inner {
                 state: Mutex::new(State {
                     phase: Phase::Active,
+                    events: Default::default(),
                     res: Some(Resources {
                         ws,
                         module,

@@ -8,6 +8,7 @@ mod call;
 mod collectives;
 mod communicator;
 mod create;
+mod events;
 mod fused;
 mod heap;
 mod layered;

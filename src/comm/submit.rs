@@ -3,7 +3,6 @@
 //! previous call's stream; and host copies into and out of tensors, ordered
 //! the same way.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use super::call::Call;
@@ -88,12 +87,9 @@ impl<D: Device> Communicator<D> {
         }
         copy(stream)?;
         if later_wait {
-            let event = inner.device.create_event()?;
+            let event = st.events.take(&inner.device)?;
             inner.device.record(&event, stream)?;
-            st.last = Some(LastStream {
-                id,
-                event: Arc::new(event),
-            });
+            st.last = Some(LastStream { id, event });
         }
         Ok(())
     }
@@ -155,7 +151,12 @@ impl<D: Device> Communicator<D> {
             capturing,
         };
         enqueue(&mut sub)?;
-        let work = Work::record(self.inner.clone(), stream, what, call.timeout, capturing)?;
+        // An event recorded into a graph could not be waited on from outside it.
+        let event = match capturing {
+            true => None,
+            false => Some(st.events.take(&inner.device)?),
+        };
+        let work = Work::record(self.inner.clone(), stream, what, call.timeout, event)?;
         if let Some(event) = work.event() {
             // The next call on another stream waits for this one.
             st.last = Some(LastStream { id, event });

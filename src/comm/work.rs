@@ -23,20 +23,18 @@ pub struct Work<D: Device> {
 }
 
 impl<D: Device> Work<D> {
+    /// The work of a call just queued on `stream`: `event` (none for a call
+    /// captured into a graph, which runs at replay) is recorded after it.
     pub(crate) fn record(
         inner: Arc<Inner<D>>,
         stream: &D::Stream,
         what: &'static str,
         timeout: Option<Duration>,
-        capturing: bool,
+        event: Option<Arc<D::Event>>,
     ) -> Result<Self> {
-        let event = if capturing {
-            None
-        } else {
-            let event = inner.device.create_event()?;
-            inner.device.record(&event, stream)?;
-            Some(Arc::new(event))
-        };
+        if let Some(e) = &event {
+            inner.device.record(e, stream)?;
+        }
         Ok(Work {
             inner,
             event,
