@@ -35,9 +35,22 @@ def seconds(timeout: Timeout) -> Optional[float]:
     raise InvalidArgument(f"timeout {timeout!r}: expected seconds or a datetime.timedelta")
 
 
+# The native options of calls with no hints and no timeout, by (async_op,
+# stream): the eager path's common case, reused (CallOpts is immutable).
+_PLAIN: dict = {}
+
+
 def call_opts(async_op: bool, hints: Hints, timeout: Timeout, stream: Optional[int]) -> Any:
     """The native ``CallOpts`` of one call; ``stream`` already a raw handle
     (or None: the communicator's own stream)."""
+    if not hints and timeout is None:
+        key = (bool(async_op), stream)
+        opts = _PLAIN.get(key)
+        if opts is None:
+            if len(_PLAIN) >= 256:
+                _PLAIN.clear()
+            opts = _PLAIN[key] = _native.CallOpts(async_op=key[0], stream=stream)
+        return opts
     return _native.CallOpts(
         async_op=async_op,
         timeout=seconds(timeout),

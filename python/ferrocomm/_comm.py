@@ -28,7 +28,16 @@ from ._call import Hints, Stream, Timeout, call_opts, seconds
 from ._ep import EpBuffer
 from ._errors import InvalidArgument
 from ._ops import ReduceOp, as_op
-from ._tensors import HOST_MEMORY, call_stream, current_stream, device_type, prepare, stream_handle
+from ._tensors import (
+    HOST_MEMORY,
+    call_stream,
+    current_stream,
+    device_type,
+    prepare,
+    stream_handle,
+    torch_current_stream,
+    torch_gpu,
+)
 
 __all__ = [
     "Communicator", "Work", "P2POp", "HeapTensor", "HeapTensorBits", "Window", "RemoteTensor", "EpBuffer",
@@ -264,7 +273,8 @@ class Communicator:
         ``key`` does, and the stream to run on."""
         if key is None:
             return self._native, stream_handle(stream)
-        if device_type(key) in HOST_MEMORY:
+        gpu = torch_gpu(key)
+        if gpu is None and device_type(key) in HOST_MEMORY:
             if stream is not None:
                 raise InvalidArgument("stream= is for GPU tensors; CPU arrays run on the host backend, which has none")
             return self._host_comm(), None
@@ -273,8 +283,9 @@ class Communicator:
                 "a GPU tensor was given to a communicator on the host backend: create it with backend='cuda', "
                 "'rocm' or 'auto'"
             )
-        s = stream_handle(stream) if stream is not None else current_stream(key)
-        return self._native, s
+        if stream is not None:
+            return self._native, stream_handle(stream)
+        return self._native, torch_current_stream(gpu) if gpu is not None else current_stream(key)
 
     def _per_call(self, key: Any, async_op: bool, hints: Hints, timeout: Timeout, stream: Stream) -> tuple:
         """The path every collective shares once it has checked its own

@@ -61,11 +61,37 @@ def prepare(t: Any) -> Any:
         return t
     if t.requires_grad:
         t = t.detach()
+    if t.dtype in _torch_plain_dtypes(torch):
+        return t
     if t.is_complex():
         t = torch.view_as_real(t)
     elif t.element_size() == 1 and t.dtype not in (torch.uint8, torch.int8, torch.bool):
         t = t.view(torch.uint8)
     return t
+
+
+_PLAIN_DTYPES: Optional[frozenset] = None
+
+
+def _torch_plain_dtypes(torch: Any) -> frozenset:
+    """torch's dtypes that DLPack carries as they are (the eager path's
+    common case, answered by one set lookup)."""
+    global _PLAIN_DTYPES
+    if _PLAIN_DTYPES is None:
+        _PLAIN_DTYPES = frozenset(
+            (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.uint8)
+        )
+    return _PLAIN_DTYPES
+
+
+def torch_gpu(t: Any) -> Optional[int]:
+    """The GPU a torch tensor is on, or None (not torch, or not on a GPU):
+    torch's C-implemented attributes, cheaper than ``__dlpack_device__``,
+    which torch writes in Python."""
+    torch = _torch()
+    if torch is not None and isinstance(t, torch.Tensor) and t.is_cuda:
+        return t.get_device()
+    return None
 
 
 def stream_handle(stream: Any) -> Optional[int]:
@@ -115,13 +141,23 @@ def current_device_stream(device: int) -> Optional[int]:
     return _torch_current_stream(torch, device)
 
 
+_CURRENT_RAW_STREAM: Any = None
+
+
 def _torch_current_stream(torch: Any, device: int) -> int:
     """torch's current stream on GPU ``device``, as a raw handle (torch's
-    own raw-stream call where it has one)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(device))
-    return int(torch.cuda.current_stream(device).cuda_stream)
+    own raw-stream call where it has one, looked up once)."""
+    global _CURRENT_RAW_STREAM
+    if _CURRENT_RAW_STREAM is None:
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _CURRENT_RAW_STREAM = raw or (lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return int(_CURRENT_RAW_STREAM(device))
+
+
+def torch_current_stream(device: int) -> int:
+    """torch's current stream on GPU ``device`` (torch is loaded: a torch
+    tensor is there), as a raw handle."""
+    return _torch_current_stream(_torch(), device)
 
 
 def call_stream(comm: Any, stream: Any, tensor: Any, what: str) -> Optional[int]:

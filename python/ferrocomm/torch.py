@@ -38,6 +38,7 @@ from ._bootstrap import from_store
 from ._comm import Communicator
 from ._errors import InvalidArgument, Unsupported
 from ._ops import ReduceOp
+from ._tensors import torch_current_stream
 
 __all__ = ["BACKEND", "ProcessGroupFerrocomm", "register"]
 
@@ -74,25 +75,38 @@ def _blocking_wait() -> bool:
 
 
 class _Work(dist._Work):
-    """A collective queued on ``stream`` (None: it ran on the CPU and is
-    done). ``native`` is ferrocomm's :class:`~ferrocomm.Work` when the
-    call was made with ``async_op=True`` (blocking waits), else None."""
+    """A collective queued on the raw stream ``stream`` of GPU ``device``
+    (``device`` None: it ran on the CPU and is done). ``native`` is
+    ferrocomm's :class:`~ferrocomm.Work` when the call was made with
+    ``async_op=True`` (blocking waits), else None.
 
-    def __init__(self, result: Any, stream: Any, native: Any = None) -> None:
+    torch's synchronous collectives call :meth:`wait` on every call: on the
+    stream the call ran on (the common case) it compares two handles and
+    builds no stream object."""
+
+    def __init__(self, result: Any, device: Optional[int] = None, stream: int = 0, native: Any = None) -> None:
         super().__init__()
         self._result = result
-        self._stream = stream
+        self._device = device
+        self._raw = stream
         self._native = native
         self._future: Optional[torch.futures.Future] = None
+
+    @property
+    def _stream(self) -> Optional[torch.cuda.Stream]:
+        """The stream the call ran on, as torch's object (None on the CPU)."""
+        if self._device is None:
+            return None
+        if self._raw == 0:
+            return torch.cuda.default_stream(self._device)
+        return torch.cuda.ExternalStream(self._raw, device=torch.device("cuda", self._device))
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if self._native is not None:
             limit = timeout.total_seconds() if timeout and timeout.total_seconds() > 0 else None
             self._native.wait(limit)
-        if self._stream is not None:
-            current = torch.cuda.current_stream(self._stream.device)
-            if current != self._stream:
-                current.wait_stream(self._stream)
+        if self._device is not None and torch_current_stream(self._device) != self._raw:
+            torch.cuda.current_stream(self._device).wait_stream(self._stream)
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -104,7 +118,7 @@ class _Work(dist._Work):
                 # A CUDA-aware future: set_result records an event on the
                 # collective's stream, and whoever reads the value (DDP's
                 # reducer, a callback) waits for it on their own stream.
-                fut = torch.futures.Future(devices=[self._stream.device])
+                fut = torch.futures.Future(devices=[torch.device("cuda", self._device)])
                 with torch.cuda.stream(self._stream):
                     fut.set_result(self._result)
             self._future = fut
@@ -113,7 +127,7 @@ class _Work(dist._Work):
     def is_completed(self) -> bool:
         if self._native is not None:
             return bool(self._native.is_completed())
-        return self._stream is None or self._stream.query()
+        return self._device is None or self._stream.query()
 
     def is_success(self) -> bool:
         return self.is_completed()
@@ -159,6 +173,9 @@ class ProcessGroupFerrocomm(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout.total_seconds()
         self._comms: dict = {}
+        # The GPU communicators again, by device index: the per-call lookup.
+        self._gpu_comms: dict = {}
+        self._blocking = _blocking_wait()
         self._last: Optional[Communicator] = None
         self._coalescing: Optional[List[tuple]] = None
         self._group_name = ""
@@ -217,14 +234,16 @@ class ProcessGroupFerrocomm(dist.ProcessGroup):
         of tensor ``key`` and wrap it in a work object. CUDA calls run on
         torch's current stream there."""
         if key is not None and getattr(key, "is_cuda", False):
-            c = self._last = self.comm(key.device)
-            stream = torch.cuda.current_stream(key.device)
-            blocking = _blocking_wait()
-            native = call(c, blocking)
-            return _Work(result, stream, native if blocking else None)
+            index = key.get_device()
+            c = self._gpu_comms.get(index)
+            if c is None:
+                c = self._gpu_comms[index] = self.comm(torch.device("cuda", index))
+            self._last = c
+            native = call(c, self._blocking)
+            return _Work(result, index, torch_current_stream(index), native if self._blocking else None)
         c = self._last = self.comm("cpu")
         call(c, False)
-        return _Work(result, None)
+        return _Work(result)
 
     @staticmethod
     def _one(tensors: Sequence[Any], what: str) -> Any:

@@ -36,6 +36,7 @@ use crate::export::Counter;
 use crate::heap::{PyHeapTensor, PyWindow};
 use crate::membership::{Member, Membership};
 use crate::store::PyStore;
+use crate::torch_tensor;
 use crate::work::{lock, Outstanding, Pending, PyWork};
 
 /// A fused pattern by name: FlashInfer-style long names or ferrocomm's
@@ -75,6 +76,8 @@ pub(crate) struct Batch {
     backend: &'static str,
     ordinal: usize,
     gpu: bool,
+    /// The stream the call runs on (raw handle), for GPU memory.
+    stream: Option<u64>,
     /// The `stream` argument `__dlpack__` gets for GPU memory.
     dl_stream: Option<i64>,
     owners: Vec<Owner>,
@@ -100,24 +103,15 @@ impl Batch {
     /// is the caller's to keep. Heap tensors are taken as they are (held,
     /// not exported).
     pub(crate) fn import_checked(&mut self, obj: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<Imported> {
-        let dl = self.dl_stream;
-        let gpu_memory = |t: i32| matches!(t, KDL_CUDA | KDL_ROCM | KDL_CUDA_MANAGED);
         let refuse = |m: String| Err(invalid(format!("{what}: {m}")));
-        let wrong_device =
-            |t: i32, id: i32| self.gpu && gpu_memory(t) && t != KDL_CUDA_MANAGED && id as usize != self.ordinal;
-        // Before the export: a producer asked for our stream on another
-        // device refuses with its own error (torch: BufferError).
-        if let Ok((t, id)) = dlpack::device_of(obj) {
-            if wrong_device(t, id) {
-                return refuse(format!(
-                    "it is on {} device {id} but this communicator uses device {}",
-                    self.backend, self.ordinal
-                ));
-            }
-        }
-        let imp: Imported = match obj.cast::<PyHeapTensor>() {
-            Ok(h) => h.get().lend(obj)?,
-            Err(_) => dlpack::import(obj, |t| if gpu_memory(t) { dl } else { None })?,
+        let fast = match self.stream {
+            Some(s) => torch_tensor::import_current(obj, s)?,
+            None => None,
+        };
+        let imp: Imported = match (fast, obj.cast::<PyHeapTensor>()) {
+            (Some(imp), _) => imp,
+            (None, Ok(h)) => h.get().lend(obj)?,
+            (None, Err(_)) => self.import_dlpack(obj, what)?,
         };
         if !(self.accepts)(imp.device_type) {
             return refuse(format!(
@@ -136,6 +130,24 @@ impl Batch {
             return refuse("it is read-only, and the collective writes into it".into());
         }
         Ok(imp)
+    }
+
+    /// `obj` through DLPack, exported for the call's stream where it is
+    /// GPU memory.
+    fn import_dlpack(&self, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Imported> {
+        let dl = self.dl_stream;
+        let gpu_memory = |t: i32| matches!(t, KDL_CUDA | KDL_ROCM | KDL_CUDA_MANAGED);
+        // Before the export: a producer asked for our stream on another
+        // device refuses with its own error (torch: BufferError).
+        if let Ok((t, id)) = dlpack::device_of(obj) {
+            if self.gpu && gpu_memory(t) && t != KDL_CUDA_MANAGED && id as usize != self.ordinal {
+                return Err(invalid(format!(
+                    "{what}: it is on {} device {id} but this communicator uses device {}",
+                    self.backend, self.ordinal
+                )));
+            }
+        }
+        dlpack::import(obj, |t| if gpu_memory(t) { dl } else { None })
     }
 
     /// Keep `owner` with the call too (memory it uses that no argument names).
@@ -252,6 +264,7 @@ impl PyComm {
             backend,
             ordinal,
             gpu,
+            stream: if gpu { raw } else { None },
             dl_stream: if gpu { dl_stream } else { None },
             owners: Vec::new(),
         }

@@ -113,6 +113,11 @@ enum Held {
 }
 
 impl Owner {
+    /// The Python object itself (its memory lives as long as it does).
+    pub fn object(obj: Py<PyAny>) -> Owner {
+        Owner(Held::Object(obj))
+    }
+
     /// Ferrocomm's own memory (`obj`), held by `loan` while it is used.
     pub fn loaned(obj: Py<PyAny>, loan: crate::export::Loan) -> Owner {
         Owner(Held::Loaned(obj, loan))
@@ -189,75 +194,6 @@ pub fn device_of(obj: &Bound<'_, PyAny>) -> PyResult<(i32, i32)> {
     Err(not_a_tensor(obj))
 }
 
-/// A torch GPU tensor used on the stream torch has current on its device
-/// (the call's stream when the caller gave none): its pointer and shape
-/// straight from torch, the tensor object as the owner. torch's
-/// `__dlpack__` costs several microseconds a call in Python code; on the
-/// current stream it has nothing to order anyway (the DLPack `stream`
-/// argument asks the producer to order its work before the consumer's
-/// stream, which here is the same stream). Anything else (another stream,
-/// strided tensors, dtypes without a mapping): `None`, and the DLPack path.
-/// `FERROCOMM_PY_DLPACK=1` turns this path off.
-fn torch_current_stream(obj: &Bound<'_, PyAny>, stream: Option<i64>, device: (i32, i32)) -> PyResult<Option<Imported>> {
-    use pyo3::sync::PyOnceLock;
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    static CURRENT_RAW_STREAM: PyOnceLock<Option<Py<PyAny>>> = PyOnceLock::new();
-    let py = obj.py();
-    let Some(stream) = stream else { return Ok(None) };
-    if *OFF.get_or_init(|| std::env::var("FERROCOMM_PY_DLPACK").is_ok_and(|v| v.trim() == "1")) {
-        return Ok(None);
-    }
-    let ty = obj.get_type();
-    if ty.name()?.to_cow()? != "Tensor" || ty.module()?.to_cow()? != "torch" {
-        return Ok(None);
-    }
-    let current = CURRENT_RAW_STREAM.get_or_init(py, || {
-        py.import("torch")
-            .and_then(|t| t.getattr("_C"))
-            .and_then(|c| c.getattr("_cuda_getCurrentRawStream"))
-            .ok()
-            .map(Bound::unbind)
-    });
-    let Some(current) = current else { return Ok(None) };
-    if current.call1(py, (device.1,))?.extract::<i64>(py)? != stream {
-        return Ok(None);
-    }
-    if !obj.call_method0(intern!(py, "is_contiguous"))?.extract::<bool>()? {
-        return Ok(None);
-    }
-    let name = obj.getattr(intern!(py, "dtype"))?.str()?;
-    let dtype = match &*name.to_cow()? {
-        "torch.float32" => DType::F32,
-        "torch.float16" => DType::F16,
-        "torch.bfloat16" => DType::BF16,
-        "torch.float64" => DType::F64,
-        "torch.int8" => DType::I8,
-        "torch.int32" => DType::I32,
-        "torch.int64" => DType::I64,
-        "torch.uint8" | "torch.bool" => DType::U8,
-        "torch.float8_e4m3fn" => DType::F8E4M3,
-        "torch.float8_e5m2" => DType::F8E5M2,
-        _ => return Ok(None),
-    };
-    let ptr: u64 = obj.call_method0(intern!(py, "data_ptr"))?.extract()?;
-    let count: usize = obj.call_method0(intern!(py, "numel"))?.extract()?;
-    let dims: usize = obj.call_method0(intern!(py, "dim"))?.extract()?;
-    let rows = match dims {
-        0 => 1,
-        _ => obj.call_method1(intern!(py, "size"), (0,))?.extract()?,
-    };
-    Ok(Some(Imported {
-        ptr,
-        count,
-        dtype,
-        device_type: device.0,
-        device_id: device.1,
-        readonly: false,
-        rows,
-        owner: Owner(Held::Object(obj.clone().unbind())),
-    }))
-}
-
 /// Import `obj`. `stream_for(device_type)` gives the `stream` argument for
 /// `__dlpack__` (None for CPU memory): the producer orders its pending work
 /// on the tensor before that stream, as the DLPack protocol specifies.
@@ -271,9 +207,6 @@ pub fn import(obj: &Bound<'_, PyAny>, stream_for: impl Fn(i32) -> Option<i64>) -
     }
     let device = device_of(obj)?;
     let stream = stream_for(device.0);
-    if let Some(fast) = torch_current_stream(obj, stream, device)? {
-        return Ok(fast);
-    }
     let kwargs = PyDict::new(py);
     if let Some(s) = stream {
         kwargs.set_item(intern!(py, "stream"), s)?;

@@ -28,6 +28,7 @@ mod export;
 mod heap;
 mod membership;
 mod store;
+mod torch_tensor;
 mod work;
 
 use pyo3::prelude::*;
