@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--eager", action="store_true", help="add eager (no graph) rows for ferrocomm and NCCL")
     ap.add_argument("--no-symm-mem", action="store_true")
+    ap.add_argument("--no-pg", action="store_true", help="no eager rows through torch.distributed on ferrocomm")
     ap.add_argument("--fused", action="store_true", help="add all-reduce + residual + RMSNorm rows (unfused vs fused)")
     ap.add_argument("--json", help="write the rows here (rank 0)")
     args = ap.parse_args()
@@ -103,7 +104,7 @@ def main() -> None:
     esize = torch.tensor([], dtype=dtype).element_size()
     comm = ferrocomm.from_torch()
     comm.prepare()
-    fc_group = dist.new_group(backend="ferrocomm") if args.eager else None
+    fc_group = dist.new_group(backend="ferrocomm") if args.eager and not args.no_pg else None
     symm = None
     if not args.no_symm_mem:
         try:
@@ -137,6 +138,7 @@ def main() -> None:
             if args.eager:
                 add("all_reduce", "ferrocomm-eager", nbytes, eager_time(lambda: comm.all_reduce(x), k, reps))
                 add("all_reduce", "nccl-eager", nbytes, eager_time(lambda: dist.all_reduce(x), k, reps))
+            if fc_group is not None:
                 # The same call through torch.distributed on the ferrocomm backend.
                 add("all_reduce", "ferrocomm-pg-eager", nbytes,
                     eager_time(lambda: dist.all_reduce(x, group=fc_group), k, reps))

@@ -70,6 +70,12 @@ def test_torch_api_on_ferrocomm(scenario: str, kind: str) -> None:
     _torchrun(scenario, kind)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_freed_and_reused_address(kind: str) -> None:
+    _need(kind)
+    _torchrun("reused_address", kind)
+
+
 def test_cpu_gloo_cuda_ferrocomm() -> None:
     _need("cuda")
     _torchrun("mixed", "cuda")

@@ -164,6 +164,42 @@ def collectives(kind: str) -> None:
     dist.destroy_process_group()
 
 
+def reused_address(kind: str) -> None:
+    """Eager all-reduces on tensors that are freed after each call, so
+    torch's caching allocator hands their memory to the next tensor: values,
+    dtypes and lengths change under the same address, and every call must
+    read the tensor it was given (the eager path remembers nothing across
+    calls). Directly on the group's communicator and through torch."""
+    dev = init(kind)
+    pg = dist.distributed_c10d._get_default_group()
+    W = dist.get_world_size()
+    cases = [
+        (torch.float32, 4096), (torch.float32, 4096), (torch.bfloat16, 8192), (torch.int32, 4096),
+        (torch.float16, 8192), (torch.float32, 2048), (torch.float32, 4096),
+    ]
+    reused = 0
+    for via in ("ferrocomm", "torch"):
+        last = None
+        for salt, (dtype, n) in enumerate(cases):
+            want = sum(_ints(q, n, torch.device("cpu"), dtype, salt) for q in range(W))
+            x = _ints(dist.get_rank(), n, dev, dtype, salt)
+            if via == "ferrocomm":
+                pg.comm(dev).all_reduce(x)
+            else:
+                dist.all_reduce(x)
+            assert torch.equal(x.cpu(), want), f"{via}: case {salt} ({dtype}, {n}) at {x.data_ptr():#x}"
+            reused += x.data_ptr() == last
+            last = x.data_ptr()
+            del x
+            # ferrocomm lets go of a finished call's tensors at its next
+            # call; a barrier is one, after which the memory is torch's again.
+            dist.barrier()
+    print(f"rank {dist.get_rank()}: {2 * len(cases)} calls, {reused} on a reused address", flush=True)
+    if kind == "cuda":
+        assert reused >= 4, f"only {reused} calls landed on a reused address: the case proves little"
+    dist.destroy_process_group()
+
+
 def mixed(kind: str) -> None:
     """``cpu:gloo,cuda:ferrocomm``: the group takes both devices' tensors."""
     dev = _device("cuda")
