@@ -3,17 +3,17 @@
 //!
 //! torch's `__dlpack__` and `__dlpack_device__` are Python code: given a
 //! stream, `__dlpack__` builds stream objects and orders torch's stream
-//! before the consumer's, tens of microseconds of an eager call (the
-//! cProfile of `python/bench/profile_eager.py`, BENCHMARKS.md "Python eager
-//! cost per call"). On torch's current stream there is nothing to order:
-//! the call is queued behind the work that wrote the tensor. So the address,
-//! length and dtype are read from the tensor's C-implemented methods, and
-//! the tensor object keeps its memory alive until the call has run (as
-//! DLPack's deleter would).
+//! before the consumer's, most of an eager call (`python/bench/profile_eager.py`;
+//! BENCHMARKS.md, "Eager cost per call"). On torch's current stream there
+//! is nothing to order: the call is queued behind the work that wrote the
+//! tensor. So the address, length and dtype are read from the tensor's
+//! C-implemented methods, and the tensor object keeps its memory alive
+//! until the call has run (as DLPack's deleter would).
 //!
 //! Nothing is remembered between calls: a tensor freed and its address
 //! reused by another tensor is read afresh (`test_freed_and_reused_address`
-//! in `python/tests/test_torch_backend.py`). Anything else — another
+//! in `python/tests/test_torch_backend.py`). The tensor is let go once its
+//! call has run, at the communicator's next call. Anything else — another
 //! stream, a strided tensor, a subclass, a dtype without a mapping — goes
 //! through DLPack. `FERROCOMM_PY_DLPACK=1` sends every tensor through it.
 
