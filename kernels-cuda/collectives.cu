@@ -629,6 +629,21 @@ FC_DEVICE void exchange(const FcParams& p) {
     exchange_from(p, e0);
 }
 
+// The copy route's handshake (protocol.md "Copy route"): the copy engines
+// move the data between two launches of this one-block kernel, which moves
+// none. p.aux is the phase: 0 before the pushes (every peer entered the
+// call, with our fingerprint), 1 after them (every peer's pushes landed; it
+// publishes the epoch). The copies' addresses are fixed when they are queued
+// (or captured), so the route always uses parity region 0: the handshake runs
+// at even epochs only, skipping one where needed (every rank alike).
+FC_DEVICE void copy_sync(const FcParams& p) {
+    char* own = fc_ptr<char>(p.peer_ws[p.rank]);
+    fc_u32 epoch = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
+    epoch += epoch & 1u;
+    if (!arrive_wait(p, own, epoch, 0u, p.aux, 0u)) return;
+    if (p.aux == 1u) complete(own, epoch);
+}
+
 // Phase 0 of the direct kinds, by thread t != rank of every block: tell peer
 // t the count we send it, the count we expect from it (aux word 1, which
 // these kinds do not use for the largest block: each side checks the
