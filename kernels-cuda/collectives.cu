@@ -633,14 +633,17 @@ FC_DEVICE void exchange(const FcParams& p) {
 // move the data between two launches of this one-block kernel, which moves
 // none. p.aux is the phase: 0 before the pushes (every peer entered the
 // call, with our fingerprint), 1 after them (every peer's pushes landed; it
-// publishes the epoch). The copies' addresses are fixed when they are queued
-// (or captured), so the route always uses parity region 0: the handshake runs
-// at even epochs only, skipping one where needed (every rank alike).
+// publishes the epoch). Phase 0 runs at E = epoch + 1, as every kind's first
+// handshake, so a crossed call meets it there. The copies' addresses are
+// fixed when queued (or captured), so the route's inboxes are always parity
+// region 0, and phase 1 ends the call at an even epoch (E rounded up, alike
+// on every rank): the next launch, at an odd epoch, writes only region 1
+// before its first wait.
 FC_DEVICE void copy_sync(const FcParams& p) {
     char* own = fc_ptr<char>(p.peer_ws[p.rank]);
     fc_u32 epoch = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
-    epoch += epoch & 1u;
-    if (!arrive_wait(p, own, epoch, 0u, p.aux, 0u)) return;
+    if (p.aux == 1u) epoch += epoch & 1u;
+    if (!arrive_wait(p, own, epoch, epoch & 1u, p.aux, 0u)) return;
     if (p.aux == 1u) complete(own, epoch);
 }
 

@@ -5,12 +5,17 @@
 
 use super::kernels::Launch;
 
-/// Phase `p.aux` of the handshake at the launch's epoch rounded up to even
-/// (the route's copies always use parity region 0); phase 1 publishes it.
-/// Returns the epoch to publish, as `kernels::launch` wants.
+/// Phase `p.aux` of the handshake: phase 0 at the launch's epoch `E` (where
+/// every kind's first handshake meets a crossed call), phase 1 at `E`
+/// rounded up to even, which it publishes (the route's inboxes are always
+/// parity region 0, so the next launch must start at an odd epoch). Returns
+/// the epoch to publish, as `kernels::launch` wants.
 pub(super) fn copy_sync(l: &Launch) -> Option<u32> {
-    let l = l.chunk((l.epoch & 1) as usize);
     let phase = l.p.aux as usize;
+    let l = match phase {
+        1 => l.chunk((l.epoch & 1) as usize),
+        _ => *l,
+    };
     l.arrive(phase);
     if !l.wait(phase) {
         return None;

@@ -12,11 +12,14 @@
 //! same call), then the pushes, then phase 1 (every peer's pushes landed).
 //!
 //! Copies take fixed addresses, recorded once (graph capture), while the
-//! parity region of a launch follows the device's epoch. So the handshake
-//! runs at even epochs only (skipping one where the stored epoch is even;
-//! every rank stores the same epochs, so every rank skips alike), and the
-//! inboxes are parity region 0: never the region a neighbouring launch of
-//! another kind writes before its first wait.
+//! parity region a launch may write before its first wait follows the
+//! device's epoch. So the inboxes are always parity region 0, and phase 1
+//! ends each chunk at an even epoch (its phase-0 epoch rounded up; every
+//! rank stores the same epochs, so every rank rounds alike): the next launch
+//! starts at an odd epoch and writes only region 1 before its first wait,
+//! which proves every rank has copied its inboxes out. Phase 0 keeps the
+//! epoch every kind's first handshake has, so a crossed call meets it there
+//! and is a mismatch.
 
 use super::kernels::KernelKind;
 use super::launch::{fingerprint, CollectiveCall};
