@@ -73,7 +73,7 @@ impl Algorithm {
 
     /// What the collectives other than all-reduce run, as their ladders
     /// name them.
-    pub const DATA_KINDS: [Algorithm; 3] = [Algorithm::Ll, Algorithm::Inbox, Algorithm::Vendor];
+    pub const DATA_KINDS: [Algorithm; 4] = [Algorithm::Ll, Algorithm::Inbox, Algorithm::Copy, Algorithm::Vendor];
 
     /// Its name, as every interface spells it.
     pub const fn name(self) -> &'static str {
