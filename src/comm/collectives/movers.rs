@@ -2,8 +2,8 @@
 //! all-gather, all-to-all(-v), gather, scatter. Validate, plan, submit.
 
 use super::run;
-use crate::algo::kernels::KernelKind;
 use super::Lists;
+use crate::algo::kernels::KernelKind;
 use crate::comm::call::Call;
 use crate::comm::communicator::Communicator;
 use crate::comm::tensor::Tensor;
