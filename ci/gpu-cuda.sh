@@ -201,9 +201,13 @@ if [[ " $STEPS " == *" shared "* ]] && command -v torchrun >/dev/null; then
     # dropped works), FERROCOMM_FUZZ_TRIALS trials (300 by default).
     step shared_fuzz "${shared[@]}" torchrun --nproc_per_node=2 --no-python "$BIN/ferrocomm-worker" \
         fuzz --backend cuda --timeout-secs 60
-    # Mismatched calls: a different collective (LL against the flags) and
-    # all-to-all splits that disagree, both a mismatch on both ranks.
-    for coll in crossed all_to_all; do
+    # The copy route (coll_algo copy): thread ranks sharing the GPU, its
+    # cases over several chunks and its graph replay, bitwise.
+    step shared_copy_route "${shared[@]}" "$BIN/conformance_cuda" --include-ignored --test-threads=1 copy_route
+    # Mismatched calls: a different collective (LL against the flags, and
+    # against the copy route's handshake) and all-to-all splits that
+    # disagree, each a mismatch on both ranks.
+    for coll in crossed crossed_copy all_to_all; do
         step "shared_mismatch_$coll" "${shared[@]}" torchrun --nproc_per_node=2 --no-python \
             "$BIN/ferrocomm-worker" mismatch --coll "$coll" --backend cuda --timeout-secs 20
     done
@@ -247,6 +251,14 @@ if [[ " $STEPS " == *" collbench "* ]]; then
         step "collbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --coll all --algo auto,nccl --graph \
             --dtype bf16 --min-bytes 4K --max-bytes "${COLL_MAX:-64M}" \
             --iters "${BENCH_ITERS:-10}" --warmup "${BENCH_WARMUP:-3}" --json "$LOG/collbench_w$w.json"
+    done
+    # The copy route (copy engines, no SM) beside the kernels and NCCL, for
+    # the table: the planner takes it only where asked or tuned.
+    for w in $(bench_worlds collbench); do
+        step "collbench_copy_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" \
+            --coll all_gather,broadcast,all_to_all --algo auto,copy,nccl --graph \
+            --dtype bf16 --min-bytes 4K --max-bytes "${COLL_MAX:-64M}" \
+            --iters "${BENCH_ITERS:-10}" --warmup "${BENCH_WARMUP:-3}" --json "$LOG/collbench_copy_w$w.json"
     done
     # The direct kinds against the inbox way, for DIRECT_MIN_BLOCK_BYTES (4
     # MiB a peer, not measured): every row on plain buffers, then on heap

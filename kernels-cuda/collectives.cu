@@ -629,6 +629,24 @@ FC_DEVICE void exchange(const FcParams& p) {
     exchange_from(p, e0);
 }
 
+// The copy route's handshake (protocol.md "Copy route"): the copy engines
+// move the data between two launches of this one-block kernel, which moves
+// none. p.aux is the phase: 0 before the pushes (every peer entered the
+// call, with our fingerprint), 1 after them (every peer's pushes landed; it
+// publishes the epoch). Phase 0 runs at E = epoch + 1, as every kind's first
+// handshake, so a crossed call meets it there. The copies' addresses are
+// fixed when queued (or captured), so the route's inboxes are always parity
+// region 0, and phase 1 ends the call at an even epoch (E rounded up, alike
+// on every rank): the next launch, at an odd epoch, writes only region 1
+// before its first wait.
+FC_DEVICE void copy_sync(const FcParams& p) {
+    char* own = fc_ptr<char>(p.peer_ws[p.rank]);
+    fc_u32 epoch = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
+    if (p.aux == 1u) epoch += epoch & 1u;
+    if (!arrive_wait(p, own, epoch, epoch & 1u, p.aux, 0u)) return;
+    if (p.aux == 1u) complete(own, epoch);
+}
+
 // Phase 0 of the direct kinds, by thread t != rank of every block: tell peer
 // t the count we send it, the count we expect from it (aux word 1, which
 // these kinds do not use for the largest block: each side checks the

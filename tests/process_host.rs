@@ -107,6 +107,9 @@ fn killed_rank_in_every_collective_becomes_an_error() {
         ("broadcast", 3),
         ("reduce", 3),
         ("sendrecv", 2),
+        ("copy_all_gather", 3),
+        ("copy_broadcast", 3),
+        ("copy_all_to_all", 3),
     ];
     std::thread::scope(|s| {
         let runs: Vec<_> = jobs
@@ -160,6 +163,12 @@ fn mismatched_all_to_all_splits_are_an_error_naming_the_peer() {
 #[test]
 fn a_different_collective_is_a_mismatch_not_a_timeout() {
     let outs = run(&["mismatch", "--coll", "crossed", "--timeout-secs", "20"], 3, 60);
+    assert_all_ok(&outs);
+}
+
+#[test]
+fn a_different_collective_on_the_copy_route_is_a_mismatch() {
+    let outs = run(&["mismatch", "--coll", "crossed_copy", "--timeout-secs", "20"], 3, 60);
     assert_all_ok(&outs);
 }
 

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 
 use super::collectives;
+use super::copy;
 use super::fused;
 use super::futex;
 use super::ll;
@@ -55,6 +56,8 @@ pub(super) enum HostKernel {
     ReduceToLl { dtype: DType, op: ReduceOp },
     /// `fc_sendrecv`: a batch of sends and receives (no epoch).
     SendRecv,
+    /// `fc_copy_sync`: the copy route's handshake.
+    CopySync,
     /// `fc_fused_<kind>_[moe_]<pattern>_<dtype>`: a fused all-reduce epilogue.
     Fused {
         kind: crate::algo::fused::FusedKind,
@@ -119,6 +122,7 @@ impl HostKernel {
                     launch(p, |l| run(l).then_some(l.epoch))
                 }
                 HostKernel::SendRecv => collectives::send_recv(p),
+                HostKernel::CopySync => launch(p, copy::copy_sync),
                 HostKernel::Fused {
                     kind,
                     input,
@@ -203,6 +207,7 @@ pub(super) fn module_kernels(module: &str) -> Result<HashMap<String, HostKernel>
             kernel_name(KernelKind::SendRecv, any, ReduceOp::Sum),
             HostKernel::SendRecv,
         );
+        map.insert(kernel_name(KernelKind::Copy, any, ReduceOp::Sum), HostKernel::CopySync);
         debug_assert!(collective_kernel_names().iter().all(|n| map.contains_key(n)));
     } else if module == QUICK_REDUCE.name {
         for codec in QR_CODECS {
@@ -574,7 +579,8 @@ unsafe fn run<T: Lanes>(l: &Launch, kind: KernelKind, op: Reduction) -> Option<u
             | KernelKind::ReduceTo
             | KernelKind::ReduceToDirect
             | KernelKind::ReduceToLl
-            | KernelKind::SendRecv => None,
+            | KernelKind::SendRecv
+            | KernelKind::Copy => None,
         }
     }
 }

@@ -8,6 +8,7 @@
 //! functions in `kernels.rs` that follow `docs/protocol.md` exactly.
 
 mod collectives;
+mod copy;
 mod fused;
 // Also the broadcaster's ring (`comm::broadcaster`) sleeps on these.
 pub(crate) mod futex;

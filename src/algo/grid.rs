@@ -66,6 +66,7 @@ fn env_prefix(kind: KernelKind) -> &'static str {
         KernelKind::ReduceTo | KernelKind::ReduceToDirect => "REDUCE_TO",
         KernelKind::ExchangeLl | KernelKind::ReduceToLl => "COLL_LL",
         KernelKind::SendRecv => "SENDRECV",
+        KernelKind::Copy => "COPY",
     }
 }
 
@@ -103,6 +104,9 @@ fn default_rule(kind: KernelKind) -> GridRule {
         | KernelKind::ReduceTo
         | KernelKind::ReduceToDirect
         | KernelKind::SendRecv => (16 << 10, 128, 0),
+        // The copy route's handshake moves no data: one block whatever the
+        // size (`algo::copy` launches it so, never through this table).
+        KernelKind::Copy => (usize::MAX, 1, 0),
     };
     GridRule {
         bytes_per_block,

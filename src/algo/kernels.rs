@@ -140,7 +140,8 @@ pub fn collective_entry(name: &str) -> Option<String> {
         | KernelKind::Exchange
         | KernelKind::ExchangeDirect
         | KernelKind::ExchangeLl
-        | KernelKind::SendRecv => return None,
+        | KernelKind::SendRecv
+        | KernelKind::Copy => return None,
     };
     Some(format!("FC_KERNEL({name}) {{ {call}; }}\n"))
 }
@@ -232,6 +233,11 @@ pub enum KernelKind {
     /// A batch of sends and receives between pairs, with per-pair sequence
     /// numbers instead of the group's epochs. Host protocol; GPUs use NCCL.
     SendRecv,
+    /// The copy route (all-gather, broadcast, all-to-all): the copy engines
+    /// move the data (`Device::copy_device` into the peers' mapped
+    /// workspaces), and `fc_copy_sync`, one block that moves no data, is the
+    /// handshake around the copies (`algo::copy`, docs/protocol.md "Copy route").
+    Copy,
 }
 
 impl KernelKind {
@@ -251,6 +257,7 @@ impl KernelKind {
             KernelKind::ReduceToDirect => "reduce_to_direct",
             KernelKind::ReduceToLl => "reduce_to_ll",
             KernelKind::SendRecv => "sendrecv",
+            KernelKind::Copy => "copy_sync",
         }
     }
 
@@ -269,10 +276,15 @@ impl KernelKind {
 
     /// The kinds that move bytes of any dtype from per-peer lists
     /// (`fc_<kind>`, one entry point each).
-    pub const EXCHANGES: [KernelKind; 3] = [KernelKind::Exchange, KernelKind::ExchangeDirect, KernelKind::ExchangeLl];
+    pub const EXCHANGES: [KernelKind; 4] = [
+        KernelKind::Exchange,
+        KernelKind::ExchangeDirect,
+        KernelKind::ExchangeLl,
+        KernelKind::Copy,
+    ];
 
     /// Every kind, in a fixed order.
-    pub const ALL: [KernelKind; 14] = [
+    pub const ALL: [KernelKind; 15] = [
         KernelKind::OneShot,
         KernelKind::TwoShot,
         KernelKind::Broadcast,
@@ -287,6 +299,7 @@ impl KernelKind {
         KernelKind::ReduceToDirect,
         KernelKind::ReduceToLl,
         KernelKind::SendRecv,
+        KernelKind::Copy,
     ];
 
     /// The kinds of the [`COLLECTIVES`] module.
@@ -313,7 +326,11 @@ impl KernelKind {
 /// only move bytes (exchange, sendrecv) are `fc_<kind>`.
 pub fn kernel_name(kind: KernelKind, dtype: DType, op: ReduceOp) -> String {
     match kind {
-        KernelKind::Exchange | KernelKind::ExchangeDirect | KernelKind::ExchangeLl | KernelKind::SendRecv => {
+        KernelKind::Exchange
+        | KernelKind::ExchangeDirect
+        | KernelKind::ExchangeLl
+        | KernelKind::SendRecv
+        | KernelKind::Copy => {
             format!("fc_{}", kind.name())
         }
         KernelKind::Broadcast => format!("fc_{}_{}_sum", kind.name(), dtype.name()),

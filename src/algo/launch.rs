@@ -161,6 +161,8 @@ pub fn chunk_elems(
             push_twoshot_stride(slot_bytes, world) / elem
         }
         KernelKind::SendRecv => super::layout::p2p_half_bytes(slot_bytes) / elem,
+        // Per peer and chunk: one inbox in parity region 0 (`algo::copy`).
+        KernelKind::Copy => super::copy::inbox_stride(slot_bytes, world) / elem,
     };
     debug_assert!(kind != KernelKind::TwoShotPush || segment_elems(elems, world) * elem <= slot_bytes / world);
     elems.max(1)
@@ -228,6 +230,18 @@ impl CollectiveCall {
             table: self.table,
             ..KernelParams::default()
         };
+        if self.kind == KernelKind::Copy {
+            let route = super::copy::Route {
+                dev,
+                module,
+                name,
+                ws,
+                rank,
+                stream,
+                base,
+            };
+            return route.enqueue(self);
+        }
         if KernelKind::HOST_PROTOCOLS.contains(&self.kind) {
             // One launch carries the whole call, even an empty one: only the
             // group knows whether any rank moves anything (docs/protocol.md).

@@ -2,6 +2,7 @@
 //! (workspace, epochs, chunking, the kernel launches). Which one a call
 //! runs is the planner's (`crate::plan`).
 
+mod copy;
 pub mod fused;
 mod grid;
 pub mod kernels;

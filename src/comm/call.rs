@@ -123,7 +123,7 @@ impl<'s, D: Device> Call<'s, D> {
         };
         match asked {
             Some(a) if !a.is_data() => Err(Error::invalid(format!(
-                "coll_algo {a} is an all-reduce algorithm (expected ll, inbox, kernels, vendor or auto)"
+                "coll_algo {a} is an all-reduce algorithm (expected ll, inbox, copy, kernels, vendor or auto)"
             ))),
             a => Ok(a),
         }

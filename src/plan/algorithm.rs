@@ -47,6 +47,12 @@ pub enum Algorithm {
     /// peers' inboxes, a flag, copied out (or their direct twins on heap
     /// operands). They run every call.
     Inbox,
+    /// The copy route (all-gather, broadcast, all-to-all without splits):
+    /// the copy engines push every block into the peers' inboxes, and a
+    /// one-block handshake that moves no data orders the copies
+    /// (`algo::copy`). No SM moves a byte. Taken only where a call or the
+    /// tuned table asks for it.
+    Copy,
     /// ferrocomm's kernels, whichever fits (`FERROCOMM_COLL_ROUTE=custom`).
     Kernels,
     /// NCCL/RCCL underneath, where the build has it and it loaded. Its
@@ -67,7 +73,7 @@ impl Algorithm {
 
     /// What the collectives other than all-reduce run, as their ladders
     /// name them.
-    pub const DATA_KINDS: [Algorithm; 3] = [Algorithm::Ll, Algorithm::Inbox, Algorithm::Vendor];
+    pub const DATA_KINDS: [Algorithm; 4] = [Algorithm::Ll, Algorithm::Inbox, Algorithm::Copy, Algorithm::Vendor];
 
     /// Its name, as every interface spells it.
     pub const fn name(self) -> &'static str {
@@ -84,6 +90,7 @@ impl Algorithm {
             Algorithm::QuickReduce(Codec::Int4) => "quick-reduce-int4",
             Algorithm::Ll => "ll",
             Algorithm::Inbox => "inbox",
+            Algorithm::Copy => "copy",
             Algorithm::Kernels => "kernels",
             Algorithm::Vendor => "vendor",
         }
@@ -93,14 +100,14 @@ impl Algorithm {
     /// or the vendor library and "ferrocomm's kernels", which every
     /// collective has).
     pub const fn is_all_reduce(self) -> bool {
-        !matches!(self, Algorithm::Ll | Algorithm::Inbox)
+        !matches!(self, Algorithm::Ll | Algorithm::Inbox | Algorithm::Copy)
     }
 
     /// Whether the collectives other than all-reduce have it.
     pub const fn is_data(self) -> bool {
         matches!(
             self,
-            Algorithm::Ll | Algorithm::Inbox | Algorithm::Kernels | Algorithm::Vendor
+            Algorithm::Ll | Algorithm::Inbox | Algorithm::Copy | Algorithm::Kernels | Algorithm::Vendor
         )
     }
 
@@ -154,12 +161,13 @@ impl FromStr for Algorithm {
             "twoshotpush" => Algorithm::TwoShotPush,
             "ll" => Algorithm::Ll,
             "inbox" => Algorithm::Inbox,
+            "copy" | "copyengine" | "ce" => Algorithm::Copy,
             "kernels" | "custom" | "ferrocomm" => Algorithm::Kernels,
             "vendor" | "nccl" | "rccl" | "ccl" => Algorithm::Vendor,
             _ => {
                 return Err(Error::invalid(format!(
                     "unknown algorithm {s:?} (expected auto, oneshot, twoshot, oneshot-push, oneshot-ll, \
-                     twoshot-push, quick-reduce-<fp8|int8|int6|int4>, ll, inbox, kernels or vendor)"
+                     twoshot-push, quick-reduce-<fp8|int8|int6|int4>, ll, inbox, copy, kernels or vendor)"
                 )))
             }
         })

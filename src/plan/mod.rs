@@ -163,6 +163,7 @@ impl Plan {
                 | KernelKind::ReduceTo
                 | KernelKind::ReduceToDirect => Algorithm::Inbox,
                 KernelKind::Broadcast | KernelKind::SendRecv => Algorithm::Kernels,
+                KernelKind::Copy => Algorithm::Copy,
             }),
             Plan::Nothing | Plan::Copy | Plan::Levels => None,
         }
@@ -271,7 +272,7 @@ fn auto_all_reduce(r: &Request<'_>, f: &Facts<'_>, vendor_ok: bool) -> Algorithm
     }
 }
 
-/// Broadcast: the kernel moves words of 4 or 2 bytes (any dtype: the bits
+/// Broadcast: the copy route where the call asks for it; else the kernel moves words of 4 or 2 bytes (any dtype: the bits
 /// are not looked at), the word chosen from the payload's bytes, which
 /// every rank shares. Without a word, NCCL/RCCL, or (without the library)
 /// the payload padded to 4-byte words; the host backend's exchange takes
@@ -282,6 +283,9 @@ fn broadcast(r: &Request<'_>, f: &Facts<'_>) -> Plan {
     }
     if f.world == 1 {
         return Plan::Copy;
+    }
+    if r.asked == Some(Algorithm::Copy) && copy_runs(r, f) {
+        return Plan::Kernel(Kernel::of(KernelKind::Copy, r.dtype));
     }
     let bytes = r.bytes();
     let word = [4usize, 2].into_iter().find(|w| bytes % w == 0);
@@ -330,10 +334,12 @@ fn tuned(r: &Request<'_>, f: &Facts<'_>) -> Plan {
     let ll = !(reduces && r.op == ReduceOp::PreMulSum) && ll_fits(r, f);
     let route = f.opts.coll_route;
     let ll_bytes = f.opts.coll_ll_bytes;
+    let copy = copy_runs(r, f);
     let chosen = match r.asked {
         Some(Algorithm::Vendor) if vendor => Algorithm::Vendor,
         Some(Algorithm::Ll) if ll => Algorithm::Ll,
         Some(Algorithm::Inbox) => Algorithm::Inbox,
+        Some(Algorithm::Copy) if copy => Algorithm::Copy,
         _ if route == Some(Algorithm::Vendor) && vendor => Algorithm::Vendor,
         _ if ll && ll_bytes.is_some_and(|max| bytes <= max) => Algorithm::Ll,
         _ if r.count == 0 => Algorithm::Inbox,
@@ -346,6 +352,7 @@ fn tuned(r: &Request<'_>, f: &Facts<'_>) -> Plan {
             let runs = |a: Algorithm| match a {
                 Algorithm::Ll => ll && ll_bytes.is_none(),
                 Algorithm::Vendor => auto_vendor,
+                Algorithm::Copy => copy,
                 _ => true,
             };
             f.table.ladders[f.world.min(MAX_RANKS)]
@@ -359,8 +366,22 @@ fn tuned(r: &Request<'_>, f: &Facts<'_>) -> Plan {
     };
     match chosen {
         Algorithm::Vendor => Plan::Vendor,
+        Algorithm::Copy => Plan::Kernel(Kernel::of(KernelKind::Copy, r.dtype)),
         a => data_kernel(r, f, a == Algorithm::Ll),
     }
+}
+
+/// Whether the copy route can run the call: all-gather, broadcast or
+/// all-to-all without splits (a block every rank agrees on, which sets the
+/// chunks alike everywhere), on a workspace of 2 to [`MAX_RANKS`] ranks.
+/// Reduce-scatter has no copy route: its receivers must still reduce what
+/// lands with a kernel, so the copies would only add a pass over the data.
+fn copy_runs(r: &Request<'_>, f: &Facts<'_>) -> bool {
+    let moves = matches!(
+        r.coll,
+        Collective::AllGather | Collective::AllToAll | Collective::Broadcast
+    );
+    moves && r.count > 0 && f.kernels && (2..=MAX_RANKS).contains(&f.world)
 }
 
 /// Gather, scatter and reduce (no tuned ladder): the kernels or NCCL/RCCL by

@@ -476,3 +476,55 @@ fn the_fused_family_follows_the_call_then_the_thresholds_within_the_workspace() 
         Err(Error::Unsupported(_))
     ));
 }
+
+#[test]
+fn the_copy_route_runs_where_asked_or_tabled_and_where_it_can() {
+    for w in [World::gpu(2, true), World::gpu(4, false), World::host(3)] {
+        let copy = Some(A::Copy);
+        for coll in [C::AllGather, C::AllToAll, C::Broadcast] {
+            assert_eq!(w.way(coll, BF16, Sum, 4096, copy), "copy_sync", "{coll}");
+            assert_eq!(w.way(coll, U8, Sum, 7, copy), "copy_sync", "{coll}: any size");
+            assert_ne!(
+                w.way(coll, BF16, Sum, 4096, None),
+                "copy_sync",
+                "{coll}: never by default"
+            );
+        }
+        // No agreed block, or a reduction: the call is passed on.
+        assert_ne!(w.way(C::AllToAllV, BF16, Sum, 0, copy), "copy_sync");
+        assert_ne!(w.way(C::ReduceScatter, F32, Sum, 4096, copy), "copy_sync");
+        assert_ne!(w.way(C::Gather, F32, Sum, 4096, copy), "copy_sync");
+    }
+    // A workspace of more than one rank only.
+    assert_eq!(
+        World::gpu(1, false).way(C::AllGather, F32, Sum, 64, Some(A::Copy)),
+        "copy"
+    );
+    let mut layered = World::host(12);
+    layered.kernels = false;
+    assert_ne!(layered.way(C::AllToAll, F32, Sum, 64, Some(A::Copy)), "copy_sync");
+    // The tuned table may name it.
+    let mut t = World::gpu(2, true);
+    *t.table.ladders[2]
+        .coll_mut(C::AllGather, DtypeClass::Narrow)
+        .expect("a ladder") = vec![Step {
+        max_bytes: usize::MAX,
+        algo: A::Copy,
+    }];
+    assert_eq!(t.way(C::AllGather, BF16, Sum, 1 << 20, None), "copy_sync");
+    *t.table.ladders[2]
+        .coll_mut(C::ReduceScatter, DtypeClass::Narrow)
+        .expect("a ladder") = vec![Step {
+        max_bytes: usize::MAX,
+        algo: A::Copy,
+    }];
+    assert_eq!(
+        t.way(C::ReduceScatter, BF16, Sum, 1 << 20, None),
+        "reduce_to",
+        "passed on"
+    );
+    assert!(Algorithm::DATA_KINDS.contains(&A::Copy));
+    assert_eq!("copy".parse::<Algorithm>().expect("parses"), A::Copy);
+    assert_eq!(A::Copy.name(), "copy");
+    assert!(A::Copy.is_data() && !A::Copy.is_all_reduce());
+}

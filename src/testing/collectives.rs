@@ -18,7 +18,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 
 /// Bytes of `rank`'s block `tag` (any dtype: the collectives only move them).
-fn block_bytes(seed: u64, rank: usize, tag: u64, len: usize) -> Vec<u8> {
+pub(super) fn block_bytes(seed: u64, rank: usize, tag: u64, len: usize) -> Vec<u8> {
     (0..len.div_ceil(8))
         .flat_map(|i| data::draw(seed ^ tag.wrapping_mul(0x9e37_79b9), rank, i).to_le_bytes())
         .take(len)

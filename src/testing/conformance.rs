@@ -921,6 +921,33 @@ macro_rules! conformance_tests {
                 run_fused_chunked(3)
             }
 
+            /// The copy route over several chunks of its inboxes (128 KiB
+            /// slots), and captured into a graph.
+            fn run_copy_route(world: usize) {
+                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
+                $crate::testing::conformance::run_thread_suite(
+                    stringify!($backend),
+                    world,
+                    $skip(world),
+                    &$make,
+                    |o| o.with_slot_bytes(128 << 10),
+                    |comm, _, cfg| $crate::testing::copy_route::run_copy_route(comm, cfg),
+                    &cfg,
+                    1,
+                );
+            }
+
+            #[test]
+            $(#[$attr])*
+            fn copy_route_world_2() {
+                run_copy_route(2)
+            }
+            #[test]
+            $(#[$attr])*
+            fn copy_route_world_3() {
+                run_copy_route(3)
+            }
+
             #[test]
             $(#[$attr])*
             fn collectives_without_ll_world_2() {

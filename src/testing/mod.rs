@@ -6,6 +6,7 @@ pub mod broadcaster;
 mod check;
 mod collectives;
 pub mod conformance;
+pub mod copy_route;
 pub mod data;
 pub mod ep;
 pub mod fused;

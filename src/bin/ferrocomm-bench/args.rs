@@ -15,7 +15,7 @@ use crate::colls::Coll;
 pub const USAGE: &str =
     "usage: ferrocomm-bench [--backend host|cuda|hip] [--world N] [--coll all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|reduce|sendrecv|all]
                        [--dtype f32|f16|bf16|i32] [--op sum|prod|min|max|avg]
-                       [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|oneshot-push|twoshot-push|oneshot-ll|nccl|all]
+                       [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--algo auto|oneshot|twoshot|oneshot-push|twoshot-push|oneshot-ll|ll|inbox|copy|nccl|all]
                        [--graph] [--graph-only] [--eager-only] [--json FILE] [--plot FILE.svg] [--timeout-secs S]
                        [--operands plain|heap|both]  (--coll rows' buffers: comm.alloc, the symmetric heap, or both
                         side by side; heap operands take the direct kinds from FERROCOMM_DIRECT_MIN_BYTES a peer)

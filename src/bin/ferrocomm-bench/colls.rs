@@ -203,18 +203,29 @@ pub fn through_ccl<D: Device>(
     .ok_or_else(|| Error::Unsupported("NCCL/RCCL is not loaded".into()))?
 }
 
-/// `call`, with `choice` as its algorithm when one is given.
+/// `call`, with `choice` as its algorithm when one is given (a data kind
+/// as the call's `coll_algo`).
 pub fn with_algo<'s, D: Device>(call: Call<'s, D>, choice: Option<Algorithm>) -> Call<'s, D> {
     match choice {
+        Some(a) if !a.is_all_reduce() => call.coll_algo(a),
         Some(a) => call.algo(a),
         None => call,
     }
 }
 
-/// The `--algo` names that apply to a collective (the all-reduce's
-/// algorithms; the others' rows run the planner's choice).
+/// The `--algo` names that apply to a collective: the all-reduce's
+/// algorithms to it; `ll` and `inbox` to all-gather, reduce-scatter and
+/// all-to-all, `copy` to all-gather, all-to-all and broadcast (where the
+/// planner honours them); `auto` everywhere.
 pub fn algo_applies(coll: Coll, choice: Option<Algorithm>) -> bool {
-    coll == Coll::AllReduce || choice.is_none()
+    let Some(a) = choice else { return true };
+    match coll {
+        Coll::AllReduce => a.is_all_reduce(),
+        Coll::AllGather | Coll::AllToAll => matches!(a, Algorithm::Ll | Algorithm::Inbox | Algorithm::Copy),
+        Coll::ReduceScatter => matches!(a, Algorithm::Ll | Algorithm::Inbox),
+        Coll::Broadcast => a == Algorithm::Copy,
+        Coll::Reduce | Coll::SendRecv => false,
+    }
 }
 
 impl Coll {

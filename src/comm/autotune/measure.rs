@@ -38,6 +38,12 @@ pub(super) struct PlanFacts {
 /// on H200 (2x: inbox level at 512 KiB; the LL all-reduce's ladder stops at
 /// 256 KiB), so it is not timed where bandwidth rules.
 pub(super) const LL_COLL_MAX_BYTES: usize = 1 << 20;
+
+/// The smallest block a peer the copy route is timed at (all-gather and
+/// all-to-all; reduce-scatter has none). Not measured yet: below it the
+/// route's two handshake launches and the copies' setup can only lose to
+/// one kernel, and leaving those sizes out keeps autotune inside its budget.
+pub(super) const COPY_MIN_CANDIDATE_BYTES: usize = 256 << 10;
 /// The LL all-reduce likewise (its worst win was 256 KiB, at world 2).
 pub(super) const LL_AR_MAX_BYTES: usize = 4 << 20;
 
@@ -71,8 +77,9 @@ pub(super) fn iterations(backend: BackendKind) -> (usize, usize) {
 /// all-to-all at 4 KiB-16 MiB a peer, every 4x (7 sizes) x LL (to 1 MiB a
 /// peer, within the lines: 5 sizes at 32 MiB slots for worlds 2-8), inbox
 /// and NCCL/RCCL (where it may run): all-gather 19, reduce-scatter 2 x 12
-/// (2 x 19 when not deterministic), all-to-all 19. So 186 measurements
-/// (200; 172 without NCCL/RCCL). Each is one eager call (it loads, and
+/// (2 x 19 when not deterministic), all-to-all 19; and the copy route for
+/// all-gather and all-to-all from [`COPY_MIN_CANDIDATE_BYTES`] (4 sizes
+/// each). So 194 measurements (208; 180 without NCCL/RCCL). Each is one eager call (it loads, and
 /// connects NCCL on its first use, outside any capture), then a graph of
 /// [`graph_ops`] calls captured and replayed 2 + 5 times (the 5 timed):
 /// graph replay is how engines run small collectives, and eager timing
@@ -84,7 +91,7 @@ pub(super) fn iterations(backend: BackendKind) -> (usize, usize) {
 ///
 /// Host: all-reduce at 4 KiB-1 MiB (5 sizes, every 4x) x 5 x 2 classes, and
 /// the others at 4 KiB-256 KiB a peer (4 sizes) x LL (where it fits) and
-/// inbox: at most 82 measurements of 1 + 3 runs.
+/// inbox, and the copy route at 256 KiB: at most 84 measurements of 1 + 3 runs.
 pub(super) fn plan(f: &PlanFacts) -> Vec<Case> {
     let host = f.backend == BackendKind::Host;
     let every_4x = |lo: u32, hi: u32| (lo..=hi).step_by(2).map(|s| 1usize << s).collect::<Vec<_>>();
@@ -135,6 +142,9 @@ pub(super) fn plan(f: &PlanFacts) -> Vec<Case> {
                     c.push(Algorithm::Ll);
                 }
                 c.push(Algorithm::Inbox);
+                if coll != Collective::ReduceScatter && bytes >= COPY_MIN_CANDIDATE_BYTES {
+                    c.push(Algorithm::Copy);
+                }
                 if f.vendor && !(coll == Collective::ReduceScatter && f.deterministic) {
                     c.push(Algorithm::Vendor);
                 }
@@ -178,6 +188,7 @@ pub(super) fn kernels_of(cases: &[Case]) -> Vec<String> {
                 (Collective::ReduceScatter, Algorithm::Ll) => Some(KernelKind::ReduceToLl),
                 (Collective::ReduceScatter, _) => Some(KernelKind::ReduceTo),
                 (_, Algorithm::Ll) => Some(KernelKind::ExchangeLl),
+                (_, Algorithm::Copy) => Some(KernelKind::Copy),
                 (_, _) => Some(KernelKind::Exchange),
             };
             if let Some(kind) = kind {

@@ -181,6 +181,10 @@ fn the_plan_measures_only_what_can_run_and_fits_the_budget() {
                                 assert!(*a != Algorithm::OneShotLl || c.bytes <= LL_AR_MAX_BYTES);
                             }
                             Algorithm::Ll => assert!(c.bytes <= f.ll_room, "{c:?}"),
+                            Algorithm::Copy => {
+                                assert!(c.coll != Collective::ReduceScatter, "{c:?}");
+                                assert!(c.bytes >= COPY_MIN_CANDIDATE_BYTES, "{c:?}");
+                            }
                             Algorithm::Vendor => {
                                 assert!(vendor);
                                 assert!(!(det && c.coll == Collective::ReduceScatter), "{c:?}");
@@ -192,9 +196,9 @@ fn the_plan_measures_only_what_can_run_and_fits_the_budget() {
                 // The counts of the doc comment.
                 let n: usize = cases.iter().map(|c| c.candidates.len()).sum();
                 let want = match (vendor, det) {
-                    (true, true) => 186,
-                    (true, false) => 200,
-                    (false, _) => 172,
+                    (true, true) => 194,
+                    (true, false) => 208,
+                    (false, _) => 180,
                 };
                 assert_eq!(n, want, "world {world} vendor {vendor} det {det}");
                 let (warmup, iters) = iterations(BackendKind::Cuda);
@@ -215,7 +219,7 @@ fn the_plan_measures_only_what_can_run_and_fits_the_budget() {
     let cases = plan(&host);
     assert_eq!(cases.len(), 5 * 2 + 4 * 4);
     let ops: usize = cases.iter().map(|c| c.candidates.len()).sum();
-    assert_eq!(ops, 5 * 5 * 2 + 4 * 2 * 4);
+    assert_eq!(ops, 5 * 5 * 2 + 4 * 2 * 4 + 2);
     assert!(cases
         .iter()
         .flat_map(|c| &c.candidates)
@@ -232,8 +236,9 @@ fn every_planned_kernel_is_prepared() {
         "fc_exchange_ll",
         "fc_reduce_to_bf16_sum",
         "fc_reduce_to_ll_f32_sum",
+        "fc_copy_sync",
     ] {
         assert!(names.iter().any(|x| x == n), "{n} not in {names:?}");
     }
-    assert_eq!(names.len(), 5 * 2 + 2 + 2 * 2);
+    assert_eq!(names.len(), 5 * 2 + 3 + 2 * 2);
 }

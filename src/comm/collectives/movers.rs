@@ -3,6 +3,7 @@
 
 use super::run;
 use super::Lists;
+use crate::algo::kernels::KernelKind;
 use crate::comm::call::Call;
 use crate::comm::communicator::Communicator;
 use crate::comm::tensor::Tensor;
@@ -35,15 +36,18 @@ impl<D: Device> Communicator<D> {
         let (dtype, count) = (input.dtype(), input.count());
         // The addresses the kernel loads on this rank: the input on the root only.
         let operands = [output.ptr(), if is_root { input.ptr() } else { output.ptr() }];
-        let plan = self.plan_call(Collective::Broadcast, dtype, ReduceOp::Sum, count, None, &operands)?;
+        let asked = call.asked_coll_algo()?;
+        let plan = self.plan_call(Collective::Broadcast, dtype, ReduceOp::Sum, count, asked, &operands)?;
         self.submit(call, "broadcast", |s| match plan {
             Plan::Nothing | Plan::Levels => Ok(()),
             Plan::Copy => run::copy_if_apart(s, output.ptr(), input.ptr(), bytes),
-            Plan::Kernel(k) if k.kind == crate::algo::kernels::KernelKind::Broadcast => {
+            Plan::Kernel(k) if k.kind == KernelKind::Broadcast => {
                 run::broadcast(s, k, input.ptr(), output.ptr(), bytes, root)
             }
             Plan::Kernel(k) => {
-                // The host's odd sizes: the root sends to everyone.
+                // The copy route, and the host's odd sizes: the root sends
+                // to everyone. The copy route chunks by the count, which
+                // every rank shares; the exchange kinds go by no block here.
                 let mut l = Lists::new(s.inner.world);
                 if s.inner.rank == root {
                     for q in 0..s.inner.world {
@@ -51,7 +55,8 @@ impl<D: Device> Communicator<D> {
                     }
                 }
                 l.recvs[root] = Some((count, output.ptr()));
-                run::exchange(s, k.kind, dtype, &l, 0)
+                let agreed = if k.kind == KernelKind::Copy { count } else { 0 };
+                run::exchange(s, k.kind, dtype, &l, agreed)
             }
             Plan::Vendor => {
                 let op = VendorOp::Broadcast {

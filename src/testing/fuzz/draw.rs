@@ -175,9 +175,12 @@ impl Plan {
             .collect();
         let factors = (0..world).map(|_| 2f64.powi(g.below(7) as i32 - 3)).collect();
         let coll_algo = match coll {
+            // `copy` on a reduce-scatter asks for a route it has not: the
+            // planner passes the call on.
             Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll if g.chance(25) => {
-                Some(g.pick(&["ll", "inbox", "auto"]))
+                Some(g.pick(&["ll", "inbox", "copy", "auto"]))
             }
+            Coll::AllGatherList | Coll::Broadcast if g.chance(25) => Some(g.pick(&["copy", "auto"])),
             _ => None,
         };
         Plan {

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use ferrocomm::device::Device;
-use ferrocomm::{Call, Communicator, DType, Error, P2p, ReduceOp, Result, Tensor, Work};
+use ferrocomm::{Algorithm, Call, Communicator, DType, Error, P2p, ReduceOp, Result, Tensor, Work};
 
 use crate::args::Args;
 
@@ -41,8 +41,9 @@ pub fn stall<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
 /// `mismatch`: rank 0 passes a different count (`--coll all_reduce`),
 /// different all-to-all splits (`--coll all_to_all`: ranks 0 and 1 must both
 /// see the mismatch), or calls all-reduce where the others call an
-/// all-gather of the same bytes (`--coll crossed`: a mismatch, well before
-/// the timeout); every rank must get an error.
+/// all-gather of the same bytes (`--coll crossed`, or `crossed_copy` with
+/// the all-gather on the copy route: a mismatch, well before the timeout);
+/// every rank must get an error.
 pub fn mismatch<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
     let buf = comm.alloc(4 * (4096 * comm.size() + 16 * comm.size() + 64))?;
     let start = Instant::now();
@@ -54,7 +55,7 @@ pub fn mismatch<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
         Ok(()) if a.coll == "all_to_all" && comm.rank() > 1 => Ok("completed: ranks 0 and 1 detect".into()),
         Ok(()) => Err(Error::Aborted("mismatched calls completed silently".into())),
         // Crossed protocols are a mismatch, seen before the deadline.
-        Err(e @ Error::Timeout { .. }) if a.coll == "crossed" => Err(Error::Aborted(format!(
+        Err(e @ Error::Timeout { .. }) if a.coll.starts_with("crossed") => Err(Error::Aborted(format!(
             "a different collective became a timeout, not a mismatch: {e}"
         ))),
         // A peer that saw the mismatch first aborted: this rank's error is
@@ -79,13 +80,17 @@ fn mismatched_call<D: Device>(comm: &Communicator<D>, coll: &str, whole: Tensor)
             let out = whole.slice(4096 * world, 16 * world)?;
             comm.all_to_all_v_single(out, inp, &recvs, &sends, &Call::new())
         }
-        "crossed" => {
+        "crossed" | "crossed_copy" => {
             let n = 4096 * world;
+            let gather = match coll {
+                "crossed_copy" => Call::new().coll_algo(Algorithm::Copy),
+                _ => Call::new(),
+            };
             if rank == 0 {
                 comm.all_reduce(whole.slice(0, n)?, ReduceOp::Sum, &Call::new())
             } else {
                 let out = whole.slice(0, n)?;
-                comm.all_gather_single(out, out.slice(rank * 4096, 4096)?, &Call::new())
+                comm.all_gather_single(out, out.slice(rank * 4096, 4096)?, &gather)
             }
         }
         _ => {
@@ -130,12 +135,16 @@ fn expect_failure<D: Device>(comm: &Communicator<D>, a: &Args, mut before: impl 
     Err(Error::Aborted("no error in 1000 iterations".into()))
 }
 
-/// One call of the collective `--coll` names, on `buf` (big enough for all).
+/// One call of the collective `--coll` names, on `buf` (big enough for all);
+/// `copy_<collective>` runs it on the copy route.
 fn one_call<D: Device>(comm: &Communicator<D>, coll: &str, buf: &D::Buffer, n: usize) -> Result<Work<D>> {
     let world = comm.size();
     let rank = comm.rank();
     let t = Tensor::of(buf, DType::F32);
-    let call = Call::new();
+    let (call, coll) = match coll.strip_prefix("copy_") {
+        Some(c) => (Call::new().coll_algo(Algorithm::Copy), c),
+        None => (Call::new(), coll),
+    };
     match coll {
         "all_gather" => comm.all_gather_single(t.slice(n, n * world)?, t.slice(0, n)?, &call),
         "reduce_scatter" => {
