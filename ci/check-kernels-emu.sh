@@ -22,6 +22,9 @@
 # With TSAN=1 also under ThreadSanitizer, which sees the protocols' ordering
 # (block and warp barriers, release/acquire signals) as C++ happens-before,
 # so a missing wait or a signal released too early shows up as a data race.
+#  - qr_codec_emu.cpp: quick-reduce's codec kernel (every codec), only
+#    compiled here: its inputs and the bytes it must produce come from the
+#    Rust side (`cargo test --test kernels_emu`, against codec::encode).
 # `cargo test --test kernels_emu` runs the same (without TSan), and also
 # compiles the ABI checks of emu_prelude.h's FcParams and device_api.cuh's
 # FcDevCtx against their Rust structs (src/device/abi.rs).
@@ -37,6 +40,7 @@ for prog in exchange_emu device_api_emu fused_emu; do
     "$CXX" "${FLAGS[@]}" -o "$OUT/$prog" "$ROOT/ci/emu/$prog.cpp"
     for seed in 1 2 3; do "$OUT/$prog" "$seed"; done
 done
+"$CXX" "${FLAGS[@]}" -o "$OUT/qr_codec_emu" "$ROOT/ci/emu/qr_codec_emu.cpp"
 if [ "${TSAN:-0}" = 1 ]; then
     for prog in exchange_emu device_api_emu fused_emu; do
         "$CXX" "${FLAGS[@]}" -Wno-tsan -fsanitize=thread -o "$OUT/$prog-tsan" "$ROOT/ci/emu/$prog.cpp"

@@ -399,7 +399,7 @@ if [[ " $STEPS " == *" qrbench "* ]]; then
     # data, relative error per row (issue 5's table).
     for w in $(bench_worlds qrbench); do
         step "qrbench_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --graph-only \
-            --algo "${QR_ALGOS:-twoshot-push,nccl}" --quantization "${QR_CODECS:-int4,int6,int8,fp8}" \
+            --algo "${QR_ALGOS:-twoshot-push,nccl}" --quantization "${QR_CODECS:-int4,int6,int8,fp8,fp4}" \
             --dtype bf16 --min-bytes "${QR_MIN:-1M}" --max-bytes "${QR_MAX:-256M}" \
             --iters "${BENCH_ITERS:-20}" --warmup "${BENCH_WARMUP:-5}" --json "$LOG/qrbench_w$w.json"
         cp "$LOG/qrbench_w$w.log" "$LOG/qrbench_w$w.txt"

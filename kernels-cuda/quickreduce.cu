@@ -1,5 +1,5 @@
 // ferrocomm quick-reduce: a two-shot all-reduce whose payloads cross the
-// links quantized (FP8 e4m3fn / e4m3fnuz, INT8, INT6, INT4), for f16/bf16
+// links quantized (FP8 e4m3fn / e4m3fnuz, INT8, INT6, INT4, FP4 e2m1), for f16/bf16
 // sums; and the codec alone (fc_qr_encode_*), so tests can compare encoded
 // blocks with the host's bit for bit.
 //
@@ -24,14 +24,16 @@
 #define FC_QR_INT8 2
 #define FC_QR_INT6 3
 #define FC_QR_INT4 4
+#define FC_QR_FP4 5
 
 namespace fc {
 
 // ===========================================================================
 // Codecs (src/codec/mod.rs). CODE_BYTES: one 32-element block's codes.
 // div(): the exact scale is absmax / div() (the most negative code for
-// integers, the largest finite value for FP8); recip(): 1 / div() where that
-// is a power of two, so multiplying by it is the correctly rounded division.
+// integers, the largest finite value for FP8 and FP4); recip(): 1 / div()
+// where that is a power of two, so multiplying by it is the correctly rounded
+// division. CODE_BYTES 16 (INT4, FP4): 8 nibbles a thread, one plane.
 
 template <int C>
 struct QrCodec;
@@ -63,6 +65,12 @@ template <>
 struct QrCodec<FC_QR_FP8FNUZ> {
     enum { INT = 0, FNUZ = 1, CODE_BYTES = 32, QMIN = 0, QMAX = 0, MASK = 0xff };
     FC_DEVICE float div() { return 240.0f; }
+    FC_DEVICE float recip() { return 0.0f; }
+};
+template <>
+struct QrCodec<FC_QR_FP4> {
+    enum { INT = 0, FNUZ = 0, CODE_BYTES = 16, QMIN = 0, QMAX = 0, MASK = 0xf };
+    FC_DEVICE float div() { return 6.0f; }
     FC_DEVICE float recip() { return 0.0f; }
 };
 
@@ -153,10 +161,41 @@ FC_DEVICE void qr_fp8_unpack2(fc_u32 two, float& lo, float& hi) {
     hi = qr_e4m3_decode_sw<FNUZ>((two >> 8) & 0xffu);
 }
 
+// ---------------------------------------------------------------------------
+// FP4 e2m1 in software (src/codec/fp4.rs): magnitudes 0, 0.5, 1, 1.5, 2, 3,
+// 4, 6 are codes 0..7, bit 3 the sign (kept, zero included). Rounded to
+// nearest, ties to the even code, saturated to +-6. Each binade's codes are
+// consecutive and the grid's step there a power of two, so scaling by
+// 1 / step (exact) and rounding to an even integer picks the even code; the
+// code's parity is the integer's. Never sees NaN (such a block is NaN whole).
+FC_DEVICE fc_u32 qr_e2m1_encode(float v) {
+    const fc_u32 u = fc_f32_as_u32(v);
+    const float a = fc_u32_as_f32(u & 0x7fffffffu);
+    fc_u32 code;
+    if (a >= 6.0f) {
+        code = 7u; // satfinite
+    } else if (a >= 4.0f) {
+        code = 4u + (fc_u32)(qr_rint_biased(fc_fmul(a, 0.5f)) - FC_QR_MAGIC_BITS); // rint(a / 2) = 2 or 3: codes 6, 7
+    } else if (a >= 2.0f) {
+        code = 2u + (fc_u32)(qr_rint_biased(a) - FC_QR_MAGIC_BITS); // rint(a) = 2, 3 or 4: codes 4, 5, 6
+    } else {
+        code = (fc_u32)(qr_rint_biased(fc_fmul(a, 2.0f)) - FC_QR_MAGIC_BITS); // rint(2a) = 0..4: codes 0..4
+    }
+    return code | ((u >> 28) & 8u);
+}
+
+// The value of a 4-bit code: codes 2..7 are normal (exponent (m >> 1) - 1,
+// mantissa bit m & 1), code 1 is 0.5, code 0 is 0.
+FC_DEVICE float qr_e2m1_decode(fc_u32 code) {
+    const fc_u32 m = code & 7u;
+    const fc_u32 mag = m >= 2u ? (((m >> 1) + 126u) << 23) | ((m & 1u) << 22) : (m == 1u ? 0x3f000000u : 0u);
+    return fc_u32_as_f32(mag | ((code & 8u) << 28));
+}
+
 // ===========================================================================
 // One thread's part of a block: 8 elements' codes and the block's scale.
-// Thread j of a block holds elements 8j..8j+7: INT4 `lo` = 8 nibbles at
-// byte 4j of the block's codes; 8-bit codecs `lo`, `hi` = 8 bytes at byte
+// Thread j of a block holds elements 8j..8j+7: INT4 and FP4 `lo` = 8
+// nibbles at byte 4j of the block's codes; 8-bit codecs `lo`, `hi` = 8 bytes at byte
 // 8j; INT6 `lo` = the low nibbles at byte 4j of plane 0 (16 bytes a block)
 // and `hi` = the high 2-bit parts at byte 2j of plane 1 (8 bytes a block).
 struct QrCodes {
@@ -216,6 +255,9 @@ FC_DEVICE QrCodes qr_encode(const float (&x)[8]) {
                 c.hi |= q << (8 * (k - 4));
             }
         }
+    } else if (C == FC_QR_FP4) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) c.lo |= qr_e2m1_encode(fc_fmul(x[k], inv)) << (4 * k);
     } else {
         float y[8];
 #pragma unroll
@@ -246,6 +288,9 @@ FC_DEVICE void qr_decode(const QrCodes& c, float (&y)[8]) {
             const fc_i32 v = (fc_i32)(q << (32 - bits)) >> (32 - bits); // sign-extend
             y[k] = fc_fmul(qr_int_to_f32(v), s);
         }
+    } else if (C == FC_QR_FP4) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) y[k] = fc_fmul(qr_e2m1_decode(c.lo >> (4 * k)), s);
     } else {
         float v[8];
         qr_fp8_unpack2<K::FNUZ>(c.lo & 0xffffu, v[0], v[1]);
@@ -285,7 +330,7 @@ FC_DEVICE QrCodes qr_load_codes(const char* run, fc_u64 blocks, fc_u64 k, fc_u32
     typedef QrCodec<C> K;
     const char* at = run + k * K::CODE_BYTES;
     QrCodes c;
-    if (C == FC_QR_INT4) {
+    if (K::CODE_BYTES == 16) {
         c.lo = fc_load(reinterpret_cast<const fc_u32*>(at + 4u * j));
         c.hi = 0u;
     } else if (C == FC_QR_INT6) {
@@ -304,7 +349,7 @@ template <int C>
 FC_DEVICE void qr_store_codes(char* run, fc_u64 blocks, fc_u64 k, fc_u32 j, const QrCodes& c) {
     typedef QrCodec<C> K;
     char* at = run + k * K::CODE_BYTES;
-    if (C == FC_QR_INT4) {
+    if (K::CODE_BYTES == 16) {
         fc_store(reinterpret_cast<fc_u32*>(at + 4u * j), c.lo);
     } else if (C == FC_QR_INT6) {
         fc_store(reinterpret_cast<fc_u32*>(run + k * 16u + 4u * j), c.lo);

@@ -42,6 +42,12 @@
 //! line that names the access and its call site (and, in `exchange_emu.cpp`,
 //! the launch).
 //!
+//! - `qr_codec_emu.cpp`: quick-reduce's codec kernel (`fc::qr_encode_run`
+//!   of `kernels-cuda/quickreduce.cu`), every codec, f16 and bf16, on the
+//!   conformance suite's special blocks (NaN, Inf, zero, equal, huge, tiny,
+//!   -0, INT4 and FP4 rounding ties) and Gaussian data: the encoded bytes
+//!   equal `codec::encode`'s, the host reference, bit for bit.
+//!
 //! Also, without running anything: the emulated prelude's `struct FcParams`
 //! and the device API's `struct FcDevCtx`, compiled by the host compiler,
 //! are laid out as their Rust sources (`ferrocomm::device::abi`: every
@@ -58,8 +64,14 @@
 //! without one, unless `FERROCOMM_REQUIRE_EMU=1`. `ci/check-kernels-emu.sh`
 //! runs them too, and with `TSAN=1` under ThreadSanitizer.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+
+use ferrocomm::algo::kernels::QR_CODECS;
+use ferrocomm::codec::{self, Codec, Half16};
+use ferrocomm::testing::data::FromF64;
+use ferrocomm::testing::quick_reduce::qr_input_value;
+use half::{bf16, f16};
 
 /// The flags every emulation is compiled with.
 const CXX_FLAGS: [&str; 5] = [
@@ -120,9 +132,9 @@ fn seeds_and_max_world() -> (&'static [&'static str], Option<&'static str>) {
     }
 }
 
-/// Compiles `ci/emu/<source>` and runs it once per seed; each run must print
-/// "all ok".
-fn run_emulation(source: &str) {
+/// Compiles `ci/emu/<source>`; `None` (skipped, with the reason printed)
+/// without a C++20 compiler.
+fn compile(source: &str) -> Option<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     let require = std::env::var("FERROCOMM_REQUIRE_EMU").as_deref() == Ok("1");
@@ -130,7 +142,7 @@ fn run_emulation(source: &str) {
     if let Err(why) = has_cxx20(&cxx, stem) {
         assert!(!require, "FERROCOMM_REQUIRE_EMU=1 but {why}");
         eprintln!("SKIPPED: {why}");
-        return;
+        return None;
     }
     let out = std::env::temp_dir().join(format!("ferrocomm-{stem}-{}", std::process::id()));
     let compiled = Command::new(&cxx)
@@ -145,7 +157,15 @@ fn run_emulation(source: &str) {
         "{cxx} failed on ci/emu/{source}:\n{}",
         String::from_utf8_lossy(&compiled.stderr)
     );
-    drop(compiled);
+    Some(out)
+}
+
+/// Compiles `ci/emu/<source>` and runs it once per seed; each run must print
+/// "all ok".
+fn run_emulation(source: &str) {
+    let Some(out) = compile(source) else {
+        return;
+    };
     let (seeds, max_world) = seeds_and_max_world();
     for seed in seeds {
         let mut cmd = Command::new(&out);
@@ -177,6 +197,64 @@ fn device_api_and_user_allgather_run_on_the_cpu() {
 #[test]
 fn fused_epilogue_kernels_run_on_the_cpu() {
     run_emulation("fused_emu.cpp");
+}
+
+#[test]
+fn quick_reduce_codec_kernel_encodes_as_the_host_on_the_cpu() {
+    let Some(exe) = compile("qr_codec_emu.cpp") else {
+        return;
+    };
+    for codec in QR_CODECS {
+        encode_on_the_cpu::<f16>(&exe, codec, 65504.0);
+        encode_on_the_cpu::<bf16>(&exe, codec, 3.389e38);
+    }
+    let _ = std::fs::remove_file(&exe);
+}
+
+/// One run of `qr_codec_emu` (`max`: the type's largest value): rank 0's
+/// and then rank 1's conformance inputs (their special blocks hold the NaN
+/// and the Inf), 4099 elements, so the last block is partial.
+fn encode_on_the_cpu<S: FromF64 + Half16>(exe: &Path, codec: Codec, max: f64) {
+    let x: Vec<S> = (0..4099)
+        .map(|i| {
+            let (rank, at) = if i < 1024 { (0, i) } else { (1, i - 1024) };
+            S::from_f64(qr_input_value(7, rank, at, true, max * 0.75))
+        })
+        .collect();
+    let mut want = vec![0u8; codec.encoded_bytes(x.len())];
+    codec::encode(codec, &x, &mut want).expect("the host encodes");
+    let dtype = <S as Half16>::DTYPE;
+    let tag = format!("{}-{dtype:?}-{}", codec.name(), std::process::id());
+    let (input, output) = (
+        std::env::temp_dir().join(format!("ferrocomm-qr-in-{tag}")),
+        std::env::temp_dir().join(format!("ferrocomm-qr-out-{tag}")),
+    );
+    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+    std::fs::write(&input, bytes).expect("writing the input");
+    let bf = if dtype == ferrocomm::dtype::DType::BF16 {
+        "1"
+    } else {
+        "0"
+    };
+    let run = Command::new(exe)
+        .args([codec.name(), bf])
+        .arg(&input)
+        .arg(&output)
+        .output()
+        .expect("running qr_codec_emu");
+    let got = std::fs::read(&output).unwrap_or_default();
+    let _ = std::fs::remove_file(&input);
+    let _ = std::fs::remove_file(&output);
+    let text = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success() && text.contains("all ok"), "{tag}:\n{text}");
+    assert_eq!(got.len(), want.len(), "{tag}: encoded length");
+    if let Some(at) = got.iter().zip(&want).position(|(g, w)| g != w) {
+        panic!(
+            "{tag}: the device code's encoded bytes differ from codec::encode first at byte {at} \
+             (got {:#04x}, want {:#04x})",
+            got[at], want[at]
+        );
+    }
 }
 
 /// The emulated prelude and the device API, then the `static_assert`s of

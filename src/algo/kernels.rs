@@ -154,6 +154,7 @@ fn device_codec(codec: Codec) -> &'static str {
         Codec::Int8 => "FC_QR_INT8",
         Codec::Int6 => "FC_QR_INT6",
         Codec::Int4 => "FC_QR_INT4",
+        Codec::Fp4 => "FC_QR_FP4",
     }
 }
 
@@ -343,12 +344,13 @@ pub const QR_DTYPES: [DType; 2] = [DType::F16, DType::BF16];
 
 /// Every codec quick-reduce kernels exist for (both FP8 flavours on every
 /// vendor, so the CUDA and HIP modules export the same names).
-pub const QR_CODECS: [Codec; 5] = [
+pub const QR_CODECS: [Codec; 6] = [
     Codec::Fp8(Fp8Flavor::E4m3Fn),
     Codec::Fp8(Fp8Flavor::E4m3Fnuz),
     Codec::Int8,
     Codec::Int6,
     Codec::Int4,
+    Codec::Fp4,
 ];
 
 /// A codec's position in [`QR_CODECS`] (every codec has one).

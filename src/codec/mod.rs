@@ -5,7 +5,7 @@
 //!
 //! Data is cut into blocks of `BLOCK` = 32 elements (the last one padded
 //! with zeros). A block's codes (`Codec::code_bytes`) are one or two
-//! planes (`Codec::planes`): INT4, INT8 and FP8 one (16, 32, 32 bytes),
+//! planes (`Codec::planes`): INT4, FP4, INT8 and FP8 one (16, 16, 32, 32 bytes),
 //! INT6 two (16 bytes of low nibbles, 8 bytes of high 2-bit parts). A run of
 //! `B` blocks stores each plane of every block in turn, then `B`
 //! little-endian 16-bit scales:
@@ -30,6 +30,7 @@
 //!    largest-magnitude element maps exactly to the most negative code and
 //!    only elements of the opposite sign can clamp (by at most one step).
 //!    FP8: `scale = round16(absmax / FP8_MAX)` (448 for e4m3fn, 240 for e4m3fnuz).
+//!    FP4: `scale = round16(absmax / 6)` (e2m1's largest value), positive.
 //! 4. `s = f32(scale)`, `inv = 1.0f / s` (an f32 division). If `inv` is not
 //!    finite (`s == 0`, or `s` so tiny that `1/s` overflows) the scale is stored
 //!    as `+0` and every code is 0: the block decodes to 0.
@@ -41,7 +42,10 @@
 //!      `2i` of the last 8 (so a GPU thread holding 8 elements reads one
 //!      aligned word of each, as AITER's INT6 does);
 //!    - FP8: `q_i = e4m3(v_i)` rounded to nearest even, saturating to +-max.
-//! 5. Decoding: `x'_i = f32(q_i) * s` (FP8: the e4m3 value times `s`).
+//!    - FP4: `q_i = e2m1(v_i)` rounded to nearest, ties to the even code,
+//!      saturating to +-6, the sign kept (a negative that rounds to zero is
+//!      code 8, -0); packed like INT4, element `i` at bit `4i`.
+//! 5. Decoding: `x'_i = f32(q_i) * s` (FP8, FP4: the code's value times `s`).
 //!
 //! # Error bounds (per element, finite input)
 //!
@@ -50,10 +54,13 @@
 //! - INT-b: `|x - x'| <= |r| + 2^(b-1) |s - r|`: one code step (the `-absmax`
 //!   side clamps) plus what rounding the scale costs.
 //! - FP8 e4m3: `|x - x'| <= 2^-4 |x| + |r| min_subnormal / 2 + max |s - r|`.
+//! - FP4 e2m1: `|x - x'| <= max(|x| / 4, |r| / 4) + 6 |s - r|`: half a step of
+//!   the grid (0.5 below 2, 1 below 4, 2 up to 6) plus saturation.
 //!
 //! A scale that underflows the 16-bit type (tiny blocks, f16) decodes its
 //! block to 0, which the `|s - r|` term covers.
 
+mod fp4;
 mod fp8;
 
 pub use fp8::Fp8Flavor;
@@ -79,11 +86,13 @@ pub enum Codec {
     Int6,
     /// 4-bit integer codes.
     Int4,
+    /// FP4 e2m1 codes (4 bits per element).
+    Fp4,
 }
 
 impl Codec {
     /// The codec's name as `FromStr` and the algorithm names spell it
-    /// (`fp8`, `fp8fnuz`, `int8`, `int6`, `int4`).
+    /// (`fp8`, `fp8fnuz`, `int8`, `int6`, `int4`, `fp4`).
     pub fn name(self) -> &'static str {
         match self {
             Codec::Fp8(Fp8Flavor::E4m3Fn) => "fp8",
@@ -91,6 +100,7 @@ impl Codec {
             Codec::Int8 => "int8",
             Codec::Int6 => "int6",
             Codec::Int4 => "int4",
+            Codec::Fp4 => "fp4",
         }
     }
 
@@ -99,17 +109,17 @@ impl Codec {
         match self {
             Codec::Fp8(_) | Codec::Int8 => 8,
             Codec::Int6 => 6,
-            Codec::Int4 => 4,
+            Codec::Int4 | Codec::Fp4 => 4,
         }
     }
 
-    /// Bytes of one block's codes (a multiple of 8; 16 for INT4).
+    /// Bytes of one block's codes (a multiple of 8; 16 for INT4 and FP4).
     pub(crate) const fn code_bytes(self) -> usize {
         BLOCK * self.bits() / 8
     }
 
     /// Bytes that `elems` elements encode to.
-    pub(crate) const fn encoded_bytes(self, elems: usize) -> usize {
+    pub const fn encoded_bytes(self, elems: usize) -> usize {
         elems.div_ceil(BLOCK) * (self.code_bytes() + 2)
     }
 
@@ -117,7 +127,7 @@ impl Codec {
     pub(crate) const fn planes(self) -> &'static [usize] {
         match self {
             Codec::Int6 => &[16, 8],
-            Codec::Int4 => &[16],
+            Codec::Int4 | Codec::Fp4 => &[16],
             Codec::Int8 | Codec::Fp8(_) => &[32],
         }
     }
@@ -144,7 +154,7 @@ impl Codec {
             Codec::Int8 => Some((-128, 127)),
             Codec::Int6 => Some((-32, 31)),
             Codec::Int4 => Some((-8, 7)),
-            Codec::Fp8(_) => None,
+            Codec::Fp8(_) | Codec::Fp4 => None,
         }
     }
 
@@ -153,7 +163,8 @@ impl Codec {
         match (self, self.int_range()) {
             (_, Some((qmin, _))) => absmax / qmin as f32,
             (Codec::Fp8(f), None) => absmax / f.max(),
-            _ => unreachable!("every codec is integer or fp8"),
+            (Codec::Fp4, None) => absmax / fp4::MAX,
+            _ => unreachable!("every codec is integer, fp8 or fp4"),
         }
     }
 
@@ -164,7 +175,8 @@ impl Codec {
     /// most one code step `|r|` (the clamped `-absmax` side) plus
     /// `2^(b-1) |s - r|`; FP8 gives half an e4m3 ulp (`2^-4 |x|`), half a
     /// subnormal step (`|r| * min_subnormal / 2`) and `max * |s - r|` where
-    /// saturation bites. An `r` that underflows to 0 decodes the block to 0.
+    /// saturation bites; FP4 half a grid step (at most `max(|x|, |r|) / 4`)
+    /// and `6 |s - r|`. An `r` that underflows to 0 decodes the block to 0.
     #[cfg(test)]
     pub(crate) fn error_bound<S: Half16>(self, absmax: f32, x: f32) -> f32 {
         let s = self.exact_scale(absmax);
@@ -178,7 +190,8 @@ impl Codec {
             (Codec::Fp8(f), None) => {
                 x.abs() * 2f32.powi(-4) + r.abs() * f.min_subnormal() / 2.0 + f.max() * (s - r).abs() + slack
             }
-            _ => unreachable!("every codec is integer or fp8"),
+            (Codec::Fp4, None) => x.abs().max(r.abs()) / 4.0 + fp4::MAX * (s - r).abs() + slack,
+            _ => unreachable!("every codec is integer, fp8 or fp4"),
         }
     }
 }
@@ -192,8 +205,9 @@ impl std::str::FromStr for Codec {
             "int8" => Ok(Codec::Int8),
             "int6" => Ok(Codec::Int6),
             "int4" => Ok(Codec::Int4),
+            "fp4" | "e2m1" => Ok(Codec::Fp4),
             _ => Err(Error::invalid(format!(
-                "unknown codec {s:?} (expected fp8, int8, int6 or int4)"
+                "unknown codec {s:?} (expected fp8, int8, int6, int4 or fp4)"
             ))),
         }
     }
@@ -214,6 +228,8 @@ pub enum Quantization {
     Int6,
     /// 4-bit integer codes.
     Int4,
+    /// FP4 e2m1 codes.
+    Fp4,
 }
 
 impl Quantization {
@@ -226,6 +242,7 @@ impl Quantization {
             Quantization::Int8 => Some(Codec::Int8),
             Quantization::Int6 => Some(Codec::Int6),
             Quantization::Int4 => Some(Codec::Int4),
+            Quantization::Fp4 => Some(Codec::Fp4),
         }
     }
 }
@@ -239,8 +256,9 @@ impl std::str::FromStr for Quantization {
             "int8" => Ok(Quantization::Int8),
             "int6" => Ok(Quantization::Int6),
             "int4" => Ok(Quantization::Int4),
+            "fp4" => Ok(Quantization::Fp4),
             _ => Err(Error::invalid(format!(
-                "unknown quantization {s:?} (expected none, fp8, int8, int6 or int4)"
+                "unknown quantization {s:?} (expected none, fp8, int8, int6, int4 or fp4)"
             ))),
         }
     }
@@ -308,7 +326,7 @@ fn rint(v: f32) -> f32 {
 fn code_pieces(codec: Codec, i: usize) -> [(usize, u32, u32); 2] {
     match codec {
         Codec::Int6 => [(i / 2, 4 * (i as u32 % 2), 4), (16 + i / 4, 2 * (i as u32 % 4), 2)],
-        Codec::Int4 => [(i / 2, 4 * (i as u32 % 2), 4), (0, 0, 0)],
+        Codec::Int4 | Codec::Fp4 => [(i / 2, 4 * (i as u32 % 2), 4), (0, 0, 0)],
         _ => [(i, 0, 8), (0, 0, 0)],
     }
 }
@@ -346,14 +364,18 @@ pub(crate) fn encode_block<S: Half16>(codec: Codec, x: &[f32], codes: &mut [u8])
                 }
             }
         }
-        None => {
-            let Codec::Fp8(f) = codec else {
-                unreachable!("non-integer codecs are fp8")
-            };
-            for (i, v) in x.iter().enumerate() {
-                codes[i] = f.encode(v * inv);
+        None => match codec {
+            Codec::Fp8(f) => {
+                for (i, v) in x.iter().enumerate() {
+                    codes[i] = f.encode(v * inv);
+                }
             }
-        }
+            _ => {
+                for (i, v) in x.iter().enumerate() {
+                    codes[i / 2] |= fp4::encode(v * inv) << (4 * (i % 2));
+                }
+            }
+        },
     }
     scale.to_bits()
 }
@@ -369,6 +391,11 @@ pub(crate) fn decode_block<S: Half16>(codec: Codec, codes: &[u8], scale_bits: u1
         Codec::Fp8(f) => {
             for (i, o) in out.iter_mut().enumerate() {
                 *o = f.decode(codes[i]) * s;
+            }
+        }
+        Codec::Fp4 => {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = fp4::decode(codes[i / 2] >> (4 * (i % 2))) * s;
             }
         }
         _ => {
@@ -387,34 +414,36 @@ pub(crate) fn decode_block<S: Half16>(codec: Codec, codes: &[u8], scale_bits: u1
     }
 }
 
-/// Encode a run of elements in the wire format (code planes, then scales).
-pub(crate) fn encode<S: Half16>(codec: Codec, input: &[S], out: &mut [u8]) -> Result<()> {
-    let blocks = input.len().div_ceil(BLOCK);
-    if out.len() != codec.encoded_bytes(input.len()) {
-        return Err(Error::invalid(format!(
-            "encoding {} elements with {} needs {} bytes, got {}",
-            input.len(),
-            codec.name(),
-            codec.encoded_bytes(input.len()),
-            out.len()
-        )));
-    }
-    let mut x = [0f32; BLOCK];
-    let mut codes = [0u8; 32];
-    let codes = &mut codes[..codec.code_bytes()];
-    for (b, chunk) in input.chunks(BLOCK).enumerate() {
-        x.fill(0.0);
-        for (xi, v) in x.iter_mut().zip(chunk) {
-            *xi = v.to_f32();
+testing_pub! {
+    /// Encode a run of elements in the wire format (code planes, then scales).
+    pub fn encode<S: Half16>(codec: Codec, input: &[S], out: &mut [u8]) -> Result<()> {
+        let blocks = input.len().div_ceil(BLOCK);
+        if out.len() != codec.encoded_bytes(input.len()) {
+            return Err(Error::invalid(format!(
+                "encoding {} elements with {} needs {} bytes, got {}",
+                input.len(),
+                codec.name(),
+                codec.encoded_bytes(input.len()),
+                out.len()
+            )));
         }
-        let sb = encode_block::<S>(codec, &x, codes);
-        for (run_at, block_at, len) in codec.code_ranges(blocks, b) {
-            out[run_at..run_at + len].copy_from_slice(&codes[block_at..block_at + len]);
+        let mut x = [0f32; BLOCK];
+        let mut codes = [0u8; 32];
+        let codes = &mut codes[..codec.code_bytes()];
+        for (b, chunk) in input.chunks(BLOCK).enumerate() {
+            x.fill(0.0);
+            for (xi, v) in x.iter_mut().zip(chunk) {
+                *xi = v.to_f32();
+            }
+            let sb = encode_block::<S>(codec, &x, codes);
+            for (run_at, block_at, len) in codec.code_ranges(blocks, b) {
+                out[run_at..run_at + len].copy_from_slice(&codes[block_at..block_at + len]);
+            }
+            let at = codec.scale_offset(blocks, b);
+            out[at..at + 2].copy_from_slice(&sb.to_le_bytes());
         }
-        let at = codec.scale_offset(blocks, b);
-        out[at..at + 2].copy_from_slice(&sb.to_le_bytes());
+        Ok(())
     }
-    Ok(())
 }
 
 /// Decode a run of `out.len()` elements (to f32) from the wire format.

@@ -33,7 +33,7 @@ pub struct CommOptions {
     /// with slots this big; the workspace is then 160 MiB per rank), 8 MiB on the host.
     pub slot_bytes: Option<usize>,
     /// Opt-in quantized all-reduce for large f16/bf16 sums
-    /// (`FERROCOMM_QUICK_REDUCE=fp8|int8|int6|int4|none`, default none).
+    /// (`FERROCOMM_QUICK_REDUCE=fp8|int8|int6|int4|fp4|none`, default none).
     pub quantization: Quantization,
     /// The communicator's name (logs, errors); derived from its creation
     /// order when unset.

@@ -88,6 +88,7 @@ impl Algorithm {
             Algorithm::QuickReduce(Codec::Int8) => "quick-reduce-int8",
             Algorithm::QuickReduce(Codec::Int6) => "quick-reduce-int6",
             Algorithm::QuickReduce(Codec::Int4) => "quick-reduce-int4",
+            Algorithm::QuickReduce(Codec::Fp4) => "quick-reduce-fp4",
             Algorithm::Ll => "ll",
             Algorithm::Inbox => "inbox",
             Algorithm::Copy => "copy",
@@ -167,7 +168,7 @@ impl FromStr for Algorithm {
             _ => {
                 return Err(Error::invalid(format!(
                     "unknown algorithm {s:?} (expected auto, oneshot, twoshot, oneshot-push, oneshot-ll, \
-                     twoshot-push, quick-reduce-<fp8|int8|int6|int4>, ll, inbox, copy, kernels or vendor)"
+                     twoshot-push, quick-reduce-<fp8|int8|int6|int4|fp4>, ll, inbox, copy, kernels or vendor)"
                 )))
             }
         })

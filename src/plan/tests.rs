@@ -189,6 +189,9 @@ fn all_reduce_refuses_what_cannot_run_and_keeps_its_shape_rules() {
     let mut q = World::gpu(2, true);
     q.opts.quantization = crate::codec::Quantization::Int4;
     assert_eq!(q.way(C::AllReduce, BF16, Sum, n(64 * MIB, BF16), None), "qr-Int4");
+    q.opts.quantization = "fp4".parse().unwrap();
+    assert_eq!(q.way(C::AllReduce, BF16, Sum, n(64 * MIB, BF16), None), "qr-Fp4");
+    q.opts.quantization = crate::codec::Quantization::Int4;
     assert_eq!(q.way(C::AllReduce, BF16, Sum, n(MIB, BF16), None), "oneshot_push");
     assert_eq!(q.way(C::AllReduce, F32, Sum, n(64 * MIB, F32), None), "twoshot_push");
     // Empty, world 1, no workspace, levels.
@@ -410,6 +413,7 @@ fn plans_name_their_way_in_the_one_vocabulary() {
         A::OneShotLl,
         A::TwoShotPush,
         A::QuickReduce(Codec::Int6),
+        A::QuickReduce(Codec::Fp4),
         A::Ll,
         A::Inbox,
         A::Kernels,
@@ -426,6 +430,7 @@ fn plans_name_their_way_in_the_one_vocabulary() {
         ("ONESHOT_PUSH", A::OneShotPush),
         ("oneshot-pull", A::OneShot),
         ("qr-int4", A::QuickReduce(Codec::Int4)),
+        ("qr_fp4", A::QuickReduce(Codec::Fp4)),
     ] {
         assert_eq!(old.parse::<Algorithm>().unwrap(), a, "{old}");
     }

@@ -14,7 +14,7 @@
 //! heap (the direct kinds from `FERROCOMM_DIRECT_MIN_BYTES` a peer), or
 //! times plain and heap rows in one run (`operands.rs`).
 //!
-//! `--quantization int4,int6,int8,fp8` adds a quick-reduce row per codec
+//! `--quantization int4,int6,int8,fp8,fp4` adds a quick-reduce row per codec
 //! (f16/bf16 sums) next to the `--algo` rows, feeds Gaussian data instead of
 //! small integers, and prints each row's relative error against an fp64 sum
 //! (`relerr`, over up to 4096 sampled blocks). Quick-reduce rows are checked
