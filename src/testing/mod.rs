@@ -9,6 +9,7 @@ pub mod conformance;
 pub mod data;
 pub mod ep;
 pub mod fused;
+pub mod fused_nvfp4;
 pub mod fuzz;
 pub mod harness;
 pub mod heap;
