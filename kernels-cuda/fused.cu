@@ -21,6 +21,7 @@
 #define FU_PAT_RMS_FP8 2
 #define FU_PAT_RMS_FP8TOK 3
 #define FU_PAT_RMS_I8TOK 4
+#define FU_PAT_RMS_NVFP4 5
 
 // The fused arguments in FcParams::per_peer (src/algo/fused.rs ROW_* etc.).
 #define FU_ROW_PTRS 0
@@ -31,10 +32,15 @@
 #define FU_PTR_QUANT_OUT 4
 #define FU_PTR_SCALE 5
 #define FU_PTR_ALLREDUCE_OUT 6
+#define FU_PTR_SF_OUT 7
 #define FU_ROW_SCALARS 1
 #define FU_SCALAR_HIDDEN 0
 #define FU_SCALAR_EPS 1
 #define FU_SCALAR_TOKENS 2
+#define FU_SCALAR_SF_LAYOUT 3
+// NVFP4 scale-factor layouts (src/algo/nvfp4.rs, SfLayout::code).
+#define FU_SF_SWIZZLED 0
+#define FU_SF_LINEAR 1
 #define FU_ROW_MOE 2
 #define FU_MOE_IDX 0
 #define FU_MOE_SCALES 1
@@ -238,8 +244,10 @@ struct FuRows {
     const char* weight;
     char* norm_out;
     char* quant_out;
-    float* scale; // static FP8: the given scale; per-token patterns: one a row, written
+    float* scale; // static FP8: the given scale; NVFP4: the global scale; per-token patterns: one a row, written
     char* ar_out;
+    char* sf_out; // NVFP4's scale factors
+    bool sf_linear;
 };
 
 template <class T>
@@ -257,6 +265,8 @@ FC_DEVICE FuRows fu_rows(const FcParams& p) {
     w.quant_out = fc_ptr<char>(ptr[FU_PTR_QUANT_OUT]);
     w.scale = fc_ptr<float>(ptr[FU_PTR_SCALE]);
     w.ar_out = fc_ptr<char>(ptr[FU_PTR_ALLREDUCE_OUT]);
+    w.sf_out = fc_ptr<char>(ptr[FU_PTR_SF_OUT]);
+    w.sf_linear = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_SF_LAYOUT] == FU_SF_LINEAR;
     return w;
 }
 
@@ -310,6 +320,91 @@ template <int PAT>
 FC_DEVICE float fu_token_scale(float amax) {
     const float qmax = PAT == FU_PAT_RMS_I8TOK ? 127.0f : 448.0f;
     return fc_fmax(fc_fdiv(amax, qmax), fc_fdiv(1.0f, fc_fmul(qmax, 512.0f)));
+}
+
+// ---------------------------------------------------------------- NVFP4
+// (docs/protocol.md, "NVFP4 outputs"; src/algo/nvfp4.rs is the host's
+// twin.) A block of 16 elements is two packs, 2b and 2b + 1, which every
+// walker gives to lanes l and l ^ 1 of one warp in the same step: each
+// lane takes its pack's maximum, one shuffle joins the pair, and each lane
+// stores its own 8 codes (4 bytes); the even lane stores the scale factor.
+// Every lane of a warp reaches the shuffle (callers loop uniformly and pass
+// `on` = the lane has a pack).
+
+// e2m1 code of q: nearest, ties to the even code, saturated to 6, sign kept,
+// NaN 0x7 (software only: the same bits on every arch).
+FC_DEVICE fc_u32 fu_e2m1(float q) {
+    if (fu_isnan(q)) return 0x7u;
+    const float a = fu_fabs(q);
+    const fc_u32 mag = a <= 0.25f   ? 0u
+                       : a < 0.75f  ? 1u
+                       : a <= 1.25f ? 2u
+                       : a < 1.75f  ? 3u
+                       : a <= 2.5f  ? 4u
+                       : a < 3.5f   ? 5u
+                       : a <= 5.0f  ? 6u
+                                    : 7u;
+    return mag | ((fc_f32_as_u32(q) >> 28) & 0x8u);
+}
+
+// The value of an e4m3fn code (exact; 0x7f / 0xff NaN).
+FC_DEVICE float fu_e4m3_value(fc_u32 c) {
+    if ((c & 0x7fu) == 0x7fu) return fc_u32_as_f32(0x7fc00000u);
+    const fc_u32 e = (c >> 3) & 0xfu;
+    const float m = (float)(c & 7u);
+    const float mag = e == 0u ? fc_fmul(m, 0x1p-9f)
+                              : fc_fmul(fc_fadd(8.0f, m), fc_u32_as_f32((fc_u32)(127 + (int)e - 10) << 23));
+    return (c & 0x80u) != 0u ? -mag : mag;
+}
+
+// Byte offset of the scale factor of row m, block column k (cols a row).
+FC_DEVICE fc_u64 fu_sf_offset(const FuRows& w, fc_u64 m, fc_u64 k) {
+    const fc_u64 cols = w.hidden / 16u;
+    if (w.sf_linear) return m * cols + k;
+    return (m / 128u) * ((cols + 3u) / 4u) * 512u + (k / 4u) * 512u + (m % 32u) * 16u + ((m % 128u) / 32u) * 4u +
+           k % 4u;
+}
+
+// Quantize pack i of row g (its normed values y; `on` false: no pack, but
+// the lane joins the shuffle) with global scale gs: sf = e4m3(gs * (amax *
+// (1 / 6))), out = f32(sf) != 0 ? 1 / (f32(sf) * (1 / gs)) : 0, codes
+// e2m1(y * out), element 2k in the low nibble of byte k.
+FC_DEVICE void fu_nvfp4_store(const FuRows& w, fc_u64 g, fc_u64 i, const float (&y)[8], float gs, bool on) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) amax = fc_fmax(amax, fu_fabs(y[k]));
+    amax = fc_fmax(amax, fc_u32_as_f32(fc_shfl_xor(fc_f32_as_u32(amax), 1u)));
+    if (!on) return;
+    const fc_u32 sf = fu_e4m3(fc_fmul(gs, fc_fmul(amax, fc_fdiv(1.0f, 6.0f))));
+    const float v = fu_e4m3_value(sf);
+    const float out = v != 0.0f ? fc_fdiv(1.0f, fc_fmul(v, fc_fdiv(1.0f, gs))) : 0.0f;
+    fc_u32 word = 0u;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) word |= fu_e2m1(fc_fmul(y[k], out)) << (4 * k);
+    fc_store(reinterpret_cast<fc_u32*>(w.quant_out + g * (w.hidden / 2u) + i * 4u), word);
+    if ((i & 1u) == 0u) *reinterpret_cast<fc_u8*>(w.sf_out + fu_sf_offset(w, g, i / 2u)) = (fc_u8)sf;
+}
+
+// Pass 2 of NVFP4 on pack i of row g from its stored residual and weight
+// packs: the normed values, their optional output, the codes.
+template <class T>
+FC_DEVICE void fu_nvfp4_vals_store(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, const fc_vec16& res,
+                                   const fc_vec16& wt, float rstd, float gs, bool on) {
+    float y[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (on) {
+        const fc_vec16 n = fu_norm_vals<T>(res, wt, rstd, y);
+        if (w.norm_out != nullptr) fc_store16(w.norm_out + rb + i * 16u, n);
+    }
+    fu_nvfp4_store(w, g, i, y, gs, on);
+}
+template <class T>
+FC_DEVICE void fu_nvfp4_step(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, float rstd, float gs, bool on) {
+    fc_vec16 res = {{0u, 0u, 0u, 0u}}, wt = {{0u, 0u, 0u, 0u}};
+    if (on) {
+        res = fc_load16(w.resid_out + rb + i * 16u);
+        wt = fc_load16(w.weight + i * 16u);
+    }
+    fu_nvfp4_vals_store<T>(w, g, rb, i, res, wt, rstd, gs, on);
 }
 
 // Pass 2's steps after the loads, on pack i of row g (`res` its stored
@@ -445,9 +540,14 @@ FC_DEVICE void fused_rows_block(const FuRows& w, const Map& map, fc_u64 stride, 
         fc_barrier();
         const float rstd = fu_shared[0];
         float scale = 1.0f;
-        if (PAT == FU_PAT_RMS_FP8) scale = fc_load(w.scale);
+        if (PAT == FU_PAT_RMS_FP8 || PAT == FU_PAT_RMS_NVFP4) scale = fc_load(w.scale);
         float amax = 0.0f;
-        for (fc_u64 i = tid; i < w.packs; i += nt) fu_norm_step<T, PAT>(w, g, rb, i, rstd, scale, amax);
+        if (PAT == FU_PAT_RMS_NVFP4) {
+            // Uniform steps: pack pairs share a shuffle (fu_nvfp4_store).
+            for (fc_u64 b = 0; b < w.packs; b += nt) fu_nvfp4_step<T>(w, g, rb, b + tid, rstd, scale, b + tid < w.packs);
+        } else {
+            for (fc_u64 i = tid; i < w.packs; i += nt) fu_norm_step<T, PAT>(w, g, rb, i, rstd, scale, amax);
+        }
         if (PAT == FU_PAT_RMS_FP8TOK || PAT == FU_PAT_RMS_I8TOK) {
             // The row's maximum over the block, then the per-token scale
             // and the quantized row.
@@ -512,8 +612,14 @@ FC_DEVICE void fused_rows(const FcParams& p, const Map& map, fc_u64 stride, fc_u
         // Pass 2: the normed row; static FP8 quantizes here, per-token
         // patterns take the row's absolute maximum.
         float scale = 1.0f;
-        if (PAT == FU_PAT_RMS_FP8) scale = fc_load(w.scale);
+        if (PAT == FU_PAT_RMS_FP8 || PAT == FU_PAT_RMS_NVFP4) scale = fc_load(w.scale);
         float amax = 0.0f;
+        if (PAT == FU_PAT_RMS_NVFP4) {
+            // Every group steps alike (pack pairs share a shuffle).
+            for (fc_u64 b = 0; b < w.packs; b += FU_GROUP)
+                fu_nvfp4_step<T>(w, g, rb, b + lane, rstd, scale, active && b + lane < w.packs);
+            continue;
+        }
         if (active)
             for (fc_u64 i = lane; i < w.packs; i += FU_GROUP) fu_norm_step<T, PAT>(w, g, rb, i, rstd, scale, amax);
         if (PAT != FU_PAT_RMS_FP8TOK && PAT != FU_PAT_RMS_I8TOK) continue;
@@ -857,8 +963,18 @@ FC_DEVICE void fused_oneshot_ll(const FcParams& p) {
         fc_barrier();
         const float rstd = fu_shared[0];
         float scale = 1.0f;
-        if (PAT == FU_PAT_RMS_FP8) scale = fc_load(w.scale);
+        if (PAT == FU_PAT_RMS_FP8 || PAT == FU_PAT_RMS_NVFP4) scale = fc_load(w.scale);
         float amax = 0.0f;
+        if (PAT == FU_PAT_RMS_NVFP4) {
+            // Every thread steps alike (pack pairs share a shuffle).
+#pragma unroll
+            for (int m = 0; m < FU_LL_PACKS; ++m) {
+                const fc_u32 i = tid + (fc_u32)m * nt;
+                fu_nvfp4_vals_store<T>(w, j, rb, i, res[m], wt[m], rstd, scale, i < packs);
+            }
+            fc_barrier();
+            continue;
+        }
 #pragma unroll
         for (int m = 0; m < FU_LL_PACKS; ++m) {
             const fc_u32 i = tid + (fc_u32)m * nt;

@@ -15,9 +15,11 @@ use super::ll;
 use crate::algo::fused::{
     fp8_min_scale, int8_min_scale, FusedInput, FusedKind, FusionPattern, FP8_MAX, INT8_MAX, MOE_IDX, MOE_ROWS,
     MOE_SCALES, MOE_SCALE_F32, MOE_SHARED, MOE_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT, PTR_QUANT_OUT, PTR_RESIDUAL_IN,
-    PTR_RESIDUAL_OUT, PTR_SCALE, PTR_WEIGHT, ROW_MOE, ROW_PTRS, ROW_SCALARS, SCALAR_EPS, SCALAR_HIDDEN, SCALAR_TOKENS,
+    PTR_RESIDUAL_OUT, PTR_SCALE, PTR_SF_OUT, PTR_WEIGHT, ROW_MOE, ROW_PTRS, ROW_SCALARS, SCALAR_EPS, SCALAR_HIDDEN,
+    SCALAR_SF_LAYOUT, SCALAR_TOKENS,
 };
 use crate::algo::layout::{push_oneshot_stride, push_twoshot_stride};
+use crate::algo::nvfp4::{quantize_block, SfLayout, NVFP4_BLOCK};
 use crate::codec::{Fp8Flavor, Half16};
 use crate::device::DevicePtr;
 
@@ -30,7 +32,8 @@ const LANES: usize = 32;
 /// `l.p` describes live workspaces and live tensors of the shapes its
 /// fused arguments give (the communicator validated them): the input,
 /// residuals and normed output `tokens x hidden`, the weight `hidden`, the
-/// quantized output `tokens x hidden` bytes, the scale one or `tokens` f32;
+/// quantized output `tokens x hidden` bytes (NVFP4: half that, and the
+/// scale factors of the call's layout), the scale one or `tokens` f32;
 /// with [`FusedInput::MoeFinalize`], the input is the experts' output of
 /// `MOE_ROWS` rows and the MoE row of the params holds live index, scale
 /// and (non-zero) shared-expert tensors of `tokens x topk` and `tokens x
@@ -383,9 +386,10 @@ unsafe fn epilogue_row<T: Half16>(
         // Pass 2: the normed row, static quantization, the absolute maximum.
         let mut amax = 0f32;
         let static_scale = match pattern {
-            FusionPattern::ResidualRmsNormFp8 => scale_at.read_unaligned(),
+            FusionPattern::ResidualRmsNormFp8 | FusionPattern::ResidualRmsNormNvfp4 => scale_at.read_unaligned(),
             _ => 1.0,
         };
+        let mut ys = Vec::new();
         for j in 0..hidden {
             let y = normed(j);
             if ptr[PTR_NORM_OUT] != 0 {
@@ -395,9 +399,14 @@ unsafe fn epilogue_row<T: Half16>(
                 FusionPattern::ResidualRmsNormFp8 => {
                     *quant.add(base + j) = quantize(pattern, y.to_f32(), static_scale);
                 }
+                FusionPattern::ResidualRmsNormNvfp4 => ys.push(y.to_f32()),
                 // f32::max drops a NaN operand, as fmaxf does.
                 _ => amax = amax.max(y.to_f32().abs()),
             }
+        }
+        if pattern.nvfp4() {
+            nvfp4_row(p, &ys, g, static_scale);
+            return;
         }
         if !pattern.per_token() {
             return;
@@ -411,6 +420,28 @@ unsafe fn epilogue_row<T: Half16>(
         scale_at.add(g).write_unaligned(scale);
         for j in 0..hidden {
             *quant.add(base + j) = quantize(pattern, normed(j).to_f32(), scale);
+        }
+    }
+}
+
+/// NVFP4 of row `g` from its normed values (as stored, f32), block by
+/// block as `fu_nvfp4_store`: 8 bytes of codes at `g * hidden / 2 + 8k`,
+/// the scale factor where the call's layout puts it.
+///
+/// # Safety: the quantized output and the scale factors hold row `g` (see [`run`]).
+unsafe fn nvfp4_row(p: &crate::device::KernelParams, ys: &[f32], g: usize, global_scale: f32) {
+    let ptr = p.per_peer[ROW_PTRS];
+    let layout = SfLayout::from_code(p.per_peer[ROW_SCALARS][SCALAR_SF_LAYOUT]);
+    let cols = ys.len() / NVFP4_BLOCK;
+    let quant = ptr[PTR_QUANT_OUT] as *mut u8;
+    let sf_out = ptr[PTR_SF_OUT] as *mut u8;
+    for (k, block) in ys.chunks(NVFP4_BLOCK).enumerate() {
+        let (bytes, sf) = quantize_block(block, global_scale);
+        // SAFETY: both outputs hold row g's codes and scale factors (caller).
+        unsafe {
+            let at = quant.add(g * ys.len() / 2 + k * bytes.len());
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), at, bytes.len());
+            sf_out.add(layout.offset(g, k, cols)).write(sf);
         }
     }
 }

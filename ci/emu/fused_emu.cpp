@@ -107,7 +107,7 @@ typedef void (*Kernel)(const FcParams&);
 
 enum Kind { ONESHOT, ONESHOT_LL, TWOSHOT };
 static const char* const KIND_NAME[3] = {"oneshot", "oneshot_ll", "twoshot"};
-static const char* const PAT_NAME[5] = {"res", "rms", "rms_fp8", "rms_fp8tok", "rms_i8tok"};
+static const char* const PAT_NAME[6] = {"res", "rms", "rms_fp8", "rms_fp8tok", "rms_i8tok", "rms_nvfp4"};
 
 template <class T>
 static Kernel kernel_of(Kind k, int pat) {
@@ -117,7 +117,8 @@ static Kernel kernel_of(Kind k, int pat) {
     case K * 8 + FU_PAT_RMS: return fc::F<T, FU_PAT_RMS>;                                                             \
     case K * 8 + FU_PAT_RMS_FP8: return fc::F<T, FU_PAT_RMS_FP8>;                                                     \
     case K * 8 + FU_PAT_RMS_FP8TOK: return fc::F<T, FU_PAT_RMS_FP8TOK>;                                               \
-    case K * 8 + FU_PAT_RMS_I8TOK: return fc::F<T, FU_PAT_RMS_I8TOK>;
+    case K * 8 + FU_PAT_RMS_I8TOK: return fc::F<T, FU_PAT_RMS_I8TOK>;                                               \
+    case K * 8 + FU_PAT_RMS_NVFP4: return fc::F<T, FU_PAT_RMS_NVFP4>;
         FU_EMU_KIND(ONESHOT, fused_oneshot)
         FU_EMU_KIND(ONESHOT_LL, fused_oneshot_ll)
         FU_EMU_KIND(TWOSHOT, fused_twoshot)
@@ -235,6 +236,50 @@ static fc_u8 ref_e4m3(float v) {
     }
     return (fc_u8)(std::signbit(v) ? code | 0x80 : code);
 }
+// NVFP4 (docs/protocol.md, "NVFP4 outputs"): e2m1 by search over its 8
+// magnitudes (nearest, ties to the even code, saturated to 6, sign kept,
+// NaN 0x7); the scale factor's byte at row m, block k, in either layout.
+static fc_u8 ref_e2m1(float q) {
+    static const double MAG[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    if (std::isnan(q)) return 7;
+    const double a = std::fabs((double)q);
+    int code = 7;
+    if (a < 6.0) {
+        int hi = 0;
+        while (MAG[hi] < a) ++hi;
+        code = hi;
+        if (hi > 0 && MAG[hi] != a) {
+            const double dlo = a - MAG[hi - 1], dhi = MAG[hi] - a;
+            if (dlo < dhi || (dlo == dhi && (hi - 1) % 2 == 0)) code = hi - 1;
+        }
+    }
+    return (fc_u8)(std::signbit(q) ? code | 8 : code);
+}
+static size_t sf_bytes(bool linear, size_t tokens, size_t hidden) {
+    const size_t cols = hidden / 16;
+    return linear ? tokens * cols : (tokens + 127) / 128 * 128 * ((cols + 3) / 4 * 4);
+}
+static size_t sf_at(bool linear, size_t m, size_t k, size_t cols) {
+    if (linear) return m * cols + k;
+    const size_t tile = (m / 128) * ((cols + 3) / 4) + k / 4;
+    return tile * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + k % 4;
+}
+// One row's NVFP4 codes and scale factors from its normed values y.
+static void ref_nvfp4_row(const float* y, size_t t, size_t hidden, float gs, bool linear, fc_u8* quant,
+                          std::vector<fc_u8>& sf) {
+    for (size_t k = 0; k < hidden / 16; ++k) {
+        float amax = 0.0f;
+        for (int e = 0; e < 16; ++e) amax = std::fmax(amax, std::fabs(y[16 * k + e]));
+        const float sfv = gs * (amax * (1.0f / 6.0f));
+        const fc_u8 code = ref_e4m3(sfv);
+        const float v = (code & 0x7f) == 0x7f ? NAN : (float)((code & 0x80 ? -1 : 1) * e4m3_value(code & 0x7f));
+        const float out = v != 0.0f ? 1.0f / (v * (1.0f / gs)) : 0.0f;
+        for (int e = 0; e < 16; e += 2)
+            quant[8 * k + e / 2] = ref_e2m1(y[16 * k + e] * out) | ref_e2m1(y[16 * k + e + 1] * out) << 4;
+        sf[sf_at(linear, t, k, hidden / 16)] = code;
+    }
+}
+
 static fc_u8 ref_int8(float q) {
     if (std::isnan(q)) return 0;
     float r = std::nearbyintf(q);
@@ -245,6 +290,7 @@ static fc_u8 ref_int8(float q) {
 struct Expect {
     std::vector<fc_u16> ar, res, norm;
     std::vector<fc_u8> quant;
+    std::vector<fc_u8> sf; // NVFP4: the scale factors in the call's layout, padding as given (0xcd)
     std::vector<float> scales;
     std::vector<float> rstd; // per row (norm patterns)
 };
@@ -281,7 +327,7 @@ static fc_u16 ref_norm(bool bf, fc_u16 x, float rstd, fc_u16 w) {
 
 static Expect reference(int pat, bool bf, size_t tokens, size_t hidden, float eps,
                         const std::vector<std::vector<fc_u16>>& inputs, const std::vector<fc_u16>& resid,
-                        const std::vector<fc_u16>& weight, float static_scale) {
+                        const std::vector<fc_u16>& weight, float static_scale, bool sf_linear = false) {
     const size_t n = tokens * hidden;
     Expect x;
     x.ar.resize(n);
@@ -300,6 +346,13 @@ static Expect reference(int pat, bool bf, size_t tokens, size_t hidden, float ep
         }
     }
     if (pat == FU_PAT_RMS) return x;
+    if (pat == FU_PAT_RMS_NVFP4) {
+        x.quant.resize(n / 2);
+        x.sf.assign(sf_bytes(sf_linear, tokens, hidden), 0xcd);
+        for (size_t t = 0; t < tokens; ++t)
+            ref_nvfp4_row(&y[t * hidden], t, hidden, static_scale, sf_linear, &x.quant[t * hidden / 2], x.sf);
+        return x;
+    }
     x.quant.resize(n);
     if (pat == FU_PAT_RMS_FP8) {
         for (size_t i = 0; i < n; ++i) x.quant[i] = ref_e4m3(y[i] / static_scale);
@@ -330,12 +383,13 @@ struct Spec {
     int nb_asked;
     float eps;
     bool ar_out, norm_out, res_in_place, ar_in_place, special, probe;
-    float static_scale;
+    float static_scale; // NVFP4: the global scale
+    bool sf_linear;     // NVFP4's scale-factor layout
 };
 
 // One rank's tensors of a call, and what it must find in them afterwards.
 struct RankData {
-    Buf input, resid_in, resid_out, weight, norm_out, quant_out, scale, ar_out;
+    Buf input, resid_in, resid_out, weight, norm_out, quant_out, scale, ar_out, sf_out;
     std::vector<fc_u16> in0, resid0, weight0; // as given
     Expect want;
 };
@@ -581,12 +635,13 @@ static void add_call(Session& g, Spec s) {
     char name[256];
     std::snprintf(name, sizeof name,
                   "fc_fused_%s_%s_%s world %d tokens %zu hidden %zu, %d x %d threads, slot %llu"
-                  ", %u chunk(s)%s%s%s%s%s%s%s",
+                  ", %u chunk(s)%s%s%s%s%s%s%s%s",
                   KIND_NAME[s.kind], PAT_NAME[s.pat], s.bf ? "bf16" : "f16", W, s.tokens, s.hidden, c.nb, g.nt,
                   (unsigned long long)g.slot, c.advance, s.ar_out ? ", allreduce_out" : "",
                   s.ar_in_place ? " (= input)" : "", s.res_in_place ? ", residual in place" : "",
                   s.norm_out || s.pat == FU_PAT_RES ? "" : ", no norm_out", s.special ? ", special values" : "",
-                  s.eps == 0.0f ? ", eps 0" : "", s.probe ? ", rstd probes" : "");
+                  s.eps == 0.0f ? ", eps 0" : "", s.probe ? ", rstd probes" : "",
+                  s.pat != FU_PAT_RMS_NVFP4 ? "" : s.sf_linear ? ", linear SFs" : ", swizzled SFs");
     c.name = name;
     const size_t n = s.tokens * s.hidden;
     std::vector<std::vector<fc_u16>> in(W, std::vector<fc_u16>(n)), resid(W, std::vector<fc_u16>(n));
@@ -624,14 +679,19 @@ static void add_call(Session& g, Spec s) {
         std::memcpy(d.weight.data, weight[r].data(), s.hidden * 2);
         if (norms && s.norm_out) d.norm_out.make(n * 2, 0xcd);
         if (quant) d.quant_out.make(n, 0xcd);
-        if (s.pat == FU_PAT_RMS_FP8) {
+        if (s.pat == FU_PAT_RMS_NVFP4) {
+            d.quant_out.make(n / 2, 0xcd);
+            d.sf_out.make(sf_bytes(s.sf_linear, s.tokens, s.hidden), 0xcd);
+        }
+        if (s.pat == FU_PAT_RMS_FP8 || s.pat == FU_PAT_RMS_NVFP4) {
             d.scale.make(4, 0);
             std::memcpy(d.scale.data, &s.static_scale, 4);
         } else if (per_token) {
             d.scale.make(4 * s.tokens, 0xcd);
         }
         if (s.ar_out && !s.ar_in_place) d.ar_out.make(n * 2, 0xcd);
-        d.want = reference(s.pat, s.bf, s.tokens, s.hidden, s.eps, in, resid[r], weight[r], s.static_scale);
+        d.want = reference(s.pat, s.bf, s.tokens, s.hidden, s.eps, in, resid[r], weight[r], s.static_scale,
+                           s.sf_linear);
 
         FcParams p;
         std::memset(&p, 0, sizeof p);
@@ -657,6 +717,8 @@ static void add_call(Session& g, Spec s) {
         ptr[FU_PTR_QUANT_OUT] = (fc_u64)d.quant_out.data;
         ptr[FU_PTR_SCALE] = (fc_u64)d.scale.data;
         ptr[FU_PTR_ALLREDUCE_OUT] = !s.ar_out ? 0 : s.ar_in_place ? (fc_u64)d.input.data : (fc_u64)d.ar_out.data;
+        ptr[FU_PTR_SF_OUT] = (fc_u64)d.sf_out.data;
+        p.per_peer[FU_ROW_SCALARS][FU_SCALAR_SF_LAYOUT] = s.sf_linear ? FU_SF_LINEAR : FU_SF_SWIZZLED;
         p.per_peer[FU_ROW_SCALARS][FU_SCALAR_HIDDEN] = s.hidden;
         fc_u32 eps_bits;
         std::memcpy(&eps_bits, &s.eps, 4);
@@ -757,8 +819,14 @@ static int verify(const Session& g) {
                 b += compare(where, "weight (an input)", u16(d.weight), d.weight0, s.hidden);
                 if (s.norm_out) b += compare(where, "norm_out", u16(d.norm_out), d.want.norm, s.hidden);
             }
-            if (s.pat >= FU_PAT_RMS_FP8) b += compare(where, "quant_out", d.quant_out.data, d.want.quant, s.hidden);
-            if (s.pat == FU_PAT_RMS_FP8 && std::memcmp(d.scale.data, &s.static_scale, 4) != 0) {
+            if (s.pat == FU_PAT_RMS_NVFP4) {
+                b += compare(where, "quant_out (nvfp4)", d.quant_out.data, d.want.quant, s.hidden / 2);
+                b += compare(where, "sf_out", d.sf_out.data, d.want.sf, s.sf_linear ? s.hidden / 16 : 512);
+            } else if (s.pat >= FU_PAT_RMS_FP8) {
+                b += compare(where, "quant_out", d.quant_out.data, d.want.quant, s.hidden);
+            }
+            if ((s.pat == FU_PAT_RMS_FP8 || s.pat == FU_PAT_RMS_NVFP4) &&
+                std::memcmp(d.scale.data, &s.static_scale, 4) != 0) {
                 std::printf("FAIL %s: the static scale (an input) changed\n", where.c_str());
                 ++b;
             }
@@ -776,7 +844,7 @@ static int verify(const Session& g) {
                 }
             }
             for (const Buf* t : {&d.input, &d.resid_in, &d.resid_out, &d.weight, &d.norm_out, &d.quant_out, &d.scale,
-                                 &d.ar_out})
+                                 &d.ar_out, &d.sf_out})
                 if (t->data && !t->guards_intact()) {
                     std::printf("FAIL %s: a store landed next to a tensor (guard bytes changed)\n", where.c_str());
                     ++b;
@@ -845,9 +913,11 @@ static Session make_session(const Plan& pl) {
         g.err.push_back((fc_u32*)std::calloc(16, sizeof(fc_u32)));
     }
     static const float SCALES[4] = {0.009f, 0.25f, 3.0e-3f, 1e-10f}; // the last below 2^-30: the division
+    // NVFP4 global scales: scale factors mid-range, saturated, and small.
+    static const float NVFP4_SCALES[4] = {336.0f, 4096.0f, 1.0f, 0.02f};
     int j = 0;
     for (int round = 0; round < (pl.order ? 2 : 1); ++round)
-    for (int pat = pl.order ? FU_PAT_RMS : FU_PAT_RES; pat < 5; ++pat)
+    for (int pat = pl.order ? FU_PAT_RMS : FU_PAT_RES; pat <= FU_PAT_RMS_NVFP4; ++pat)
         for (int bf = 0; bf < (pl.order ? 1 : 2); ++bf)
             for (int ki = 0; ki < 3; ++ki, ++j) {
                 const Kind kind = (Kind)((ki + pat + bf) % 3);
@@ -855,7 +925,9 @@ static Session make_session(const Plan& pl) {
                 s.kind = kind;
                 s.pat = pat;
                 s.bf = bf;
-                s.hidden = pl.hiddens[(j + rnd(2)) % pl.hiddens.size()];
+                // NVFP4 takes whole 16-element blocks: odd pack counts grow by one.
+                const auto width = [&](size_t h) { return pat == FU_PAT_RMS_NVFP4 ? (h + 15) / 16 * 16 : h; };
+                s.hidden = width(pl.hiddens[(j + rnd(2)) % pl.hiddens.size()]);
                 s.tokens = pl.tokens[(j + rnd(3)) % pl.tokens.size()];
                 if (kind == ONESHOT_LL && !fits(g, kind, s.tokens, s.hidden)) {
                     // The most tokens (of the plan's, or 1) whose rows fit the
@@ -866,7 +938,7 @@ static Session make_session(const Plan& pl) {
                             if (fits(g, kind, t, h)) best = std::max(best, t);
                         return best;
                     };
-                    if (most(s.hidden) == 0) s.hidden = *std::min_element(pl.hiddens.begin(), pl.hiddens.end());
+                    if (most(s.hidden) == 0) s.hidden = width(*std::min_element(pl.hiddens.begin(), pl.hiddens.end()));
                     s.tokens = most(s.hidden);
                     if (s.tokens == 0) continue; // no LL call at this slot
                 }
@@ -880,6 +952,8 @@ static Session make_session(const Plan& pl) {
                 s.norm_out = pat == FU_PAT_RMS || rnd(4) != 0;
                 s.probe = pat != FU_PAT_RES && (pl.order || rnd(3) != 0);
                 s.static_scale = SCALES[rnd(4)];
+                if (pat == FU_PAT_RMS_NVFP4) s.static_scale = NVFP4_SCALES[rnd(4)];
+                s.sf_linear = rnd(2);
                 add_call(g, s);
             }
     return g;

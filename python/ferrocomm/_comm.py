@@ -352,6 +352,8 @@ class Communicator:
         expert_scales: Any = None,
         topk: Optional[int] = None,
         shared_expert_output: Any = None,
+        sf_out: Any = None,
+        sf_layout: str = "swizzled",
         async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
     ) -> Optional[Work]:
         """All-reduce (sum) of ``input`` (tokens x hidden, float16 or
@@ -364,12 +366,23 @@ class Communicator:
           (``norm_out`` may not be ``input``, which the kernel still reads);
         - with ``quant_out`` and ``scale``: the normed rows quantized, FP8
           e4m3 (``scale`` one float32 given, or one per token written) or
-          INT8 per token.
+          INT8 per token;
+        - NVFP4 (``pattern="residual_rms_norm_nvfp4"``, FlashInfer's
+          ``kARResidualRMSNormFP4Quant``; with ``norm_out`` its ``...Out...``
+          twin): ``quant_out`` uint8 ``tokens x hidden/2`` (two e2m1 values
+          a byte, the even element in the low nibble), ``scale`` one float32
+          global scale (read on the device), ``sf_out`` uint8 or
+          float8_e4m3fn scale factors, one per 16 elements of a row, in
+          ``sf_layout`` ``"swizzled"`` (FlashInfer's ``SWIZZLED_128x4``:
+          ``ceil(tokens/128)*128 * ceil(hidden/64)*4`` bytes, padding left
+          untouched) or ``"linear"`` (``tokens x hidden/16``). ``hidden``
+          must be a multiple of 16 (docs/protocol.md, "NVFP4 outputs").
 
         ``pattern`` (default from what is given): ``residual_add``,
         ``residual_rms_norm``, ``residual_rms_norm_fp8``,
         ``residual_rms_norm_fp8_per_token``,
-        ``residual_rms_norm_int8_per_token``. ``allreduce_out`` also keeps
+        ``residual_rms_norm_int8_per_token``, ``residual_rms_norm_nvfp4``.
+        ``allreduce_out`` also keeps
         the all-reduced, un-normed rows. Bitwise the same on every rank
         (docs/protocol.md, "Fused epilogues").
 
@@ -452,7 +465,7 @@ class Communicator:
         return c.all_reduce_fused(
             input, residual, residual_out, pattern, hidden, opt(weight), float(eps), opt(norm_out), opt(quant_out),
             opt(scale), opt(allreduce_out), opt(expanded_idx_to_permuted_idx), opt(expert_scales), topk,
-            opt(shared_expert_output), opts=opts,
+            opt(shared_expert_output), opt(sf_out), sf_layout, opts=opts,
         )
 
     def broadcast(

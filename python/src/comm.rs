@@ -20,7 +20,7 @@ use std::time::Duration;
 use ferrocomm::bootstrap::{rendezvous_from_env, Store};
 use ferrocomm::device::Device;
 use ferrocomm::{
-    CommOptions, Error, Fusion, FusionPattern, MoeFinalize, P2p, ReduceOp, Reduction, Registration, Tensor,
+    CommOptions, Error, Fusion, FusionPattern, MoeFinalize, P2p, ReduceOp, Reduction, Registration, SfLayout, Tensor,
     MOE_MAX_TOPK,
 };
 use pyo3::prelude::*;
@@ -49,14 +49,27 @@ fn fusion_pattern(name: &str) -> PyResult<FusionPattern> {
         "residual_rms_norm_fp8" | "residual_rms_norm_quant_fp8" | "rms_fp8" => FusionPattern::ResidualRmsNormFp8,
         "residual_rms_norm_fp8_per_token" | "rms_fp8tok" => FusionPattern::ResidualRmsNormFp8PerToken,
         "residual_rms_norm_int8_per_token" | "rms_i8tok" => FusionPattern::ResidualRmsNormInt8PerToken,
+        "residual_rms_norm_nvfp4" | "residual_rms_norm_fp4_quant" | "rms_nvfp4" => FusionPattern::ResidualRmsNormNvfp4,
         _ => {
             return Err(invalid(format!(
                 "unknown fusion pattern {name:?}: residual_add, residual_rms_norm, residual_rms_norm_fp8, \
-                 residual_rms_norm_fp8_per_token or residual_rms_norm_int8_per_token"
+                 residual_rms_norm_fp8_per_token, residual_rms_norm_int8_per_token or residual_rms_norm_nvfp4"
             )))
         }
     };
     Ok(p)
+}
+
+/// NVFP4's scale-factor layout by name (FlashInfer's `SWIZZLED_128x4` or
+/// `LINEAR`).
+fn sf_layout(name: &str) -> PyResult<SfLayout> {
+    match name.trim().to_ascii_lowercase().replace('-', "_").as_str() {
+        "swizzled" | "swizzled_128x4" | "128x4" => Ok(SfLayout::Swizzled128x4),
+        "linear" => Ok(SfLayout::Linear),
+        _ => Err(invalid(format!(
+            "unknown scale-factor layout {name:?}: swizzled (128x4 tiles) or linear"
+        ))),
+    }
 }
 
 fn options(name: Option<String>, timeout: Option<f64>) -> PyResult<CommOptions> {
@@ -542,7 +555,7 @@ impl PyComm {
     /// gives the tokens.
     #[pyo3(signature = (input, residual_in, residual_out, pattern, hidden, weight=None, eps=1e-6, norm_out=None,
         quant_out=None, scale=None, allreduce_out=None, expanded_idx_to_permuted_idx=None, expert_scales=None,
-        topk=None, shared_expert_output=None, *, opts=CallOpts::default()))]
+        topk=None, shared_expert_output=None, sf_out=None, sf_layout="swizzled", *, opts=CallOpts::default()))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce_fused(
         &self,
@@ -562,9 +575,12 @@ impl PyComm {
         expert_scales: Option<&Bound<'_, PyAny>>,
         topk: Option<i64>,
         shared_expert_output: Option<&Bound<'_, PyAny>>,
+        sf_out: Option<&Bound<'_, PyAny>>,
+        sf_layout: &str,
         opts: CallOpts,
     ) -> PyResult<Option<PyWork>> {
         let pattern = fusion_pattern(pattern)?;
+        let layout = self::sf_layout(sf_layout)?;
         // The MoE prologue's arguments, checked before anything is
         // imported: all of the routing or none of it.
         let moe = match (expanded_idx_to_permuted_idx, expert_scales, topk) {
@@ -617,6 +633,11 @@ impl PyComm {
                 ))
             }
         }
+        // NVFP4's scale factors (the core refuses them on other patterns).
+        if let Some(t) = sf_out {
+            fusion.sf_out = Some(batch.import(t, true, "all_reduce_fused sf_out")?);
+        }
+        fusion.sf_layout = layout;
         if let Some(t) = allreduce_out {
             fusion = fusion.with_allreduce_out(batch.import(t, true, "all_reduce_fused allreduce_out")?);
         }

@@ -258,6 +258,101 @@ def fused() -> None:
     comm.finalize()
 
 
+# NVFP4 outputs of the fused epilogue: the format from its definition
+# (docs/protocol.md, "NVFP4 outputs"), independent of the Rust twin.
+E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+E4M3_VALUES = [m * 2.0**-9 if e == 0 else (8 + m) * 2.0 ** (e - 10) for e in range(16) for m in range(8)][:0x7F]
+
+
+def nearest_code(table: list[float], a: float) -> int:
+    """The code of |a| in an ascending table of magnitudes: nearest, ties to
+    the even code, saturated to the last."""
+    if a >= table[-1]:
+        return len(table) - 1
+    hi = next(i for i, v in enumerate(table) if v >= a)
+    if table[hi] == a or hi == 0:
+        return hi
+    lo = hi - 1
+    dl, dh = a - table[lo], table[hi] - a
+    return lo if dl < dh else hi if dh < dl else (lo if lo % 2 == 0 else hi)
+
+
+def nvfp4_block(y: np.ndarray, gs: np.float32) -> tuple[bytes, int]:
+    """16 normed values (float32) -> 8 bytes of e2m1 codes and the e4m3
+    scale factor: sf = e4m3(gs * (amax * (1/6))), out = 1 / (sf * (1/gs))
+    (0 if sf is 0), codes e2m1(y * out); every step rounded to f32."""
+    f = np.float32
+    amax = f(np.fmax.reduce(np.abs(y), initial=f(0)))
+    sfv = f(gs * f(amax * f(f(1) / f(6))))
+    sf = nearest_code(E4M3_VALUES, float(sfv))
+    v = f(E4M3_VALUES[sf])
+    out = f(f(1) / f(v * f(f(1) / gs))) if v != 0 else f(0)
+    codes = []
+    for x in y:
+        q = f(x * out)
+        codes.append(nearest_code(E2M1_VALUES, abs(float(q))) | (8 if np.signbit(q) else 0))
+    return bytes(codes[2 * i] | codes[2 * i + 1] << 4 for i in range(8)), sf
+
+
+def sf_offset(layout: str, m: int, k: int, cols: int) -> int:
+    if layout == "linear":
+        return m * cols + k
+    return (m // 128) * ((cols + 3) // 4) * 512 + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
+
+
+def fused_nvfp4() -> None:
+    """all_reduce_fused with NVFP4 outputs (both layouts, with and without
+    norm_out) on NumPy float16 rows, bit for bit against the format's
+    definition; the swizzled padding is left as it was."""
+    comm = comm_from_env(timeout=60)
+    W, r = comm.size, comm.rank
+    gs = np.float32(336.0)
+    for (tokens, hidden), layout in [((3, 48), "swizzled"), ((130, 32), "swizzled"), ((5, 64), "linear")]:
+        n, cols = tokens * hidden, hidden // 16
+        ins = [gen(q, n, np.float16, 81, "normal").reshape(tokens, hidden) for q in range(W)]
+        res = gen(100, n, np.float16, 82, "normal").reshape(tokens, hidden)
+        w = gen(101, hidden, np.float16, 83, "normal")
+        ar = reference([x.reshape(-1) for x in ins], "sum").reshape(tokens, hidden)
+        want_res = (ar.astype(np.float32) + res.astype(np.float32)).astype(np.float16)
+        normed = rms_norm_reference(want_res, w, 1e-6).astype(np.float32)
+        sf_bytes = ((tokens + 127) // 128 * 128) * ((cols + 3) // 4 * 4) if layout == "swizzled" else tokens * cols
+        want_q = bytearray()
+        want_sf = np.full(sf_bytes, 0xAA, np.uint8)
+        for m in range(tokens):
+            for k in range(cols):
+                codes, sf = nvfp4_block(normed[m, 16 * k : 16 * k + 16], gs)
+                want_q += codes
+                want_sf[sf_offset(layout, m, k, cols)] = sf
+        for with_norm in (False, True):
+            what = f"fused nvfp4 {tokens}x{hidden} {layout} norm_out={with_norm}"
+            residual = res.copy()
+            quant = np.zeros((tokens, hidden // 2), np.uint8)
+            sfs = np.full(sf_bytes, 0xAA, np.uint8)
+            norm_out = np.zeros_like(res) if with_norm else None
+            comm.all_reduce_fused(
+                ins[r].copy(), residual, w, 1e-6, pattern="residual_rms_norm_nvfp4", norm_out=norm_out,
+                quant_out=quant, scale=np.array([gs], np.float32), sf_out=sfs, sf_layout=layout,
+            )
+            same(residual, want_res, f"{what} residual")
+            same(quant.reshape(-1), np.frombuffer(bytes(want_q), np.uint8), f"{what} quant_out")
+            same(sfs, want_sf, f"{what} sf_out")
+            if with_norm:
+                same(norm_out, normed.astype(np.float16), f"{what} norm_out")
+    # hidden not a multiple of 16, and an unknown layout, are refused.
+    x = gen(r, 24, np.float16, 84, "normal").reshape(1, 24)
+    for kw in ({}, {"sf_layout": "rowwise"}):
+        try:
+            comm.all_reduce_fused(
+                x, x.copy(), w[:24], 1e-6, pattern="rms_nvfp4", quant_out=np.zeros(12, np.uint8),
+                scale=np.array([gs], np.float32), sf_out=np.zeros(512, np.uint8), **kw,
+            )
+        except ferrocomm.InvalidArgument as e:
+            assert ("multiple of 16" in str(e)) if not kw else ("layout" in str(e)), e
+        else:
+            raise AssertionError(f"nvfp4 with hidden 24 {kw} must be refused")
+    comm.finalize()
+
+
 # MoE finalize (all_reduce_fused's prologue): each rank's rows finalized
 # from its experts' output in the stated order (docs/protocol.md, "MoE
 # finalize"), then all-reduced, residual added and normed as above. float16

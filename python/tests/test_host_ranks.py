@@ -26,6 +26,13 @@ def test_fused_all_reduce_epilogues(world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_fused_nvfp4(world):
+    """NVFP4 outputs (swizzled and linear scale factors, with and without
+    norm_out) against the format's definition in NumPy."""
+    expect_ok(launch(world, "fused_nvfp4", timeout=120))
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_fused_moe_finalize(world):
     """all_reduce_fused's MoE-finalize prologue (float16 and bfloat16, top-1
     and top-8, shared expert or not, out-of-range indices) against the NumPy

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use super::grid::{GridTable, BLOCK_THREADS};
 use super::kernels::KernelKind;
+use super::nvfp4::SfLayout;
 use super::layout::{lamport_stride, push_oneshot_stride, push_twoshot_stride, DATA_OFFSET, FLAGS_OFFSET, FP_OFFSET};
 use super::workspace::Workspace;
 use crate::device::{Device, DevicePtr, HostFlags, KernelParams, MAX_RANKS};
@@ -38,16 +39,22 @@ pub enum FusionPattern {
     ResidualRmsNormFp8PerToken,
     /// Then RMSNorm, INT8 with a per-token scale (written to `scale`).
     ResidualRmsNormInt8PerToken,
+    /// Then RMSNorm, NVFP4 (`crate::algo::nvfp4`): e2m1 values two per
+    /// byte in `quant_out`, an e4m3 scale factor per 16 elements in
+    /// `sf_out` (swizzled or linear), from the global scale read from
+    /// `scale` (one f32 in device memory); `norm_out` when given.
+    ResidualRmsNormNvfp4,
 }
 
 impl FusionPattern {
     /// Every pattern.
-    pub const ALL: [FusionPattern; 5] = [
+    pub const ALL: [FusionPattern; 6] = [
         FusionPattern::ResidualAdd,
         FusionPattern::ResidualRmsNorm,
         FusionPattern::ResidualRmsNormFp8,
         FusionPattern::ResidualRmsNormFp8PerToken,
         FusionPattern::ResidualRmsNormInt8PerToken,
+        FusionPattern::ResidualRmsNormNvfp4,
     ];
 
     /// The short name used in kernel names and messages.
@@ -58,6 +65,7 @@ impl FusionPattern {
             FusionPattern::ResidualRmsNormFp8 => "rms_fp8",
             FusionPattern::ResidualRmsNormFp8PerToken => "rms_fp8tok",
             FusionPattern::ResidualRmsNormInt8PerToken => "rms_i8tok",
+            FusionPattern::ResidualRmsNormNvfp4 => "rms_nvfp4",
         }
     }
 
@@ -71,7 +79,14 @@ impl FusionPattern {
         !matches!(self, FusionPattern::ResidualAdd)
     }
 
-    /// The quantized output's dtype, if the pattern quantizes.
+    /// Whether the pattern writes NVFP4 (packed values and scale factors,
+    /// not one byte per element: [`FusionPattern::quant_dtype`] is `None`).
+    pub const fn nvfp4(self) -> bool {
+        matches!(self, FusionPattern::ResidualRmsNormNvfp4)
+    }
+
+    /// The quantized output's dtype, if the pattern quantizes to one byte
+    /// per element.
     pub const fn quant_dtype(self) -> Option<DType> {
         match self {
             FusionPattern::ResidualRmsNormFp8 | FusionPattern::ResidualRmsNormFp8PerToken => Some(DType::F8E4M3),
@@ -291,6 +306,8 @@ pub const PTR_NORM_OUT: usize = 3;
 pub const PTR_QUANT_OUT: usize = 4;
 pub const PTR_SCALE: usize = 5;
 pub const PTR_ALLREDUCE_OUT: usize = 6;
+/// NVFP4's scale factors (e4m3 bytes).
+pub const PTR_SF_OUT: usize = 7;
 pub const ROW_SCALARS: usize = 1;
 /// Elements of a row.
 pub const SCALAR_HIDDEN: usize = 0;
@@ -298,6 +315,8 @@ pub const SCALAR_HIDDEN: usize = 0;
 pub const SCALAR_EPS: usize = 1;
 /// Rows of the whole call (the scale index of a row is its global row).
 pub const SCALAR_TOKENS: usize = 2;
+/// NVFP4's scale-factor layout (`SfLayout::code`).
+pub const SCALAR_SF_LAYOUT: usize = 3;
 /// Row of the MoE-finalize prologue's arguments (absent: all 0).
 pub const ROW_MOE: usize = 2;
 /// `expanded_idx_to_permuted_idx` (i32, `tokens x topk`).
@@ -346,6 +365,8 @@ pub struct FusedCall {
     pub ptrs: [u64; MAX_RANKS],
     /// The MoE-finalize prologue (`input` is then the experts' output).
     pub moe: Option<MoeCall>,
+    /// Where NVFP4's scale factors go (other patterns: unused).
+    pub sf_layout: SfLayout,
 }
 
 impl FusedCall {
@@ -405,6 +426,7 @@ pub fn fused_fingerprint(c: &FusedCall) -> u64 {
         c.eps.to_bits() as u64,
         c.input_kind() as u64,
         c.moe.map_or(0, |m| m.topk as u64),
+        c.sf_layout.code(),
     ];
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for w in words {
@@ -431,6 +453,7 @@ impl FusedCall {
         per_peer[ROW_SCALARS][SCALAR_HIDDEN] = self.hidden as u64;
         per_peer[ROW_SCALARS][SCALAR_EPS] = self.eps.to_bits() as u64;
         per_peer[ROW_SCALARS][SCALAR_TOKENS] = self.tokens as u64;
+        per_peer[ROW_SCALARS][SCALAR_SF_LAYOUT] = self.sf_layout.code();
         if let Some(m) = self.moe {
             let row = &mut per_peer[ROW_MOE];
             row[MOE_IDX] = m.idx;

@@ -8,6 +8,7 @@ mod grid;
 pub mod kernels;
 mod launch;
 pub mod layout;
+pub mod nvfp4;
 mod workspace;
 
 pub use grid::{GridTable, BLOCK_THREADS};

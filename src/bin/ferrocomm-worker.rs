@@ -20,6 +20,7 @@
 //!   `--replays` times, changing the input before every replay and checking
 //!   every output.
 //! - `smoke`: one small launch of every kernel family (for compute-sanitizer).
+//! - `fused_nvfp4`: the fused NVFP4 cases alone (`ferrocomm::testing::fused_nvfp4`).
 //! - `heap`: the symmetric heap and window suite (on GPUs also the
 //!   user-style all-gather on the device API).
 //! - `ep`: the EP dispatch and combine suite (`ferrocomm::testing::ep`).

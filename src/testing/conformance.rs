@@ -948,6 +948,32 @@ macro_rules! conformance_tests {
                 run_copy_route(3)
             }
 
+            /// NVFP4's fused cases alone (also part of the whole suite).
+            fn run_fused_nvfp4(world: usize) {
+                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
+                $crate::testing::conformance::run_thread_suite(
+                    stringify!($backend),
+                    world,
+                    $skip(world),
+                    &$make,
+                    |o| o,
+                    |comm, _, cfg| $crate::testing::fused_nvfp4::run_fused_nvfp4(comm, cfg),
+                    &cfg,
+                    1,
+                );
+            }
+
+            #[test]
+            $(#[$attr])*
+            fn fused_nvfp4_world_2() {
+                run_fused_nvfp4(2)
+            }
+            #[test]
+            $(#[$attr])*
+            fn fused_nvfp4_world_3() {
+                run_fused_nvfp4(3)
+            }
+
             #[test]
             $(#[$attr])*
             fn collectives_without_ll_world_2() {

@@ -11,6 +11,7 @@ use half::{bf16, f16};
 
 use super::conformance::{context, Suite, POISON};
 use super::data::{self, FromF64, Values};
+use super::fused_nvfp4::{case_layout, nvfp4_reference, NVFP4_GLOBAL_SCALE};
 use crate::algo::fused::{fp8_min_scale, int8_min_scale, FusedKind, FusionPattern, FP8_MAX, INT8_MAX};
 use crate::codec::{Fp8Flavor, Half16};
 use crate::comm::{Call, Fusion, MoeFinalize, Tensor};
@@ -31,6 +32,9 @@ pub struct FusedExpect<S> {
     pub quant: Vec<u8>,
     /// Per-token patterns only: one scale per row.
     pub scales: Vec<f32>,
+    /// NVFP4 only: the scale factors, row-major (`quant` holds the packed
+    /// codes, two a byte).
+    pub sf: Vec<u8>,
 }
 
 /// Round to the dtype, nearest even; every NaN becomes the dtype's
@@ -83,7 +87,9 @@ pub fn quant_int8(v: f32, scale: f32) -> u8 {
 }
 
 /// The unfused reference: `inputs[r]` is rank `r`'s input (`tokens x
-/// hidden`), `scale` the static FP8 scale (ignored by other patterns).
+/// hidden`), `scale` the static FP8 scale or NVFP4's global scale (ignored
+/// by other patterns). Its order: the all-reduce, the residual add, RMSNorm
+/// (rounded), then the quantization of the normed values as stored.
 pub fn fused_reference<S: Half16>(
     pattern: FusionPattern,
     hidden: usize,
@@ -115,6 +121,7 @@ pub fn fused_reference<S: Half16>(
         norm: Vec::new(),
         quant: Vec::new(),
         scales: Vec::new(),
+        sf: Vec::new(),
     };
     if !pattern.norms() {
         return out;
@@ -150,6 +157,8 @@ pub fn fused_reference<S: Half16>(
                 );
             }
         }
+        // 5. NVFP4: `scale` is the global scale.
+        FusionPattern::ResidualRmsNormNvfp4 => (out.quant, out.sf) = nvfp4_reference(&normed, scale),
         _ => {}
     }
     out
@@ -346,23 +355,23 @@ fn moe_data<S: FromF64 + Half16>(
 }
 
 #[derive(Clone, Copy)]
-struct Case {
-    kind: FusedKind,
-    pattern: FusionPattern,
-    tokens: usize,
-    hidden: usize,
-    eps: f32,
-    in_place: bool,
-    with_allreduce_out: bool,
-    with_norm_out: bool,
-    special: bool,
+pub(super) struct Case {
+    pub(super) kind: FusedKind,
+    pub(super) pattern: FusionPattern,
+    pub(super) tokens: usize,
+    pub(super) hidden: usize,
+    pub(super) eps: f32,
+    pub(super) in_place: bool,
+    pub(super) with_allreduce_out: bool,
+    pub(super) with_norm_out: bool,
+    pub(super) special: bool,
     /// The MoE-finalize prologue, when the case has one.
-    moe: Option<MoeCase>,
+    pub(super) moe: Option<MoeCase>,
 }
 
 /// A MoE-finalize case's routing.
 #[derive(Clone, Copy)]
-struct MoeCase {
+pub(super) struct MoeCase {
     topk: usize,
     shared: bool,
     /// Router weights in f32 (else in the call's dtype).
@@ -434,6 +443,7 @@ impl<D: Device> Suite<'_, D> {
         }
         self.fused_graph_replay()?;
         self.fused_validation()?;
+        self.fused_nvfp4()?;
         self.fused_moe()
     }
 
@@ -523,7 +533,8 @@ impl<D: Device> Suite<'_, D> {
                     kind,
                     pattern,
                     tokens: 7,
-                    hidden: 264,
+                    // NVFP4 takes whole 16-element blocks.
+                    hidden: if pattern.nvfp4() { 272 } else { 264 },
                     eps: 1e-6,
                     in_place: false,
                     with_allreduce_out: true,
@@ -545,7 +556,7 @@ impl<D: Device> Suite<'_, D> {
         Ok(())
     }
 
-    fn fused_case<S: FromF64 + Half16>(&mut self, c: &Case) -> Result<()> {
+    pub(super) fn fused_case<S: FromF64 + Half16>(&mut self, c: &Case) -> Result<()> {
         let comm = self.comm;
         let (rank, world) = (comm.rank(), comm.size());
         let dtype = <S as Half16>::DTYPE;
@@ -554,6 +565,10 @@ impl<D: Device> Suite<'_, D> {
         // The LL one-shot carries a call in one epoch: larger ones are
         // refused (checked in `run_fused_chunked`), not run.
         let slot = comm.options().slot_bytes_for(comm.device().facts().backend);
+        // NVFP4 takes whole 16-element blocks (other rows: its validation).
+        if pattern.nvfp4() && hidden % 16 != 0 {
+            return Ok(());
+        }
         if c.kind == FusedKind::OneShotLl && tokens > crate::algo::fused::fused_ll_rows(slot, world, hidden, 2) {
             return Ok(());
         }
@@ -574,6 +589,12 @@ impl<D: Device> Suite<'_, D> {
             c.with_norm_out,
             c.special
         );
+        let layout = case_layout(c);
+        let name = if pattern.nvfp4() {
+            format!("{name} sf={layout}")
+        } else {
+            name
+        };
         let case = format!("{name} rank={rank}");
         let seed = self.cfg.seed ^ data::hash_bytes(name.as_bytes());
         let value = |r: usize, i: usize, residual: bool| -> S {
@@ -613,7 +634,12 @@ impl<D: Device> Suite<'_, D> {
                 <S as FromF64>::from_f64(1.0 + 0.25 * data::input_value(seed, 77, i, ReduceOp::Sum, Values::Random))
             })
             .collect();
-        let want = fused_reference(pattern, hidden, c.eps, &inputs, &residual, &weight, STATIC_SCALE);
+        let scale = if pattern.nvfp4() {
+            NVFP4_GLOBAL_SCALE
+        } else {
+            STATIC_SCALE
+        };
+        let want = fused_reference(pattern, hidden, c.eps, &inputs, &residual, &weight, scale);
 
         // Buffers: 0 input, 1 residual in, 2 residual out, 3 weight, 4 norm
         // out, 5 quant out, 6 scale, 7 all-reduce out; MoE: 0 the experts'
@@ -654,6 +680,9 @@ impl<D: Device> Suite<'_, D> {
                 self.view(6, 0, DType::F32, 1, false)?
             };
             f = f.with_quant(quant, scale);
+        }
+        if pattern.nvfp4() {
+            f = self.nvfp4_outputs(f, tokens, hidden, layout)?;
         }
         if c.with_allreduce_out {
             f = f.with_allreduce_out(self.view(7, 0, dtype, n, true)?);
@@ -701,6 +730,9 @@ impl<D: Device> Suite<'_, D> {
                 let got = self.get(6, 0, tokens * 4)?;
                 self.check(&format!("{case} scale"), &got, &want.scales)?;
             }
+        }
+        if pattern.nvfp4() {
+            self.check_nvfp4(&case, &want.quant, &want.sf, tokens, hidden, layout)?;
         }
         Ok(())
     }
@@ -1245,6 +1277,7 @@ pub fn run_fused_chunked<D: Device>(
     for pattern in [
         FusionPattern::ResidualRmsNormFp8PerToken,
         FusionPattern::ResidualRmsNormInt8PerToken,
+        FusionPattern::ResidualRmsNormNvfp4,
     ] {
         for (k, (tokens, hidden)) in [(7, 16384), (43, 4096)].into_iter().enumerate() {
             let case = Case {

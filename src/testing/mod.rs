@@ -10,6 +10,7 @@ pub mod copy_route;
 pub mod data;
 pub mod ep;
 pub mod fused;
+pub mod fused_nvfp4;
 pub mod fuzz;
 pub mod harness;
 pub mod heap;

@@ -20,7 +20,7 @@ pub const USAGE: &str =
                        [--operands plain|heap|both]  (--coll rows' buffers: comm.alloc, the symmetric heap, or both
                         side by side; heap operands take the direct kinds from FERROCOMM_DIRECT_MIN_BYTES a peer)
                        [--quantization int4,int6,int8,fp8,fp4]
-                       [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok|all [--tokens 1,32,128,2048] [--hidden 4096]
+                       [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok,rms_nvfp4|all [--tokens 1,32,128,2048] [--hidden 4096]
                         [--fused-moe TOPK,..]]
                        [--heap]  (device put vs copy engine, user all-gather vs all_gather)
                        [--broadcaster]  (the metadata broadcaster: msgs/s and latency at 64 B, 4 KiB, 1 MiB)

@@ -6,9 +6,10 @@ use super::Fusion;
 use crate::algo::fused::{
     fused_ll_rows, fused_rows_per_chunk, fused_segment_rows, FusedCall, FusionPattern, MoeCall, FUSED_DTYPES,
     FUSED_MAX_HIDDEN, MOE_MAX_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT, PTR_QUANT_OUT, PTR_RESIDUAL_IN, PTR_RESIDUAL_OUT,
-    PTR_SCALE, PTR_WEIGHT,
+    PTR_SCALE, PTR_SF_OUT, PTR_WEIGHT,
 };
 use crate::algo::layout::push_oneshot_stride;
+use crate::algo::nvfp4::NVFP4_BLOCK;
 use crate::comm::call::Call;
 use crate::comm::communicator::Communicator;
 use crate::comm::tensor::Tensor;
@@ -125,6 +126,7 @@ impl<D: Device> Communicator<D> {
             input: input.ptr(),
             ptrs: pointers(f),
             moe,
+            sf_layout: f.sf_layout,
         })
     }
 
@@ -138,6 +140,11 @@ impl<D: Device> Communicator<D> {
         let hidden = f.hidden;
         if hidden == 0 || hidden % 8 != 0 {
             return Err(e.err(format!("hidden = {hidden} must be a positive multiple of 8")));
+        }
+        if f.pattern.nvfp4() && hidden % NVFP4_BLOCK != 0 {
+            return Err(e.err(format!(
+                "hidden = {hidden} must be a multiple of {NVFP4_BLOCK} for NVFP4 (one scale factor per {NVFP4_BLOCK} elements of a row)"
+            )));
         }
         if hidden > FUSED_MAX_HIDDEN {
             return Err(e.err(format!("hidden = {hidden} is larger than {FUSED_MAX_HIDDEN}")));
@@ -195,7 +202,7 @@ impl<D: Device> Communicator<D> {
             // Rows move in 16-byte packs; the scale and the MoE index and
             // router weights are read an element at a time.
             let align = match r.what {
-                "scale" | "expanded_idx_to_permuted_idx" | "expert_scales" => r.t.dtype().size(),
+                "scale" | "sf_out" | "expanded_idx_to_permuted_idx" | "expert_scales" => r.t.dtype().size(),
                 _ => 16,
             };
             if r.t.ptr().0 % align as u64 != 0 {
@@ -284,14 +291,59 @@ fn pattern_roles(e: &Errs, f: &Fusion, rows: &Rows, roles: &mut Vec<Role>) -> Re
             t: s,
             output: f.pattern.per_token(),
         });
+    } else if f.pattern.nvfp4() {
+        nvfp4_roles(e, f, rows, roles)?;
     } else {
         e.unwanted("quant_out", f.quant_out.is_some())?;
         e.unwanted("scale", f.scale.is_some())?;
+    }
+    if !f.pattern.nvfp4() {
+        e.unwanted("sf_out", f.sf_out.is_some())?;
     }
     if let Some(t) = f.allreduce_out {
         e.expect("allreduce_out", &t, dtype, n, rows)?;
         roles.push(Role::output("allreduce_out", t));
     }
+    Ok(())
+}
+
+/// NVFP4's tensors: the packed values, the global scale (read) and the
+/// scale factors of the call's layout.
+fn nvfp4_roles(e: &Errs, f: &Fusion, rows: &Rows, roles: &mut Vec<Role>) -> Result<()> {
+    let (Some(q), Some(s), Some(sf)) = (f.quant_out, f.scale, f.sf_out) else {
+        return Err(e.err("quant_out, scale and sf_out are required (Fusion::with_nvfp4)".into()));
+    };
+    if q.dtype() != DType::U8 || q.count() != rows.n / 2 {
+        return Err(e.err(format!(
+            "quant_out must be {} x u8 (two e2m1 values a byte, {} x {} for rows), not {} x {}",
+            rows.n / 2,
+            rows.tokens,
+            rows.hidden,
+            q.count(),
+            q.dtype()
+        )));
+    }
+    if s.dtype() != DType::F32 || s.count() != 1 {
+        return Err(e.err(format!(
+            "scale must be 1 x f32 (the global scale, read), not {} x {}",
+            s.count(),
+            s.dtype()
+        )));
+    }
+    let want = f.sf_layout.sf_bytes(rows.tokens, rows.hidden);
+    if !matches!(sf.dtype(), DType::F8E4M3 | DType::U8) || sf.count() != want {
+        return Err(e.err(format!(
+            "sf_out must be {want} x f8e4m3 or u8 (the {} layout of {} x {} rows), not {} x {}",
+            f.sf_layout,
+            rows.tokens,
+            rows.hidden / NVFP4_BLOCK,
+            sf.count(),
+            sf.dtype()
+        )));
+    }
+    roles.push(Role::output("quant_out", q));
+    roles.push(Role::input("scale", s));
+    roles.push(Role::output("sf_out", sf));
     Ok(())
 }
 
@@ -353,9 +405,12 @@ fn pointers(f: &Fusion) -> [u64; MAX_RANKS] {
         set(PTR_WEIGHT, f.weight);
         set(PTR_NORM_OUT, f.norm_out);
     }
-    if f.pattern.quant_dtype().is_some() {
+    if f.pattern.quant_dtype().is_some() || f.pattern.nvfp4() {
         set(PTR_QUANT_OUT, f.quant_out);
         set(PTR_SCALE, f.scale);
+    }
+    if f.pattern.nvfp4() {
+        set(PTR_SF_OUT, f.sf_out);
     }
     set(PTR_ALLREDUCE_OUT, f.allreduce_out);
     ptrs

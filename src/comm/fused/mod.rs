@@ -17,6 +17,7 @@ use super::communicator::Communicator;
 use super::tensor::Tensor;
 use super::work::Work;
 use crate::algo::fused::FusionPattern;
+use crate::algo::nvfp4::SfLayout;
 use crate::device::Device;
 use crate::error::{Error, Result};
 
@@ -41,11 +42,18 @@ pub struct Fusion {
     pub eps: f32,
     /// The normed rows (required by `ResidualRmsNorm`, optional with a quantization).
     pub norm_out: Option<Tensor>,
-    /// The quantized normed rows: `tokens x hidden` of f8e4m3 or i8.
+    /// The quantized normed rows: `tokens x hidden` of f8e4m3 or i8; NVFP4:
+    /// `tokens x hidden / 2` u8, two e2m1 values a byte.
     pub quant_out: Option<Tensor>,
     /// f32 scales: one (given, read on the device at run time) for
-    /// `ResidualRmsNormFp8`, `tokens` (written) for the per-token patterns.
+    /// `ResidualRmsNormFp8` and NVFP4 (its global scale), `tokens`
+    /// (written) for the per-token patterns.
     pub scale: Option<Tensor>,
+    /// NVFP4's e4m3 scale factors (f8e4m3 or u8), one per 16 elements of a
+    /// row, [`SfLayout::sf_bytes`] of them in the layout `sf_layout`.
+    pub sf_out: Option<Tensor>,
+    /// Where NVFP4's scale factors go.
+    pub sf_layout: SfLayout,
     /// The all-reduced rows before the residual add (optional; may be the
     /// input itself, except with a MoE prologue).
     pub allreduce_out: Option<Tensor>,
@@ -113,6 +121,8 @@ impl Fusion {
             norm_out: None,
             quant_out: None,
             scale: None,
+            sf_out: None,
+            sf_layout: SfLayout::Swizzled128x4,
             allreduce_out: None,
             moe: None,
         }
@@ -135,6 +145,16 @@ impl Fusion {
     pub fn with_quant(mut self, quant_out: Tensor, scale: Tensor) -> Self {
         self.quant_out = Some(quant_out);
         self.scale = Some(scale);
+        self
+    }
+
+    /// NVFP4's outputs: the packed values, the global scale (one f32, read
+    /// on the device at run time), the scale factors and their layout.
+    pub fn with_nvfp4(mut self, quant_out: Tensor, global_scale: Tensor, sf_out: Tensor, layout: SfLayout) -> Self {
+        self.quant_out = Some(quant_out);
+        self.scale = Some(global_scale);
+        self.sf_out = Some(sf_out);
+        self.sf_layout = layout;
         self
     }
 

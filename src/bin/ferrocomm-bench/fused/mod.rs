@@ -139,7 +139,7 @@ impl<D: Device> Table<'_, D> {
     fn unfused_rows<S: FromF64 + Half16>(&self, pattern: FusionPattern, tokens: usize) -> Result<usize> {
         let (comm, a, dtype) = (self.comm, self.a, <S as Half16>::DTYPE);
         let Some(u) = &self.unfused else { return Ok(0) };
-        if pattern.quant_dtype().is_some() {
+        if pattern.quant_dtype().is_some() || pattern.nvfp4() {
             return Ok(0);
         }
         let mut wrong = 0;

@@ -46,6 +46,7 @@ impl<S: FromF64 + Half16> MoeInputs<S> {
     fn buffers<'c, D: Device>(
         &self,
         comm: &'c Communicator<D>,
+        pattern: ferrocomm::FusionPattern,
         tokens: usize,
         hidden: usize,
     ) -> Result<Buffers<'c, D>> {
@@ -57,7 +58,7 @@ impl<S: FromF64 + Half16> MoeInputs<S> {
             .chain([pairs * 4, pairs * 4, n * es, n * es])
             .collect();
         let mut fill = vec![(0, data::to_bytes(&self.experts[rank]))];
-        fill.extend(self.epilogue.fill());
+        fill.extend(self.epilogue.fill(pattern));
         fill.extend([
             (7, data::to_bytes(&self.idx)),
             (8, data::to_bytes(&self.scales)),
@@ -100,7 +101,7 @@ impl<'a, 'c, D: Device, S: FromF64 + Half16> MoeRow<'a, 'c, D, S> {
         Ok(MoeRow {
             spec,
             topk,
-            bufs: inputs.buffers(comm, spec.tokens, a.hidden)?,
+            bufs: inputs.buffers(comm, spec.pattern, spec.tokens, a.hidden)?,
             want: inputs.want(spec.pattern, a.hidden),
         })
     }

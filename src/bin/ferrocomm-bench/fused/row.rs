@@ -7,7 +7,7 @@ use ferrocomm::codec::Half16;
 use ferrocomm::device::{BackendKind, Device};
 use ferrocomm::testing::data::{self, FromF64, Values};
 use ferrocomm::testing::fused::{fused_reference, FusedExpect};
-use ferrocomm::{Algorithm, Call, Communicator, DType, Fusion, ReduceOp, Result, Tensor};
+use ferrocomm::{Algorithm, Call, Communicator, DType, Fusion, ReduceOp, Result, SfLayout, Tensor};
 
 use crate::args::Args;
 use crate::colls::with_algo;
@@ -15,6 +15,27 @@ use crate::timing::{median, time_samples, OPS_PER_SAMPLE};
 
 /// The static FP8 scale of `rms_fp8` rows.
 const STATIC_SCALE: f32 = 0.01;
+
+/// The global scale of `rms_nvfp4` rows (FlashInfer's `448 * 6 / amax` for
+/// an amax of 8), and where their scale factors go: the layout Blackwell's
+/// GEMMs read.
+const NVFP4_GLOBAL_SCALE: f32 = 336.0;
+const NVFP4_LAYOUT: SfLayout = SfLayout::Swizzled128x4;
+
+/// The scale a pattern's buffer 6 starts with (static FP8: the scale;
+/// NVFP4: the global scale).
+fn given_scale(pattern: FusionPattern) -> f32 {
+    if pattern.nvfp4() {
+        NVFP4_GLOBAL_SCALE
+    } else {
+        STATIC_SCALE
+    }
+}
+
+/// Where NVFP4's scale factors start in buffer 5, after the codes.
+fn sf_offset(n: usize) -> usize {
+    (n / 2).next_multiple_of(16)
+}
 
 /// The RMSNorm's epsilon.
 pub const EPS: f32 = 1e-6;
@@ -67,24 +88,27 @@ impl<S: FromF64 + Half16> Epilogue<S> {
         }
     }
 
-    /// Bytes of the epilogue's buffers (1 to 6 of [`Buffers`]).
+    /// Bytes of the epilogue's buffers (1 to 6 of [`Buffers`]; 5 holds a
+    /// byte an element, or NVFP4's codes and then its scale factors).
     pub fn sizes(tokens: usize, hidden: usize) -> [usize; 6] {
         let (n, es) = (tokens * hidden, <S as Half16>::DTYPE.size());
-        [n * es, n * es, hidden * es, n * es, n, tokens.max(1) * 4]
+        let quant = n.max(sf_offset(n) + NVFP4_LAYOUT.sf_bytes(tokens, hidden));
+        [n * es, n * es, hidden * es, n * es, quant, tokens.max(1) * 4]
     }
 
     /// What the epilogue's buffers start with: residual, weight, scale.
-    pub fn fill(&self) -> [(usize, Vec<u8>); 3] {
+    pub fn fill(&self, pattern: FusionPattern) -> [(usize, Vec<u8>); 3] {
         [
             (1, data::to_bytes(&self.residual)),
             (3, data::to_bytes(&self.weight)),
-            (6, STATIC_SCALE.to_le_bytes().to_vec()),
+            (6, given_scale(pattern).to_le_bytes().to_vec()),
         ]
     }
 
     /// The fused call's outputs when the ranks all-reduce `inputs`.
     pub fn want(&self, pattern: FusionPattern, hidden: usize, inputs: &[Vec<S>]) -> FusedExpect<S> {
-        fused_reference(pattern, hidden, EPS, inputs, &self.residual, &self.weight, STATIC_SCALE)
+        let scale = given_scale(pattern);
+        fused_reference(pattern, hidden, EPS, inputs, &self.residual, &self.weight, scale)
     }
 }
 
@@ -162,6 +186,16 @@ impl<'c, D: Device> Buffers<'c, D> {
             let scales = if pattern.per_token() { tokens } else { 1 };
             f = f.with_quant(self.t(5, qdt, n)?, self.t(6, DType::F32, scales)?);
         }
+        if pattern.nvfp4() {
+            let sf = NVFP4_LAYOUT.sf_bytes(tokens, hidden);
+            let sf = Tensor::view(&self.bufs[5], DType::U8, sf_offset(n), sf)?;
+            f = f.with_nvfp4(
+                self.t(5, DType::U8, n / 2)?,
+                self.t(6, DType::F32, 1)?,
+                sf,
+                NVFP4_LAYOUT,
+            );
+        }
         Ok(f)
     }
 
@@ -181,6 +215,14 @@ impl<'c, D: Device> Buffers<'c, D> {
         if pattern.per_token() {
             wrong += usize::from(self.read(6, tokens * 4)? != data::to_bytes(&want.scales));
         }
+        if pattern.nvfp4() {
+            let got = self.read(5, sf_offset(n) + NVFP4_LAYOUT.sf_bytes(tokens, hidden))?;
+            wrong += usize::from(got[..n / 2] != want.quant[..]);
+            // The scale factors rows own (the swizzled padding is not written).
+            let (sfs, cols) = (&got[sf_offset(n)..], hidden / 16);
+            let sf_ok = (0..tokens * cols).all(|i| sfs[NVFP4_LAYOUT.offset(i / cols, i % cols, cols)] == want.sf[i]);
+            wrong += usize::from(!sf_ok);
+        }
         Ok(wrong)
     }
 }
@@ -195,7 +237,7 @@ pub fn one<D: Device, S: FromF64 + Half16>(comm: &Communicator<D>, a: &Args, spe
         .chain(Epilogue::<S>::sizes(spec.tokens, hidden))
         .collect();
     let mut fill = vec![(0, data::to_bytes(&inputs[rank]))];
-    fill.extend(epilogue.fill());
+    fill.extend(epilogue.fill(spec.pattern));
     let bufs = Buffers::new(comm, &sizes, &fill)?;
     let f = bufs.fusion(spec.pattern, dtype, spec.tokens, hidden)?;
     let times = bufs.time_fused(a, spec, bufs.t(0, dtype, n)?, &f)?;

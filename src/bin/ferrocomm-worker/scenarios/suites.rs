@@ -1,5 +1,6 @@
 //! The scenarios that run a suite of `ferrocomm::testing` across the
-//! processes: `conformance`, `fuzz`, `heap`, `ep`, `smoke` and `replay`.
+//! processes: `conformance`, `fuzz`, `heap`, `ep`, `smoke`, `fused_nvfp4` and
+//! `replay`.
 
 use std::time::{Duration, Instant};
 
@@ -7,6 +8,7 @@ use ferrocomm::bootstrap::Store;
 use ferrocomm::device::{BackendKind, Device};
 use ferrocomm::testing::conformance::{run_graph_replays, run_smoke, run_suite, SuiteConfig};
 use ferrocomm::testing::ep::run_ep_suite;
+use ferrocomm::testing::fused_nvfp4::run_fused_nvfp4;
 use ferrocomm::testing::fuzz::{run_fuzz, FuzzConfig};
 use ferrocomm::testing::heap::{run_heap_suite, run_user_allgather};
 use ferrocomm::{Communicator, Error, Result};
@@ -100,6 +102,18 @@ pub fn ep<D: Device>(comm: &Communicator<D>, store: &dyn Store, a: &Args) -> Res
 }
 
 /// `smoke`: one small launch of every kernel family (for compute-sanitizer).
+/// The fused NVFP4 cases alone (`testing::fused_nvfp4`: both layouts,
+/// every kind, special rows, validation): a quick check on a GPU.
+pub fn fused_nvfp4<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
+    let cfg = SuiteConfig {
+        timeout: a.timeout,
+        ..SuiteConfig::default()
+    };
+    let report = run_fused_nvfp4(comm, &cfg)?;
+    comm.finalize()?;
+    suite_result(comm.rank(), "fused NVFP4 checks", report)
+}
+
 pub fn smoke<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
     let cfg = SuiteConfig {
         max_bytes: 1 << 20,
