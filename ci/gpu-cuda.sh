@@ -201,9 +201,12 @@ if [[ " $STEPS " == *" shared "* ]] && command -v torchrun >/dev/null; then
     # dropped works), FERROCOMM_FUZZ_TRIALS trials (300 by default).
     step shared_fuzz "${shared[@]}" torchrun --nproc_per_node=2 --no-python "$BIN/ferrocomm-worker" \
         fuzz --backend cuda --timeout-secs 60
-    # The copy route (coll_algo copy): thread ranks sharing the GPU, its
-    # cases over several chunks and its graph replay, bitwise.
-    step shared_copy_route "${shared[@]}" "$BIN/conformance_cuda" --include-ignored --test-threads=1 copy_route
+    # The copy route (coll_algo copy): its cases and its graph replay,
+    # bitwise, ranks as processes. Default slots: on a shared GPU every
+    # handshake waits out a time slice (~2.2 ms), so 128 KiB slots' many
+    # chunks outlast the step.
+    step shared_copy_route "${shared[@]}" torchrun --nproc_per_node=2 --no-python \
+        "$BIN/ferrocomm-worker" copy_route --backend cuda --timeout-secs 60
     # Mismatched calls: a different collective (LL against the flags, and
     # against the copy route's handshake) and all-to-all splits that
     # disagree, each a mismatch on both ranks.

@@ -1,5 +1,5 @@
 //! The scenarios that run a suite of `ferrocomm::testing` across the
-//! processes: `conformance`, `fuzz`, `heap`, `ep`, `smoke`, `fused_nvfp4` and
+//! processes: `conformance`, `fuzz`, `heap`, `ep`, `smoke`, `fused_nvfp4`, `copy_route` and
 //! `replay`.
 
 use std::time::{Duration, Instant};
@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use ferrocomm::bootstrap::Store;
 use ferrocomm::device::{BackendKind, Device};
 use ferrocomm::testing::conformance::{run_graph_replays, run_smoke, run_suite, SuiteConfig};
+use ferrocomm::testing::copy_route::run_copy_route;
 use ferrocomm::testing::ep::run_ep_suite;
 use ferrocomm::testing::fused_nvfp4::run_fused_nvfp4;
 use ferrocomm::testing::fuzz::{run_fuzz, FuzzConfig};
@@ -101,19 +102,32 @@ pub fn ep<D: Device>(comm: &Communicator<D>, store: &dyn Store, a: &Args) -> Res
     suite_result(comm.rank(), "ep checks", report)
 }
 
-/// `smoke`: one small launch of every kernel family (for compute-sanitizer).
 /// The fused NVFP4 cases alone (`testing::fused_nvfp4`: both layouts,
 /// every kind, special rows, validation): a quick check on a GPU.
 pub fn fused_nvfp4<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
-    let cfg = SuiteConfig {
-        timeout: a.timeout,
-        ..SuiteConfig::default()
-    };
-    let report = run_fused_nvfp4(comm, &cfg)?;
+    let report = run_fused_nvfp4(comm, &quick_suite(a))?;
     comm.finalize()?;
     suite_result(comm.rank(), "fused NVFP4 checks", report)
 }
 
+/// The copy route alone (`testing::copy_route`: every collective it takes,
+/// in place and not, every broadcast root, its graph replay), across
+/// processes, so ranks may share one GPU; `FERROCOMM_SLOT_BYTES=131072`
+/// spreads its blocks over several chunks, as the thread suite does.
+pub fn copy_route<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
+    let report = run_copy_route(comm, &quick_suite(a))?;
+    comm.finalize()?;
+    suite_result(comm.rank(), "copy route checks", report)
+}
+
+fn quick_suite(a: &Args) -> SuiteConfig {
+    SuiteConfig {
+        timeout: a.timeout,
+        ..SuiteConfig::default()
+    }
+}
+
+/// `smoke`: one small launch of every kernel family (for compute-sanitizer).
 pub fn smoke<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
     let cfg = SuiteConfig {
         max_bytes: 1 << 20,
