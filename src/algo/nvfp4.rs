@@ -31,6 +31,7 @@ pub enum SfLayout {
 }
 
 impl SfLayout {
+    /// Both layouts.
     pub const ALL: [SfLayout; 2] = [SfLayout::Swizzled128x4, SfLayout::Linear];
 
     /// The name in messages and on the command line.
