@@ -54,6 +54,7 @@ fn kernels() -> Vec<String> {
         "fc_exchange".to_string(),
         "fc_exchange_ll".to_string(),
         "fc_exchange_direct".to_string(),
+        "fc_copy_sync".to_string(),
     ];
     for dtype in [DType::BF16, DType::F32] {
         for kind in Algorithm::ALL_REDUCE_KERNELS.iter().filter_map(|a| a.all_reduce_kind()) {
@@ -158,6 +159,8 @@ fn coll_kernel(coll: Collective, kind: Algorithm, dtype: DType) -> String {
         (Collective::ReduceScatter, Algorithm::Ll) => format!("fc_reduce_to_ll_{}_sum", dtype.name()),
         (Collective::ReduceScatter, _) => format!("fc_reduce_to_{}_sum", dtype.name()),
         (_, Algorithm::Ll) => "fc_exchange_ll".into(),
+        // The copy route moves data with copies; its handshake is the kernel.
+        (_, Algorithm::Copy) => "fc_copy_sync".into(),
         _ => "fc_exchange".into(),
     }
 }
