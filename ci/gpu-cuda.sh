@@ -207,6 +207,10 @@ if [[ " $STEPS " == *" shared "* ]] && command -v torchrun >/dev/null; then
     # chunks outlast the step.
     step shared_copy_route "${shared[@]}" torchrun --nproc_per_node=2 --no-python \
         "$BIN/ferrocomm-worker" copy_route --backend cuda --timeout-secs 60
+    # A peer killed mid-loop of each copy-route collective: the survivor's
+    # error names it within the deadline.
+    step shared_copy_route_killed "${shared[@]}" "$BIN/process_cuda" --include-ignored --test-threads=1 \
+        --exact killed_rank_in_the_copy_route_world_2
     # Mismatched calls: a different collective (LL against the flags, and
     # against the copy route's handshake) and all-to-all splits that
     # disagree, each a mismatch on both ranks.

@@ -111,7 +111,7 @@ class _Work(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            if self._stream is None:
+            if self._device is None:
                 fut = torch.futures.Future()
                 fut.set_result(self._result)
             else:
