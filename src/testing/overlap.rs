@@ -7,6 +7,8 @@
 //! the heap and registered, sum and avg; a graph of both captured once and
 //! replayed with new data; and bad arguments as errors.
 
+use std::time::Duration;
+
 use half::{bf16, f16};
 
 use super::check::Checker;
@@ -16,7 +18,7 @@ use crate::bootstrap::{store_barrier, Store};
 use crate::comm::{Call, ChunkedAllGather, ChunkedReduceScatter, Communicator, Tensor};
 use crate::device::{Device, DeviceBuffer};
 use crate::dtype::{DType, ReduceOp};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Calls in a row without a host synchronization.
 const ROUNDS: usize = 3;
@@ -379,4 +381,44 @@ fn bad_arguments<D: Device>(comm: &Communicator<D>, c: &mut Checker) -> Result<(
     ints.finish(out8.reinterpret(DType::I32)?, ReduceOp::Sum, &call)?;
     comm.device().synchronize(comm.stream())?;
     ints.free()
+}
+
+/// A peer that never starts: rank 0's puts wait for its "ready" and its
+/// consumer for its chunk, each kernel gives up after the call's timeout,
+/// and the next method names the peer. Rank 0's communicator is aborted.
+pub fn run_overlap_timeout<D: Device>(
+    comm: &Communicator<D>,
+    store: &dyn Store,
+    cfg: &SuiteConfig,
+) -> Result<SuiteReport> {
+    let (rank, world) = (comm.rank(), comm.size());
+    let mut c = Checker::default();
+    comm.prepare()?;
+    let out = comm.heap_alloc(world * 8 * 4)?;
+    let src = comm.alloc(8 * 4)?;
+    let mut ag = ChunkedAllGather::new(comm, Tensor::of(&out, DType::F32))?;
+    if rank == 0 {
+        let start = std::time::Instant::now();
+        let short = Call::new().timeout(Duration::from_millis(300));
+        ag.start(Tensor::of(&src, DType::F32), &short)?;
+        ag.wait_chunk(1, &short)?;
+        comm.device().synchronize(comm.stream())?;
+        let r = ag.wait_chunk(0, &short);
+        let named = matches!(&r, Err(Error::Timeout { missing, .. }) if missing == &vec![1]);
+        c.check("a peer that never starts is named", named, || format!("{r:?}"));
+        c.check("timeout bound", start.elapsed() < Duration::from_secs(10), || {
+            format!("took {:?}", start.elapsed())
+        });
+    } else {
+        c.report.collectives += 1;
+    }
+    store_barrier(store, "fc/overlap-suite/timeout", rank, world, cfg.timeout)?;
+    if rank == 0 {
+        // The communicator is aborted: its heap goes with it.
+        drop(ag);
+    } else {
+        ag.free()?;
+        comm.heap_free(out)?;
+    }
+    Ok(c.report)
 }

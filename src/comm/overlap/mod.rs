@@ -51,12 +51,10 @@ fn queue<D: Device>(
     enqueue: impl FnOnce(&mut Resources<D>, &D) -> Result<()>,
 ) -> Result<()> {
     let inner = &*comm.inner;
+    // A kernel's failure (a peer that never signalled) aborts the
+    // communicator, as `Work::wait` does, and is this call's error.
     if let Some(e) = inner.device_error() {
-        crate::fc_log!(
-            tracing::Level::WARN,
-            "{what} on communicator {}: refused, {e}",
-            inner.name
-        );
+        inner.abort(&format!("{what}: {e}"));
         return Err(e);
     }
     let mut st = comm.lock_active()?;
