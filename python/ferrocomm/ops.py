@@ -290,7 +290,10 @@ def all_gather_matmul(
     # The puts (and the "ready" this rank gives) come after the shard was
     # written and after the previous call's reads, both on `cur`.
     st.stream.wait_stream(cur)
-    st.op.start(flat, stream=_raw(st.stream))
+    with torch.cuda.stream(st.stream):
+        # Current while the shard is handed over, so ferrocomm takes it
+        # straight from torch (the order is the wait above).
+        st.op.start(flat, stream=_raw(st.stream))
     outs = [torch.empty((world * rows, b.shape[1]), dtype=a_shard.dtype, device=a_shard.device) for b in bs]
     for i in range(world):
         src = (rank - i) % world
@@ -358,7 +361,8 @@ def matmul_reduce_scatter(
         partial = torch.mm(chunk, b)
         partials.append(partial)
         st.stream.wait_stream(cur)
-        st.op.put_chunk(dst, partial, stream=_raw(st.stream))
+        with torch.cuda.stream(st.stream):
+            st.op.put_chunk(dst, partial, stream=_raw(st.stream))
     out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
     # The partials may be freed once the puts have read them; a capture joins here.
     cur.wait_stream(st.stream)

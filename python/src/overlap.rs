@@ -103,14 +103,20 @@ fn with_call<D: Device, T>(
 }
 
 /// A tensor argument (a heap tensor, or any DLPack / array-interface
-/// object of the communicator's device).
-fn import(parent: &Py<PyComm>, obj: &Bound<'_, PyAny>, writes: bool, what: &str) -> PyResult<Imported> {
+/// object of the communicator's device), taken for a call on `opts`'
+/// stream: a torch tensor on torch's current stream is read straight from
+/// torch; others go through DLPack, which orders that stream after the
+/// producer's.
+fn import(
+    parent: &Py<PyComm>,
+    obj: &Bound<'_, PyAny>,
+    writes: bool,
+    what: &str,
+    opts: &CallOpts,
+) -> PyResult<Imported> {
     match obj.cast::<PyHeapTensor>() {
         Ok(h) => h.get().lend(obj),
-        Err(_) => parent
-            .get()
-            .batch(CallOpts::default())
-            .import_checked(obj, writes, what),
+        Err(_) => parent.get().batch(opts.clone()).import_checked(obj, writes, what),
     }
 }
 
@@ -148,7 +154,7 @@ impl PyChunkedAllGather {
     fn new(py: Python<'_>, comm: Py<PyComm>, output: &Bound<'_, PyAny>) -> PyResult<Self> {
         let (any, lender) = comm.get().parts();
         ensure_open(lender, "chunked all-gather")?;
-        let imp = import(&comm, output, true, "chunked all-gather output")?;
+        let imp = import(&comm, output, true, "chunked all-gather output", &CallOpts::default())?;
         let t = imp.tensor();
         let any = &**any;
         let (obj, shard) = run(py, || {
@@ -175,7 +181,7 @@ impl PyChunkedAllGather {
     /// put and a "landed" signal per peer (after its "ready").
     #[pyo3(signature = (input, *, opts=CallOpts::default()))]
     fn start(&self, py: Python<'_>, input: &Bound<'_, PyAny>, opts: CallOpts) -> PyResult<()> {
-        let imp = import(&self.parent, input, false, "chunked all-gather input")?;
+        let imp = import(&self.parent, input, false, "chunked all-gather input", &opts)?;
         let t = imp.tensor();
         self.with(py, "start", |comm, o| {
             with_pair!(comm, o, AnyAg, |c, o| with_call(c, &opts, |call| o.start(t, call)))
@@ -289,7 +295,7 @@ impl PyChunkedReduceScatter {
     fn put_chunk(&self, py: Python<'_>, dst: i64, partial: &Bound<'_, PyAny>, opts: CallOpts) -> PyResult<()> {
         let world = ferrocomm_world(self.parent.get().parts().0.as_ref());
         let dst = rank_arg("chunked reduce-scatter put_chunk", dst, world)?;
-        let imp = import(&self.parent, partial, false, "chunked reduce-scatter partial")?;
+        let imp = import(&self.parent, partial, false, "chunked reduce-scatter partial", &opts)?;
         let t = imp.tensor();
         self.with(py, "put_chunk", |comm, o| {
             with_pair!(comm, o, AnyRs, |c, o| with_call(c, &opts, |call| o
@@ -303,7 +309,7 @@ impl PyChunkedReduceScatter {
     #[pyo3(signature = (output, op="sum", *, opts=CallOpts::default()))]
     fn finish(&self, py: Python<'_>, output: &Bound<'_, PyAny>, op: &str, opts: CallOpts) -> PyResult<()> {
         let op: ReduceOp = op.parse().map_err(to_pyerr)?;
-        let imp = import(&self.parent, output, true, "chunked reduce-scatter output")?;
+        let imp = import(&self.parent, output, true, "chunked reduce-scatter output", &opts)?;
         let t: Tensor = imp.tensor();
         self.with(py, "finish", |comm, o| {
             with_pair!(comm, o, AnyRs, |c, o| with_call(c, &opts, |call| o.finish(t, op, call)))
