@@ -292,6 +292,12 @@ impl PyComm {
         }
     }
 
+    /// The communicator and its lender, for the objects made on it in
+    /// other files (`overlap.rs`).
+    pub(crate) fn parts(&self) -> (&Arc<AnyComm>, &Arc<Counter>) {
+        (&self.comm, &self.lender)
+    }
+
     fn call_timeout(&self, opts: &CallOpts) -> Duration {
         opts.timeout
             .unwrap_or_else(|| with_any!(&*self.comm, AnyComm, |c| c.options().timeout))

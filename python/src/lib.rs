@@ -6,6 +6,7 @@
 //! - [`export`]: ferrocomm's own memory handed out through DLPack;
 //! - [`heap`]: symmetric-heap tensors and one-sided windows;
 //! - [`ep`]: expert-parallel dispatch and combine buffers;
+//! - [`overlap`]: the chunked all-gather and reduce-scatter (`ferrocomm.ops`);
 //! - [`broadcaster`]: the metadata broadcaster (bytes from one rank to the others);
 //! - [`store`]: a ferrocomm store over a Python (torch.distributed) store;
 //! - [`membership`]: `init()`'s rendezvous, and leaving its store at exit;
@@ -27,6 +28,7 @@ mod errors;
 mod export;
 mod heap;
 mod membership;
+mod overlap;
 mod store;
 mod torch_tensor;
 mod work;
@@ -46,6 +48,8 @@ fn _ferrocomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ep::PyEpBuffer>()?;
     m.add_class::<broadcaster::PyBroadcaster>()?;
     m.add_class::<ep::PyEpTensor>()?;
+    m.add_class::<overlap::PyChunkedAllGather>()?;
+    m.add_class::<overlap::PyChunkedReduceScatter>()?;
     m.add_function(wrap_pyfunction!(membership::leave_stores, m)?)?;
     m.add_function(wrap_pyfunction!(membership::pause_compiles, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -53,7 +53,21 @@ pub(crate) struct WinArgs {
 
 const _: () = assert!(std::mem::size_of::<WinArgs>() == 120);
 
-fn bytes_of(a: &WinArgs) -> &[u8] {
+impl WinArgs {
+    /// The arguments of a signal to, or a wait on, `peer` over the signal
+    /// words at `signals` (the overlap operations queue these kernels
+    /// themselves, `super::overlap`).
+    pub(crate) fn new(ctx: DevCtx, signals: DevicePtr, peer: usize) -> WinArgs {
+        WinArgs {
+            ctx,
+            signals,
+            peer: peer as u32,
+            _pad: 0,
+        }
+    }
+}
+
+pub(crate) fn bytes_of(a: &WinArgs) -> &[u8] {
     // SAFETY: a #[repr(C)] struct of integers with no padding (asserted size);
     // the slice borrows it.
     unsafe { std::slice::from_raw_parts((a as *const WinArgs).cast::<u8>(), std::mem::size_of::<WinArgs>()) }
@@ -217,6 +231,12 @@ impl<D: Device> Window<D> {
         Ok(())
     }
 
+    /// This rank's signal words (heap), for the kernels that the overlap
+    /// operations queue outside the submission path (`super::overlap`).
+    pub(crate) fn signal_words(&self) -> Result<DevicePtr> {
+        Ok(self.signals.as_ref().ok_or(Error::Finalized)?.ptr())
+    }
+
     /// This rank's registered buffer, if the window has one.
     pub fn buffer_tensor(&self) -> Option<Tensor> {
         self.buffer.as_ref().map(|b| b.local)
@@ -321,7 +341,11 @@ pub(crate) mod window_twins {
     use crate::backends::host::heap_kernels::{args_of, RawKernel};
 
     /// `(name, twin)` of every kernel of the windows module.
-    pub const TWINS: [(&str, RawKernel); 2] = [("fc_win_signal", signal), ("fc_win_wait", wait)];
+    pub const TWINS: [(&str, RawKernel); 3] = [
+        ("fc_win_signal", signal),
+        ("fc_win_wait", wait),
+        ("fc_win_reduce", crate::comm::overlap::reduce_twin),
+    ];
 
     /// # Safety
     /// `args` is a [`WinArgs`] of live heap mappings and error words.

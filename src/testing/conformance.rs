@@ -948,6 +948,47 @@ macro_rules! conformance_tests {
                 run_copy_route(3)
             }
 
+            /// The chunked all-gather and reduce-scatter (`comm::overlap`).
+            fn run_overlap(world: usize) {
+                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
+                $crate::testing::conformance::run_thread_suite(
+                    stringify!($backend),
+                    world,
+                    $skip(world),
+                    &$make,
+                    |o| o,
+                    |comm, store, cfg| $crate::testing::overlap::run_overlap(comm, store, cfg),
+                    &cfg,
+                    1,
+                );
+            }
+
+            #[test]
+            $(#[$attr])*
+            fn overlap_world_2() {
+                run_overlap(2)
+            }
+            #[test]
+            $(#[$attr])*
+            fn overlap_world_3() {
+                run_overlap(3)
+            }
+            #[test]
+            $(#[$attr])*
+            fn overlap_timeout_world_2() {
+                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
+                $crate::testing::conformance::run_thread_suite(
+                    stringify!($backend),
+                    2,
+                    $skip(2),
+                    &$make,
+                    |o| o,
+                    |comm, store, cfg| $crate::testing::overlap::run_overlap_timeout(comm, store, cfg),
+                    &cfg,
+                    1,
+                );
+            }
+
             /// NVFP4's fused cases alone (also part of the whole suite).
             fn run_fused_nvfp4(world: usize) {
                 let cfg: $crate::testing::conformance::SuiteConfig = $cfg;

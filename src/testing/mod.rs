@@ -15,4 +15,5 @@ pub mod fuzz;
 pub mod harness;
 pub mod heap;
 pub mod launch;
+pub mod overlap;
 pub mod quick_reduce;
