@@ -207,6 +207,9 @@ if [[ " $STEPS " == *" shared "* ]] && command -v torchrun >/dev/null; then
     # chunks outlast the step.
     step shared_copy_route "${shared[@]}" torchrun --nproc_per_node=2 --no-python \
         "$BIN/ferrocomm-worker" copy_route --backend cuda --timeout-secs 60
+    # The chunked all-gather and reduce-scatter (comm::overlap), bitwise.
+    step shared_overlap "${shared[@]}" torchrun --nproc_per_node=2 --no-python \
+        "$BIN/ferrocomm-worker" overlap --backend cuda --timeout-secs 60
     # A peer killed mid-loop of each copy-route collective: the survivor's
     # error names it within the deadline.
     step shared_copy_route_killed "${shared[@]}" "$BIN/process_cuda" --include-ignored --test-threads=1 \
@@ -467,9 +470,19 @@ if [[ " $STEPS " == *" python "* ]] && ls .carry/python/ferrocomm-*.whl >/dev/nu
             --min-bytes 4K --max-bytes 64K --eager --no-symm-mem --k 200
         # EP dispatch + combine per kernel (torch's profiler, CUPTI records).
         step python_profile_ep torchrun --nproc_per_node=2 python/bench/profile_ep.py
+        # The overlap operations beside torch's fused ops and the unfused
+        # pair, at the Llama-70B TP2 shapes.
+        step python_bench_overlap torchrun --nproc_per_node=2 python/bench/bench_overlap.py
     else
         not_run "python GPU tests and benches (ranks on GPUs of their own)" 2
     fi
+    # The overlap operations against torch's unfused ops (fp32, bf16, a
+    # graph replay); on one GPU the two ranks share it.
+    overlap_env=(env FERROCOMM_REQUIRE_GPU=1)
+    if [ "$NGPU" -lt 2 ]; then
+        overlap_env+=(FERROCOMM_TEST_SHARE_GPU=1 FERROCOMM_CCL=0)
+    fi
+    step python_overlap_tests "${overlap_env[@]}" python3 -m pytest -x -v -rs python/tests/test_overlap_torch.py
 fi
 
 if [[ " $STEPS " == *" flashinfer "* ]] && ls .whl/flashinfer_python-*.whl >/dev/null 2>&1 && [ "$NGPU" -ge 2 ]; then

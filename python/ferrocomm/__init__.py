@@ -38,6 +38,7 @@ from ._broadcaster import Broadcaster
 from ._comm import Communicator, HeapTensor, HeapTensorBits, P2POp, RemoteTensor, Window, Work
 from ._ep import DispatchOut, EpBuffer, EpTensor
 from ._bootstrap import from_store, from_torch, init
+from . import ops  # noqa: E402  (the overlap operations; torch is imported only when they run)
 
 __all__ = [
     "__version__",
@@ -58,6 +59,7 @@ __all__ = [
     "EpTensor",
     "Broadcaster",
     "ReduceOp",
+    "ops",
     "FerrocommError",
     "InvalidArgument",
     "NotCompiled",

@@ -678,7 +678,11 @@ class Communicator:
 
     def finalize(self) -> None:
         """Drain queued work and release the workspace; later calls raise
-        :class:`Finalized`."""
+        :class:`Finalized`. Buffers that :mod:`ferrocomm.ops` cached for
+        this communicator are freed first (collective, as finalize is)."""
+        from . import ops  # here: ops imports this module
+
+        ops.release(self)
         for b in list(self._ep_buffers):
             b._let_go()
         if self._host is not None and self._host is not self._native:

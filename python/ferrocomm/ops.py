@@ -21,8 +21,8 @@ cached per communicator, shape and dtype: the first (eager) call of a shape
 allocates them on the symmetric heap (collective: every rank must make the
 same calls), so later calls, CUDA graph captures included, allocate no heap
 memory. A capture whose shape was never run eagerly is refused.
-:func:`release` frees a communicator's cached buffers (collective; call it
-before ``comm.finalize()``, which refuses while they are held).
+:func:`release` frees a communicator's cached buffers (collective);
+``comm.finalize()`` calls it first.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@
 //! - `smoke`: one small launch of every kernel family (for compute-sanitizer).
 //! - `fused_nvfp4`: the fused NVFP4 cases alone (`ferrocomm::testing::fused_nvfp4`).
 //! - `copy_route`: the copy route's cases alone (`ferrocomm::testing::copy_route`).
+//! - `overlap`: the chunked all-gather and reduce-scatter alone (`ferrocomm::testing::overlap`).
 //! - `heap`: the symmetric heap and window suite (on GPUs also the
 //!   user-style all-gather on the device API).
 //! - `ep`: the EP dispatch and combine suite (`ferrocomm::testing::ep`).

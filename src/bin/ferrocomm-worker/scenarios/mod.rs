@@ -40,6 +40,7 @@ pub fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: us
         "smoke" => suites::smoke(&comm, a),
         "fused_nvfp4" => suites::fused_nvfp4(&comm, a),
         "copy_route" => suites::copy_route(&comm, a),
+        "overlap" => suites::overlap(&comm, store, a),
         s if broadcaster::handles(s) => broadcaster::run(&comm, s, &broadcaster_params(a)),
         other => Err(Error::invalid(format!("unknown scenario {other:?}"))),
     }

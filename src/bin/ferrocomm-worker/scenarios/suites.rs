@@ -1,6 +1,6 @@
 //! The scenarios that run a suite of `ferrocomm::testing` across the
-//! processes: `conformance`, `fuzz`, `heap`, `ep`, `smoke`, `fused_nvfp4`, `copy_route` and
-//! `replay`.
+//! processes: `conformance`, `fuzz`, `heap`, `ep`, `smoke`, `fused_nvfp4`, `copy_route`,
+//! `overlap` and `replay`.
 
 use std::time::{Duration, Instant};
 
@@ -12,6 +12,7 @@ use ferrocomm::testing::ep::run_ep_suite;
 use ferrocomm::testing::fused_nvfp4::run_fused_nvfp4;
 use ferrocomm::testing::fuzz::{run_fuzz, FuzzConfig};
 use ferrocomm::testing::heap::{run_heap_suite, run_user_allgather};
+use ferrocomm::testing::overlap::run_overlap;
 use ferrocomm::{Communicator, Error, Result};
 
 use super::suite_result;
@@ -118,6 +119,15 @@ pub fn copy_route<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String>
     let report = run_copy_route(comm, &quick_suite(a))?;
     comm.finalize()?;
     suite_result(comm.rank(), "copy route checks", report)
+}
+
+/// The chunked all-gather and reduce-scatter alone (`testing::overlap`):
+/// several calls in a row, consumers on other streams, a graph replay,
+/// across processes, so ranks may share one GPU.
+pub fn overlap<D: Device>(comm: &Communicator<D>, store: &dyn Store, a: &Args) -> Result<String> {
+    let report = run_overlap(comm, store, &quick_suite(a))?;
+    comm.finalize()?;
+    suite_result(comm.rank(), "overlap checks", report)
 }
 
 fn quick_suite(a: &Args) -> SuiteConfig {
