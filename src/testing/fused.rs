@@ -11,8 +11,9 @@ use half::{bf16, f16};
 
 use super::conformance::{context, Suite, POISON};
 use super::data::{self, FromF64, Values};
-use super::fused_nvfp4::{case_layout, nvfp4_reference, NVFP4_GLOBAL_SCALE};
+use super::fused_nvfp4::{case_layout, nvfp4_reference, sf_in_layout, NVFP4_GLOBAL_SCALE};
 use crate::algo::fused::{fp8_min_scale, int8_min_scale, FusedKind, FusionPattern, FP8_MAX, INT8_MAX};
+use crate::algo::nvfp4::SfLayout;
 use crate::codec::{Fp8Flavor, Half16};
 use crate::comm::{Call, Fusion, MoeFinalize, Tensor};
 use crate::device::Device;
@@ -752,11 +753,21 @@ impl<D: Device> Suite<'_, D> {
             (FusionPattern::ResidualRmsNormFp8, FusedKind::TwoShot),
             (FusionPattern::ResidualRmsNormFp8, FusedKind::OneShotLl),
             (FusionPattern::ResidualRmsNormInt8PerToken, FusedKind::TwoShot),
+            // NVFP4's global scale is read on the device when the kernel
+            // runs: each replay below writes a new one, in both layouts.
+            (FusionPattern::ResidualRmsNormNvfp4, FusedKind::OneShotLl),
+            (FusionPattern::ResidualRmsNormNvfp4, FusedKind::TwoShot),
         ];
         for (pattern, kind) in runs {
             let call = Call::new().algo(kind_algo(kind));
             let qdt = pattern.quant_dtype().unwrap_or(DType::F8E4M3);
-            let bufs = [n * 2, n * 2, n * 2, hidden * 2, n * 2, n, tokens * 4]
+            let layout = if kind == FusedKind::TwoShot {
+                SfLayout::Linear
+            } else {
+                SfLayout::Swizzled128x4
+            };
+            let sf_bytes = layout.sf_bytes(tokens, hidden);
+            let bufs = [n * 2, n * 2, n * 2, hidden * 2, n * 2, n, tokens * 4, sf_bytes]
                 .into_iter()
                 .map(|b| comm.alloc(b))
                 .collect::<Result<Vec<_>>>()?;
@@ -764,8 +775,21 @@ impl<D: Device> Suite<'_, D> {
             let scales = if pattern.per_token() { tokens } else { 1 };
             let f = Fusion::new(pattern, hidden, t(1, DType::BF16, n)?, t(2, DType::BF16, n)?)
                 .with_norm(t(3, DType::BF16, hidden)?, 1e-5)
-                .with_norm_out(t(4, DType::BF16, n)?)
-                .with_quant(t(5, qdt, n)?, t(6, DType::F32, scales)?);
+                .with_norm_out(t(4, DType::BF16, n)?);
+            let quant_len = if pattern.nvfp4() { n / 2 } else { n };
+            let f = if pattern.nvfp4() {
+                f.with_nvfp4(
+                    t(5, DType::U8, quant_len)?,
+                    t(6, DType::F32, 1)?,
+                    t(7, DType::F8E4M3, sf_bytes)?,
+                    layout,
+                )
+            } else {
+                f.with_quant(t(5, qdt, n)?, t(6, DType::F32, scales)?)
+            };
+            if pattern.nvfp4() {
+                dev.copy_from_host(&bufs[6], 0, &NVFP4_GLOBAL_SCALE.to_le_bytes(), &stream)?;
+            }
             // The first call loads (GPUs: compiles) the module outside the capture.
             comm.all_reduce_fused(t(0, DType::BF16, n)?, &f, &call)?
                 .wait(Some(self.cfg.timeout))?;
@@ -788,11 +812,16 @@ impl<D: Device> Suite<'_, D> {
                 let inputs: Vec<Vec<bf16>> = (0..world).map(|r| gen(r, n)).collect();
                 let residual = gen(100, n);
                 let weight = gen(101, hidden);
-                let scale = 0.004 * (replay + 1) as f32;
+                let scale = if pattern.nvfp4() {
+                    NVFP4_GLOBAL_SCALE / (replay + 1) as f32
+                } else {
+                    0.004 * (replay + 1) as f32
+                };
                 let want = fused_reference(pattern, hidden, 1e-5, &inputs, &residual, &weight, scale);
                 dev.memset(&bufs[2], 0, n * 2, POISON, &stream)?;
                 dev.memset(&bufs[4], 0, n * 2, POISON, &stream)?;
                 dev.memset(&bufs[5], 0, n, POISON, &stream)?;
+                dev.memset(&bufs[7], 0, sf_bytes, POISON, &stream)?;
                 dev.copy_from_host(&bufs[0], 0, &data::to_bytes(&inputs[rank]), &stream)?;
                 dev.copy_from_host(&bufs[1], 0, &data::to_bytes(&residual), &stream)?;
                 dev.copy_from_host(&bufs[3], 0, &data::to_bytes(&weight), &stream)?;
@@ -806,11 +835,20 @@ impl<D: Device> Suite<'_, D> {
                         .map_err(|e| context(e, &case))?;
                     Ok(got)
                 };
-                let (res, norm, quant) = (read(2, n * 2)?, read(4, n * 2)?, read(5, n)?);
+                let (res, norm, quant) = (read(2, n * 2)?, read(4, n * 2)?, read(5, quant_len)?);
                 let sc = read(6, scales * 4)?;
                 self.check(&format!("{case} residual_out"), &res, &want.residual)?;
                 self.check(&format!("{case} norm_out"), &norm, &want.norm)?;
                 self.check_bytes(&format!("{case} quant_out"), &quant, &want.quant, true);
+                if pattern.nvfp4() {
+                    let sf_want = sf_in_layout(&want.sf, tokens, hidden, layout, POISON);
+                    self.check_bytes(
+                        &format!("{case} sf_out ({layout})"),
+                        &read(7, sf_bytes)?,
+                        &sf_want,
+                        true,
+                    );
+                }
                 if pattern.per_token() {
                     self.check(&format!("{case} scale"), &sc, &want.scales)?;
                 }
