@@ -1226,12 +1226,19 @@ FC_DEVICE bool fu_row_at(const FuSpRows& m, fc_u64 row_bytes, fc_u64 v, const ch
 //   One handshake a chunk: a peer's S1(c + 2) writes our inboxes of this
 //   parity only after its W0(c + 1), i.e. after our S1(c + 1), which
 //   follows our E(c) (so S1 is not pipelined here).
-// Gathered form (the two-shot's order and reuse argument):
+// Gathered form (the two-shot's buffers):
 //   S1(c), arrive 0. W0(c). S2(c): fu_sp_reduce_push of piece b (residual
 //   shard rows written), new residual rows to every rank's result slot;
-//   arrive 1. S1(c + 1) (if any). W1(c). S3(c): RMSNorm and quantization
-//   (no residual add: the rows are the residual) of piece b of every shard
-//   from our own result slot; outputs at global rows d*S + c*cap + i.
+//   arrive 1. W1(c). S3(c): RMSNorm and quantization (no residual add: the
+//   rows are the residual) of piece b of every shard from our own result
+//   slot; outputs at global rows d*S + c*cap + i. Then S1(c + 1) (if any).
+//   Reuse: a peer's S1(c + 2) (after its W1(c + 1), so after our S2(c + 1))
+//   writes our inboxes of this parity after our S2(c) read them; its S2(c
+//   + 2) (after its W0(c + 2), so after our S1(c + 2), which follows our
+//   S3(c + 1)) writes our result slot of this parity after our S3(c) read
+//   it. S1(c + 1) comes after S3(c), not before W1(c) as in the two-shot:
+//   pipelined there, hipcc gave the NVFP4 kernels a 68-byte stack frame
+//   (gfx942 and gfx950).
 // Every value is the all-reduce form's on the same row (the same steps in
 // the same fp32 order: the one-shot's walk, or pass 1's sum of squares on
 // the stored residual values).
@@ -1273,13 +1280,13 @@ FC_DEVICE void fused_sp(const FcParams& p) {
         fu_sp_reduce_push<T>(p, own + region, stride, first * row_bytes, result + (fc_u64)p.rank * stride,
                              mine.lo * row_bytes, mine.hi * row_bytes);
         arrive(p, epoch, parity, 1, b);
+        if (!wait_phase(p, own, epoch, parity, 1, b)) return;
+        const FuSpRows rows = {own + result, stride, first, shard, (fc_u32)n, (fc_u32)per, world};
+        fused_rows<T, PAT, FuSpRows, false>(p, rows, 0, 1u);
         if (c + 1 < nchunk) {
             const fc_u64 next = first + cap;
             fu_sp_stage1<T>(p, epoch + 1, next, min_u64(cap, shard - next), shard, hidden, stride, per, in_aligned);
         }
-        if (!wait_phase(p, own, epoch, parity, 1, b)) return;
-        const FuSpRows rows = {own + result, stride, first, shard, (fc_u32)n, (fc_u32)per, world};
-        fused_rows<T, PAT, FuSpRows, false>(p, rows, 0, 1u);
     }
     complete(own, e0 + (fc_u32)(nchunk - 1));
 }

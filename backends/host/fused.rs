@@ -312,12 +312,11 @@ unsafe fn twoshot<T: Half16>(l: &Launch, pattern: FusionPattern, moe: bool) -> O
 /// form, per chunk: S1(c) our rows of every shard into its owner's inbox,
 /// arrive 0; W0(c); the whole epilogue of our `n` rows from our inboxes
 /// (sources in rank order) with our residual shard, outputs at the shard's
-/// rows. Gathered form, the two-shot's order: S1(c), arrive 0; W0(c);
-/// S2(c) our rows reduced, the residual add, `residual_out`
-/// (`allreduce_out`), the new residual rows into every rank's result slot,
-/// arrive 1; S1(c + 1); W1(c); S3(c) the norm and quantization of every
-/// chunk row from our own result slot, outputs at the global rows. Returns
-/// the last epoch.
+/// rows. Gathered form: S1(c), arrive 0; W0(c); S2(c) our rows reduced,
+/// the residual add, `residual_out` (`allreduce_out`), the new residual
+/// rows into every rank's result slot, arrive 1; W1(c); S3(c) the norm and
+/// quantization of every chunk row from our own result slot, outputs at the
+/// global rows; then S1(c + 1). Returns the last epoch.
 ///
 /// # Safety: see [`run`] (the residual tensors and `allreduce_out` hold `S`
 /// rows; the normed and quantized outputs `tokens` rows, gathered, or `S`).
@@ -384,9 +383,6 @@ unsafe fn seq_parallel<T: Half16>(l: &Launch, pattern: FusionPattern, kind: Fuse
             }
         }
         l.arrive(1);
-        if c + 1 < nchunk {
-            stage1(c + 1);
-        }
         if !l.wait(1) {
             return None;
         }
@@ -397,6 +393,9 @@ unsafe fn seq_parallel<T: Half16>(l: &Launch, pattern: FusionPattern, kind: Fuse
                 // SAFETY: the row lies in our result slot; the outputs hold `tokens` rows.
                 unsafe { norm_row::<T>(p, pattern, src, d * shard + first + i, hidden) };
             }
+        }
+        if c + 1 < nchunk {
+            stage1(c + 1);
         }
     }
     Some(l.epoch.wrapping_add(nchunk as u32 - 1))
