@@ -1,7 +1,9 @@
 // ferrocomm fused all-reduce epilogues: all-reduce + residual add (+ RMSNorm
 // (+ FP8 / INT8 quantization)) in one kernel, for the end of a
 // tensor-parallel transformer layer; optionally with a MoE-finalize prologue
-// (each token's row computed from its top-k expert rows while it is staged).
+// (each token's row computed from its top-k expert rows while it is staged);
+// and the sequence-parallel form (fused_sp: reduce-scatter + residual +
+// RMSNorm (+ quantization) (+ all-gather)).
 //
 // Vendor neutral (see common.cuh): the HIP module reuses this file unchanged
 // (kernels-hip/fused.hip). The math is defined in docs/protocol.md ("Fused
@@ -397,11 +399,14 @@ FC_DEVICE void fu_nvfp4_vals_store(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 
     }
     fu_nvfp4_store(w, g, i, y, gs, on);
 }
+// (`row`: the row's residual values, residual_out's row or, in the
+// sequence-parallel gathered form, the gathered row.)
 template <class T>
-FC_DEVICE void fu_nvfp4_step(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, float rstd, float gs, bool on) {
+FC_DEVICE void fu_nvfp4_step(const FuRows& w, const char* row, fc_u64 g, fc_u64 rb, fc_u64 i, float rstd, float gs,
+                             bool on) {
     fc_vec16 res = {{0u, 0u, 0u, 0u}}, wt = {{0u, 0u, 0u, 0u}};
     if (on) {
-        res = fc_load16(w.resid_out + rb + i * 16u);
+        res = fc_load16(row + i * 16u);
         wt = fc_load16(w.weight + i * 16u);
     }
     fu_nvfp4_vals_store<T>(w, g, rb, i, res, wt, rstd, gs, on);
@@ -425,12 +430,12 @@ FC_DEVICE void fu_norm_vals_store(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i
     }
 }
 
-// Pass 2 on pack i of row g.
+// Pass 2 on pack i of row g, its residual values at `row`.
 template <class T, int PAT>
-FC_DEVICE void fu_norm_step(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, float rstd, float scale, float& amax) {
+FC_DEVICE void fu_norm_step(const FuRows& w, const char* row, fc_u64 g, fc_u64 rb, fc_u64 i, float rstd, float scale,
+                            float& amax) {
     const fc_u64 off = i * 16u;
-    fu_norm_vals_store<T, PAT>(w, g, rb, i, fc_load16(w.resid_out + rb + off), fc_load16(w.weight + off), rstd, scale,
-                               amax);
+    fu_norm_vals_store<T, PAT>(w, g, rb, i, fc_load16(row + off), fc_load16(w.weight + off), rstd, scale, amax);
 }
 
 // Pass 3 on pack i of row g (per-token patterns): the normed values
@@ -443,9 +448,9 @@ FC_DEVICE void fu_quant_vals_store(const FuRows& w, fc_u64 g, fc_u64 i, const fc
     fu_store_quant<PAT>(w.quant_out + g * w.hidden + i * 8u, y, scale);
 }
 template <class T, int PAT>
-FC_DEVICE void fu_quant_step(const FuRows& w, fc_u64 g, fc_u64 rb, fc_u64 i, float rstd, float scale) {
+FC_DEVICE void fu_quant_step(const FuRows& w, const char* row, fc_u64 g, fc_u64 i, float rstd, float scale) {
     const fc_u64 off = i * 16u;
-    fu_quant_vals_store<T, PAT>(w, g, i, fc_load16(w.resid_out + rb + off), fc_load16(w.weight + off), rstd, scale);
+    fu_quant_vals_store<T, PAT>(w, g, i, fc_load16(row + off), fc_load16(w.weight + off), rstd, scale);
 }
 
 // Where a walker finds a block's row v (v < fu_count(map), fu_row_at): its sources (source
@@ -508,8 +513,10 @@ FC_DEVICE bool fu_row_at(const FuPieces& m, fc_u64 row_bytes, fc_u64 v, const ch
 // any thread; the sum of squares keeps its order (group 0, lane l over packs
 // l, l + 32, ... of the stored residual, then the butterfly); the row's
 // absolute maximum is a max, the same in any order. Every thread of the
-// block runs every barrier and shuffle.
-template <class T, int PAT, class Map>
+// block runs every barrier and shuffle. ADD false (the sequence-parallel
+// gathered form): the map's row is the row's final residual (one source,
+// already added), normed and quantized without pass 1's stores.
+template <class T, int PAT, class Map, bool ADD = true>
 FC_DEVICE void fused_rows_block(const FuRows& w, const Map& map, fc_u64 stride, fc_u32 world) {
     __shared__ float fu_shared[FC_MAX_BLOCK_THREADS / FU_GROUP + 1];
     const fc_u32 tid = fc_thread_id();
@@ -523,8 +530,10 @@ FC_DEVICE void fused_rows_block(const FuRows& w, const Map& map, fc_u64 stride, 
         fc_u64 g = 0;
         if (!fu_row_at(map, w.row_bytes, v, src, g)) continue; // the same on every thread
         const fc_u64 rb = g * w.row_bytes;
+        const char* row = ADD ? w.resid_out + rb : src;
         // All-reduce and residual add, every thread a pack at a time.
-        for (fc_u64 i = tid; i < w.packs; i += nt) fu_residual_pack<T>(w, src, stride, world, rb, i * 16u);
+        if (ADD)
+            for (fc_u64 i = tid; i < w.packs; i += nt) fu_residual_pack<T>(w, src, stride, world, rb, i * 16u);
         if (PAT == FU_PAT_RES) continue;
         fc_barrier();
         // The sum of squares in its fixed order, from the stored residual
@@ -532,8 +541,7 @@ FC_DEVICE void fused_rows_block(const FuRows& w, const Map& map, fc_u64 stride, 
         if (group == 0) {
             float ss = 0.0f;
 #pragma unroll 4
-            for (fc_u64 i = lane; i < w.packs; i += FU_GROUP)
-                ss = fu_add_squares<T>(ss, fc_load16(w.resid_out + rb + i * 16u));
+            for (fc_u64 i = lane; i < w.packs; i += FU_GROUP) ss = fu_add_squares<T>(ss, fc_load16(row + i * 16u));
             ss = fu_group_sum(ss);
             if (lane == 0) fu_shared[0] = fu_rstd(ss, w);
         }
@@ -544,9 +552,10 @@ FC_DEVICE void fused_rows_block(const FuRows& w, const Map& map, fc_u64 stride, 
         float amax = 0.0f;
         if (PAT == FU_PAT_RMS_NVFP4) {
             // Uniform steps: pack pairs share a shuffle (fu_nvfp4_store).
-            for (fc_u64 b = 0; b < w.packs; b += nt) fu_nvfp4_step<T>(w, g, rb, b + tid, rstd, scale, b + tid < w.packs);
+            for (fc_u64 b = 0; b < w.packs; b += nt)
+                fu_nvfp4_step<T>(w, row, g, rb, b + tid, rstd, scale, b + tid < w.packs);
         } else {
-            for (fc_u64 i = tid; i < w.packs; i += nt) fu_norm_step<T, PAT>(w, g, rb, i, rstd, scale, amax);
+            for (fc_u64 i = tid; i < w.packs; i += nt) fu_norm_step<T, PAT>(w, row, g, rb, i, rstd, scale, amax);
         }
         if (PAT == FU_PAT_RMS_FP8TOK || PAT == FU_PAT_RMS_I8TOK) {
             // The row's maximum over the block, then the per-token scale
@@ -564,7 +573,7 @@ FC_DEVICE void fused_rows_block(const FuRows& w, const Map& map, fc_u64 stride, 
             }
             fc_barrier();
             scale = fu_shared[0];
-            for (fc_u64 i = tid; i < w.packs; i += nt) fu_quant_step<T, PAT>(w, g, rb, i, rstd, scale);
+            for (fc_u64 i = tid; i < w.packs; i += nt) fu_quant_step<T, PAT>(w, row, g, i, rstd, scale);
         }
         // The next row reuses the shared words.
         fc_barrier();
@@ -577,8 +586,10 @@ FC_DEVICE void fused_rows_block(const FuRows& w, const Map& map, fc_u64 stride, 
 // takes the row's 8-element packs l, l + 32, ... in every pass, so it
 // re-reads only what it wrote itself. The row loop runs the
 // same number of times in every group (inactive groups join the shuffles),
-// so every lane of a warp or wave reaches every shuffle.
-template <class T, int PAT, class Map>
+// so every lane of a warp or wave reaches every shuffle. ADD false: the
+// norm and quantization of rows that are already the final residual
+// (fused_rows_block's).
+template <class T, int PAT, class Map, bool ADD = true>
 FC_DEVICE void fused_rows(const FcParams& p, const Map& map, fc_u64 stride, fc_u32 world) {
     const fc_u32 lane = fc_thread_id() % FU_GROUP;
     const fc_u32 group = fc_thread_id() / FU_GROUP;
@@ -588,7 +599,7 @@ FC_DEVICE void fused_rows(const FcParams& p, const Map& map, fc_u64 stride, fc_u
 
     // Few rows for this block: all its threads on each row in turn.
     if (count * FU_BLOCK_MODE_DIV <= ngroups) {
-        fused_rows_block<T, PAT>(w, map, stride, world);
+        fused_rows_block<T, PAT, Map, ADD>(w, map, stride, world);
         return;
     }
     for (fc_u64 base = 0; base < count; base += ngroups) {
@@ -597,12 +608,15 @@ FC_DEVICE void fused_rows(const FcParams& p, const Map& map, fc_u64 stride, fc_u
         fc_u64 g = 0; // the row in the caller's tensors
         const bool active = v < count && fu_row_at(map, w.row_bytes, v, src, g);
         const fc_u64 rb = g * w.row_bytes;
+        const char* row = ADD ? w.resid_out + rb : src;
 
-        // Pass 1: all-reduce, residual add, lane partial of the sum of squares.
+        // Pass 1: all-reduce, residual add, lane partial of the sum of
+        // squares (ADD false: the partial alone, from the row).
         float ss = 0.0f;
         if (active) {
             for (fc_u64 i = lane; i < w.packs; i += FU_GROUP) {
-                const fc_vec16 resp = fu_residual_pack<T>(w, src, stride, world, rb, i * 16u);
+                const fc_vec16 resp =
+                    ADD ? fu_residual_pack<T>(w, src, stride, world, rb, i * 16u) : fc_load16(row + i * 16u);
                 if (PAT != FU_PAT_RES) ss = fu_add_squares<T>(ss, resp);
             }
         }
@@ -617,18 +631,19 @@ FC_DEVICE void fused_rows(const FcParams& p, const Map& map, fc_u64 stride, fc_u
         if (PAT == FU_PAT_RMS_NVFP4) {
             // Every group steps alike (pack pairs share a shuffle).
             for (fc_u64 b = 0; b < w.packs; b += FU_GROUP)
-                fu_nvfp4_step<T>(w, g, rb, b + lane, rstd, scale, active && b + lane < w.packs);
+                fu_nvfp4_step<T>(w, row, g, rb, b + lane, rstd, scale, active && b + lane < w.packs);
             continue;
         }
         if (active)
-            for (fc_u64 i = lane; i < w.packs; i += FU_GROUP) fu_norm_step<T, PAT>(w, g, rb, i, rstd, scale, amax);
+            for (fc_u64 i = lane; i < w.packs; i += FU_GROUP)
+                fu_norm_step<T, PAT>(w, row, g, rb, i, rstd, scale, amax);
         if (PAT != FU_PAT_RMS_FP8TOK && PAT != FU_PAT_RMS_I8TOK) continue;
 
         // Pass 3: the per-token scale, then the quantized row.
         scale = fu_token_scale<PAT>(fu_group_max(amax));
         if (active) {
             if (lane == 0) fc_store(w.scale + g, scale);
-            for (fc_u64 i = lane; i < w.packs; i += FU_GROUP) fu_quant_step<T, PAT>(w, g, rb, i, rstd, scale);
+            for (fc_u64 i = lane; i < w.packs; i += FU_GROUP) fu_quant_step<T, PAT>(w, row, g, i, rstd, scale);
         }
     }
 }
@@ -1124,8 +1139,161 @@ FC_DEVICE void fused_twoshot(const FcParams& p) {
     complete(own, e0 + (fc_u32)(nchunk - 1));
 }
 
+// ---------------------------------------------------------------- sequence parallel
+// (docs/protocol.md, "Sequence-parallel form".) S = tokens / world rows a
+// rank, rank d owning rows [d*S, (d+1)*S); the residual tensors and
+// allreduce_out hold the rank's S rows. Chunks are the two-shot's (cap rows
+// an inbox, ceil(S / cap) of them, so epochs advance alike on every
+// backend), but chunk c holds shard rows [c*cap, c*cap + n) of every shard:
+// row d*S + c*cap + i sits at inbox [src] + i*row_bytes of rank d, and at
+// result + d*stride + i*row_bytes of every rank. Block b owns rows
+// [b*per, (b+1)*per) of the chunk's n (per of a full chunk when there are
+// several, as the two-shot).
+
+// Range of the chunk's n shard rows that block b owns.
+FC_DEVICE Range fu_sp_piece(fc_u64 n, fc_u64 per) {
+    Range r;
+    r.lo = min_u64((fc_u64)fc_block_id() * per, n);
+    r.hi = min_u64(r.lo + per, n);
+    return r;
+}
+
+// S1 of chunk (epoch, first shard row `first`, n rows): our rows piece b of
+// every rank d's shard into inbox [rank] of rank d (ranks staggered by
+// block), then arrive phase 0.
+template <class T>
+FC_DEVICE void fu_sp_stage1(const FcParams& p, fc_u32 epoch, fc_u64 first, fc_u64 n, fc_u64 shard, fc_u64 hidden,
+                            fc_u64 stride, fc_u64 per, bool in_aligned) {
+    const int ES = sizeof(typename T::S);
+    const fc_u32 parity = epoch & 1;
+    const fc_u32 b = fc_block_id();
+    const fc_u64 row_bytes = hidden * ES;
+    const fc_u64 at = region_offset(p, parity) + (fc_u64)p.rank * stride;
+    const Range r = fu_sp_piece(n, per);
+    for (fc_u32 k = 0; k < p.world; ++k) {
+        const fc_u32 d = (p.rank + 1 + k + b) % p.world;
+        const char* input = fc_ptr<const char>(p.input + ((fc_u64)d * shard + first) * row_bytes);
+        copy_range<ES, FC_COPY_UNROLL>(fc_ptr<char>(p.peer_ws[d] + at), input, r.lo * hidden, r.hi * hidden,
+                                       in_aligned);
+    }
+    arrive(p, epoch, parity, 0, b);
+}
+
+// S2 of the gathered form: bytes [lo, hi) of our chunk rows, reduced in rank
+// order from our inboxes (source r at inbox + r * stride), the all-reduce
+// value rounded (allreduce_out), the residual add with our shard's rows at
+// byte `rb` (residual_out; fu_residual_pack's steps), and the new residual
+// pack into every rank's result slot at `off` (ourselves included).
+template <class T>
+FC_DEVICE void fu_sp_reduce_push(const FcParams& p, const char* inbox, fc_u64 stride, fc_u64 rb, fc_u64 off, fc_u64 lo,
+                                 fc_u64 hi) {
+    const FuRows w = fu_rows<T>(p);
+    const fc_u32 world = p.world;
+    const fc_u32 nt = fc_block_threads();
+    for (fc_u64 at = lo + (fc_u64)fc_thread_id() * 16u; at < hi; at += (fc_u64)nt * 16u) {
+        const fc_vec16 v = fu_residual_pack<T>(w, inbox, stride, world, rb, at);
+        for (fc_u32 q = 0; q < world; ++q) fc_store16(fc_ptr<char>(p.peer_ws[q] + off + at), v);
+    }
+}
+
+// The gathered form's epilogue rows: piece b of every shard d of the chunk,
+// v = d * per + k, row i = b * per + k of shard d (one source, the final
+// residual) at result + d * stride + i * row_bytes, global row d * shard +
+// first + i.
+struct FuSpRows {
+    const char* result;
+    fc_u64 stride, first, shard;
+    fc_u32 n, per, world;
+};
+FC_DEVICE fc_u64 fu_count(const FuSpRows& m) { return (fc_u64)m.world * m.per; }
+FC_DEVICE bool fu_row_at(const FuSpRows& m, fc_u64 row_bytes, fc_u64 v, const char*& src, fc_u64& g) {
+    const fc_u32 d = (fc_u32)v / m.per;
+    const fc_u64 i = (fc_u64)fc_block_id() * m.per + ((fc_u32)v - d * m.per);
+    if (i >= m.n) return false;
+    src = m.result + (fc_u64)d * m.stride + i * row_bytes;
+    g = (fc_u64)d * m.shard + m.first + i;
+    return true;
+}
+
+// Sequence-parallel fused (whole call, push): reduce-scatter + residual +
+// RMSNorm (+ quantization) (+ all-gather). Per chunk c (epoch E + c):
+// Shard form (GATHER false, or nothing to gather: PAT_RES):
+//   S1(c): our rows piece b of every shard into its owner's inbox [rank];
+//          arrive phase 0. W0(c).
+//   E(c):  the whole epilogue (fused_rows, the one-shot's walk) of our
+//          chunk rows piece b from our inboxes, sources in rank order, with
+//          our residual shard; every output at the shard's row c*cap + i.
+//   One handshake a chunk: a peer's S1(c + 2) writes our inboxes of this
+//   parity only after its W0(c + 1), i.e. after our S1(c + 1), which
+//   follows our E(c) (so S1 is not pipelined here).
+// Gathered form (the two-shot's buffers):
+//   S1(c), arrive 0. W0(c). S2(c): fu_sp_reduce_push of piece b (residual
+//   shard rows written), new residual rows to every rank's result slot;
+//   arrive 1. W1(c). S3(c): RMSNorm and quantization (no residual add: the
+//   rows are the residual) of piece b of every shard from our own result
+//   slot; outputs at global rows d*S + c*cap + i. Then S1(c + 1) (if any).
+//   Reuse: a peer's S1(c + 2) (after its W1(c + 1), so after our S2(c + 1))
+//   writes our inboxes of this parity after our S2(c) read them; its S2(c
+//   + 2) (after its W0(c + 2), so after our S1(c + 2), which follows our
+//   S3(c + 1)) writes our result slot of this parity after our S3(c) read
+//   it. S1(c + 1) comes after S3(c), not before W1(c) as in the two-shot:
+//   pipelined there, hipcc gave the NVFP4 kernels a 68-byte stack frame
+//   (gfx942 and gfx950).
+// Every value is the all-reduce form's on the same row (the same steps in
+// the same fp32 order: the one-shot's walk, or pass 1's sum of squares on
+// the stored residual values).
+template <class T, int PAT, bool GATHER>
+FC_DEVICE void fused_sp(const FcParams& p) {
+    const int ES = sizeof(typename T::S);
+    constexpr bool gather = GATHER && PAT != FU_PAT_RES;
+    char* own = fc_ptr<char>(p.peer_ws[p.rank]);
+    const fc_u32 e0 = fc_ld_volatile(reinterpret_cast<const fc_u32*>(own)) + 1;
+    const fc_u32 b = fc_block_id();
+    const fc_u32 nb = fc_grid_blocks();
+    const fc_u32 world = p.world;
+    const fc_u64 hidden = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_HIDDEN];
+    const fc_u64 shard = p.per_peer[FU_ROW_SCALARS][FU_SCALAR_TOKENS] / world;
+    const fc_u64 row_bytes = hidden * ES;
+    const fc_u64 stride = push2_stride(p);
+    const fc_u64 cap = stride / row_bytes; // >= 1 (validated)
+    const fc_u64 nchunk = div_ceil(shard, cap);
+    const fc_u64 per = div_ceil(nchunk > 1 ? cap : shard, nb);
+    const bool in_aligned = aligned16(p.input);
+
+    if (gather) fu_sp_stage1<T>(p, e0, 0, min_u64(cap, shard), shard, hidden, stride, per, in_aligned);
+    for (fc_u64 c = 0; c < nchunk; ++c) {
+        const fc_u32 epoch = e0 + (fc_u32)c;
+        const fc_u32 parity = epoch & 1;
+        const fc_u64 first = c * cap;
+        const fc_u64 n = min_u64(cap, shard - first);
+        const fc_u64 region = region_offset(p, parity);
+        const Range mine = fu_sp_piece(n, per);
+        if (!gather) {
+            fu_sp_stage1<T>(p, epoch, first, n, shard, hidden, stride, per, in_aligned);
+            if (!wait_phase(p, own, epoch, parity, 0, b)) return;
+            const FuSpan span = {own + region, first, mine.lo, mine.hi - mine.lo};
+            fused_rows<T, PAT>(p, span, stride, world);
+            continue;
+        }
+        if (!wait_phase(p, own, epoch, parity, 0, b)) return;
+        const fc_u64 result = region + p.slot_bytes;
+        fu_sp_reduce_push<T>(p, own + region, stride, first * row_bytes, result + (fc_u64)p.rank * stride,
+                             mine.lo * row_bytes, mine.hi * row_bytes);
+        arrive(p, epoch, parity, 1, b);
+        if (!wait_phase(p, own, epoch, parity, 1, b)) return;
+        const FuSpRows rows = {own + result, stride, first, shard, (fc_u32)n, (fc_u32)per, world};
+        fused_rows<T, PAT, FuSpRows, false>(p, rows, 0, 1u);
+        if (c + 1 < nchunk) {
+            const fc_u64 next = first + cap;
+            fu_sp_stage1<T>(p, epoch + 1, next, min_u64(cap, shard - next), shard, hidden, stride, per, in_aligned);
+        }
+    }
+    complete(own, e0 + (fc_u32)(nchunk - 1));
+}
+
 } // namespace fc
 
 // ===========================================================================
 // Entry points are generated by ferrocomm::algo::fused (fused_entry), one
-// FC_KERNEL per name: fc_fused_<kind>_[moe_]<pattern>_<dtype>.
+// FC_KERNEL per name: fc_fused_<kind>_[moe_]<pattern>_<dtype> (the SP kinds
+// sp_gather / sp_shard take no MoE prologue).

@@ -87,9 +87,9 @@ pub mod testing;
 
 pub use comm::{
     Algorithm, Axis, Broadcaster, BroadcasterOptions, Call, ChunkedAllGather, ChunkedReduceScatter, Collective,
-    CommOptions, Communicator, DtypeClass, Fusion, FusionPattern, Ladders, Mapping, MixedComm, MixedMode, MixedOp,
-    MoeFinalize, P2p, Reduction, Registration, SfLayout, Tensor, Timing, Topology, TuneReport, TuneSource, UserModule,
-    Window, Work, FUSED_MAX_HIDDEN, MOE_MAX_TOPK,
+    CommOptions, Communicator, DtypeClass, FusedForm, Fusion, FusionPattern, Ladders, Mapping, MixedComm, MixedMode,
+    MixedOp, MoeFinalize, P2p, Reduction, Registration, SfLayout, SpOutput, Tensor, Timing, Topology, TuneReport,
+    TuneSource, UserModule, Window, Work, FUSED_MAX_HIDDEN, MOE_MAX_TOPK,
 };
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};

@@ -6,7 +6,8 @@
 //! sum of squares over 8-element packs, a fixed butterfly, correctly rounded
 //! division and square root. With the MoE-finalize prologue, each row is
 //! computed from the experts' output as it is staged ([`moe_row`], the
-//! order of `fu_moe_pack`).
+//! order of `fu_moe_pack`). The sequence-parallel form ([`seq_parallel`])
+//! follows `fused_sp`: the two-shot's chunks with the shards as segments.
 
 use half::{bf16, f16};
 
@@ -55,6 +56,8 @@ pub(super) unsafe fn run(
             (FusedKind::OneShotLl, false) => oneshot_ll::<f16>(l, pattern, moe),
             (FusedKind::TwoShot, true) => twoshot::<bf16>(l, pattern, moe),
             (FusedKind::TwoShot, false) => twoshot::<f16>(l, pattern, moe),
+            (FusedKind::SpGather | FusedKind::SpShard, true) => seq_parallel::<bf16>(l, pattern, kind),
+            (FusedKind::SpGather | FusedKind::SpShard, false) => seq_parallel::<f16>(l, pattern, kind),
         }
     }
 }
@@ -301,6 +304,103 @@ unsafe fn twoshot<T: Half16>(l: &Launch, pattern: FusionPattern, moe: bool) -> O
     Some(l.epoch.wrapping_add(nchunk as u32 - 1))
 }
 
+/// The sequence-parallel form (as `fused_sp`): `S = tokens / world` rows a
+/// rank, rank `d` owning rows `[d*S, (d+1)*S)`; chunk `c` holds shard rows
+/// `[c*cap, c*cap + n)` of every shard (`cap` rows an inbox, the
+/// two-shot's), row `d*S + c*cap + i` at `i * row_bytes` of rank `d`'s
+/// inbox `[src]`, and of every rank's result slot at `d * stride`. Shard
+/// form, per chunk: S1(c) our rows of every shard into its owner's inbox,
+/// arrive 0; W0(c); the whole epilogue of our `n` rows from our inboxes
+/// (sources in rank order) with our residual shard, outputs at the shard's
+/// rows. Gathered form: S1(c), arrive 0; W0(c); S2(c) our rows reduced,
+/// the residual add, `residual_out` (`allreduce_out`), the new residual
+/// rows into every rank's result slot, arrive 1; W1(c); S3(c) the norm and
+/// quantization of every chunk row from our own result slot, outputs at the
+/// global rows; then S1(c + 1). Returns the last epoch.
+///
+/// # Safety: see [`run`] (the residual tensors and `allreduce_out` hold `S`
+/// rows; the normed and quantized outputs `tokens` rows, gathered, or `S`).
+unsafe fn seq_parallel<T: Half16>(l: &Launch, pattern: FusionPattern, kind: FusedKind) -> Option<u32> {
+    let p = l.p;
+    let hidden = p.per_peer[ROW_SCALARS][SCALAR_HIDDEN] as usize;
+    let tokens = p.per_peer[ROW_SCALARS][SCALAR_TOKENS] as usize;
+    let (me, world) = (l.me(), l.world());
+    let row_bytes = hidden * 2;
+    let stride = push_twoshot_stride(l.slot_bytes(), world);
+    let cap = stride / row_bytes;
+    let shard = tokens / world;
+    if cap == 0 || shard == 0 {
+        return None;
+    }
+    // ResidualAdd has nothing to gather (the communicator refuses it).
+    let gather = kind == FusedKind::SpGather && pattern.norms();
+    let nchunk = shard.div_ceil(cap);
+    let rows = |c: usize| (c * cap, cap.min(shard - c * cap));
+    let stage1 = |c: usize| {
+        let l = l.chunk(c);
+        let (first, n) = rows(c);
+        for k in 1..=world {
+            let d = (me + k) % world;
+            // SAFETY: n rows fit an inbox; rows d*S + first.. are the call's.
+            unsafe { stage::<T>(p, false, d * shard + first, n, &[l.region(d).offset(me * stride)]) };
+        }
+        l.arrive(0);
+    };
+    if gather {
+        stage1(0);
+    }
+    for c in 0..nchunk {
+        let l = l.chunk(c);
+        let (first, n) = rows(c);
+        if !gather {
+            stage1(c);
+        }
+        if !l.wait(0) {
+            return None;
+        }
+        let inbox = l.region(me);
+        let srcs =
+            |i: usize| -> Vec<DevicePtr> { (0..world).map(|s| inbox.offset(s * stride + i * row_bytes)).collect() };
+        if !gather {
+            for i in 0..n {
+                // SAFETY: every source row lies in our inboxes; the shard's tensors hold row first + i.
+                unsafe { epilogue_row::<T>(p, pattern, &srcs(i), first + i, hidden) };
+            }
+            continue;
+        }
+        // S2: our rows, the residual add, and the new residual rows to
+        // every rank's result slot.
+        let result = |r: usize| l.region(r).offset(l.slot_bytes());
+        let res_out = p.per_peer[ROW_PTRS][PTR_RESIDUAL_OUT];
+        for i in 0..n {
+            // SAFETY: as above; ResidualAdd stops after residual_out.
+            unsafe {
+                epilogue_row::<T>(p, FusionPattern::ResidualAdd, &srcs(i), first + i, hidden);
+                let row = DevicePtr(res_out).offset((first + i) * row_bytes);
+                for q in 0..world {
+                    copy_bytes(result(q).offset(me * stride + i * row_bytes), row, row_bytes);
+                }
+            }
+        }
+        l.arrive(1);
+        if !l.wait(1) {
+            return None;
+        }
+        // S3: every row of the chunk, normed from our result slot.
+        for d in 0..world {
+            for i in 0..n {
+                let src = result(me).offset(d * stride + i * row_bytes);
+                // SAFETY: the row lies in our result slot; the outputs hold `tokens` rows.
+                unsafe { norm_row::<T>(p, pattern, src, d * shard + first + i, hidden) };
+            }
+        }
+        if c + 1 < nchunk {
+            stage1(c + 1);
+        }
+    }
+    Some(l.epoch.wrapping_add(nchunk as u32 - 1))
+}
+
 /// Round to `T` (nearest even), NaN to the canonical NaN (as `fu_pack`).
 fn round<T: Half16>(x: f32) -> T {
     if x.is_nan() {
@@ -349,12 +449,10 @@ unsafe fn epilogue_row<T: Half16>(
     hidden: usize,
 ) {
     let ptr = p.per_peer[ROW_PTRS];
-    let eps = f32::from_bits(p.per_peer[ROW_SCALARS][SCALAR_EPS] as u32);
     let base = g * hidden;
     // SAFETY (every access below): the tensors hold row g (caller).
     unsafe {
-        // Pass 1: all-reduce (rank order), residual add, lane partials.
-        let mut lanes = [0f32; LANES];
+        // Pass 1: all-reduce (rank order), residual add.
         for j in 0..hidden {
             let mut a = read::<T>(srcs[0].0, j).to_f32();
             for s in &srcs[1..] {
@@ -366,18 +464,43 @@ unsafe fn epilogue_row<T: Half16>(
             }
             let res: T = round(ar.to_f32() + read::<T>(ptr[PTR_RESIDUAL_IN], base + j).to_f32());
             write(ptr[PTR_RESIDUAL_OUT], base + j, res);
+        }
+        if pattern.norms() {
+            let row = DevicePtr(ptr[PTR_RESIDUAL_OUT]).offset(base * 2);
+            norm_row::<T>(p, pattern, row, g, hidden);
+        }
+    }
+}
+
+/// RMSNorm and quantization of global row `g` (outputs at row `g`) from
+/// its residual row at `res` (`residual_out`'s, or the sequence-parallel
+/// form's gathered row): lane partials of the sum of squares, the
+/// butterfly, the normed row and its quantization.
+///
+/// # Safety: see [`oneshot`]; `res` holds `hidden` elements.
+unsafe fn norm_row<T: Half16>(
+    p: &crate::device::KernelParams,
+    pattern: FusionPattern,
+    res: DevicePtr,
+    g: usize,
+    hidden: usize,
+) {
+    let ptr = p.per_peer[ROW_PTRS];
+    let eps = f32::from_bits(p.per_peer[ROW_SCALARS][SCALAR_EPS] as u32);
+    let base = g * hidden;
+    // SAFETY (every access below): `res` and the outputs hold row g (caller).
+    unsafe {
+        let mut lanes = [0f32; LANES];
+        for j in 0..hidden {
             // Pack j / 8 belongs to lane (j / 8) % 32, elements in order.
-            let x = res.to_f32();
+            let x = read::<T>(res.0, j).to_f32();
             let lane = &mut lanes[(j / 8) % LANES];
             *lane += x * x;
-        }
-        if !pattern.norms() {
-            return;
         }
         let ss = butterfly(lanes, |a, b| a + b);
         let rstd = 1.0f32 / ((ss / hidden as f32) + eps).sqrt();
         let normed = |j: usize| -> T {
-            let x = read::<T>(ptr[PTR_RESIDUAL_OUT], base + j).to_f32();
+            let x = read::<T>(res.0, j).to_f32();
             let w = read::<T>(ptr[PTR_WEIGHT], j).to_f32();
             round(x * rstd * w)
         };

@@ -1,6 +1,7 @@
 // Runs the fused all-reduce epilogues of kernels-cuda/fused.cu (the push
 // one-shot fc::fused_oneshot, the LL one-shot fc::fused_oneshot_ll through
-// its Lamport area, and the two-shot fc::fused_twoshot; every pattern
+// its Lamport area, the two-shot fc::fused_twoshot, and the
+// sequence-parallel form fc::fused_sp, gathered and sharded; every pattern
 // FU_PAT_*, f16 and bf16) on the CPU over the emulated prelude
 // (emu_prelude.h): worlds 2 and 3, each rank an emulated device of several
 // blocks of 32 to 256 threads, the ranks' launches back to back on one
@@ -29,6 +30,11 @@
 // naming the kernel, shape, geometry, call, rank, tensor and first
 // differing element; the exit status is non-zero. `fused_emu SEED -v` also
 // lists every call. See ci/check-kernels-emu.sh.
+// Sequence-parallel calls take tokens = world * S (S drawn as the plan's
+// tokens), each rank's residual its S rows of one residual stream, and
+// their reference is the all-reduce form's on the same rows: the shard's
+// rows alone (residual_out, allreduce_out, a shard's outputs) or every row
+// (the gathered outputs, with the rank's own weight).
 
 // The group butterfly (fu_group_sum) shuffles within 32 lanes: emulated
 // warps of 32 make every 32-lane group one warp, as on NVIDIA.
@@ -105,8 +111,10 @@ constexpr fc_u64 DATA_OFFSET = 131072;
 
 typedef void (*Kernel)(const FcParams&);
 
-enum Kind { ONESHOT, ONESHOT_LL, TWOSHOT };
-static const char* const KIND_NAME[3] = {"oneshot", "oneshot_ll", "twoshot"};
+enum Kind { ONESHOT, ONESHOT_LL, TWOSHOT, SP_GATHER, SP_SHARD };
+constexpr int KINDS = 5;
+static const char* const KIND_NAME[KINDS] = {"oneshot", "oneshot_ll", "twoshot", "sp_gather", "sp_shard"};
+static bool is_sp(Kind k) { return k == SP_GATHER || k == SP_SHARD; }
 static const char* const PAT_NAME[6] = {"res", "rms", "rms_fp8", "rms_fp8tok", "rms_i8tok", "rms_nvfp4"};
 
 template <class T>
@@ -123,6 +131,16 @@ static Kernel kernel_of(Kind k, int pat) {
         FU_EMU_KIND(ONESHOT_LL, fused_oneshot_ll)
         FU_EMU_KIND(TWOSHOT, fused_twoshot)
 #undef FU_EMU_KIND
+#define FU_EMU_SP(K, G)                                                                                               \
+    case K * 8 + FU_PAT_RES: return fc::fused_sp<T, FU_PAT_RES, G>;                                                   \
+    case K * 8 + FU_PAT_RMS: return fc::fused_sp<T, FU_PAT_RMS, G>;                                                   \
+    case K * 8 + FU_PAT_RMS_FP8: return fc::fused_sp<T, FU_PAT_RMS_FP8, G>;                                           \
+    case K * 8 + FU_PAT_RMS_FP8TOK: return fc::fused_sp<T, FU_PAT_RMS_FP8TOK, G>;                                     \
+    case K * 8 + FU_PAT_RMS_I8TOK: return fc::fused_sp<T, FU_PAT_RMS_I8TOK, G>;                                       \
+    case K * 8 + FU_PAT_RMS_NVFP4: return fc::fused_sp<T, FU_PAT_RMS_NVFP4, G>;
+        FU_EMU_SP(SP_GATHER, true)
+        FU_EMU_SP(SP_SHARD, false)
+#undef FU_EMU_SP
     }
     std::abort();
 }
@@ -447,7 +465,9 @@ static bool fits(const Session& g, Kind k, size_t tokens, size_t hidden) {
     const size_t row = hidden * 2;
     switch (k) {
         case ONESHOT: return push1_cap(g, row) >= 1;
-        case TWOSHOT: return push2_cap(g, row) >= 1;
+        case TWOSHOT:
+        case SP_GATHER:
+        case SP_SHARD: return push2_cap(g, row) >= 1;
         case ONESHOT_LL: return tokens * row <= lamport_bytes(g) && hidden <= (size_t)FU_LL_PACKS * 8 * g.nt;
     }
     return false;
@@ -630,6 +650,11 @@ static void add_call(Session& g, Spec s) {
         const fc_u64 cap = push2_cap(g, row);
         rows = std::min<fc_u64>(cap, (s.tokens + W - 1) / W);
         c.advance = (fc_u32)((s.tokens + cap * W - 1) / (cap * W));
+    } else if (is_sp(s.kind)) {
+        // The two-shot's rule, a shard a segment.
+        const fc_u64 cap = push2_cap(g, row);
+        rows = std::min<fc_u64>(cap, s.tokens / W);
+        c.advance = (fc_u32)((s.tokens / W + cap - 1) / cap);
     }
     c.nb = (int)std::max<fc_u64>(1, std::min<fc_u64>((fc_u64)s.nb_asked, rows));
     char name[256];
@@ -644,6 +669,11 @@ static void add_call(Session& g, Spec s) {
                   s.pat != FU_PAT_RMS_NVFP4 ? "" : s.sf_linear ? ", linear SFs" : ", swizzled SFs");
     c.name = name;
     const size_t n = s.tokens * s.hidden;
+    const bool sp = is_sp(s.kind);
+    // Rows of the residual tensors and of the normed / quantized outputs.
+    const size_t shard = sp ? s.tokens / W : s.tokens;
+    const size_t out_rows = s.kind == SP_SHARD ? shard : s.tokens;
+    const size_t ns = shard * s.hidden, no = out_rows * s.hidden;
     std::vector<std::vector<fc_u16>> in(W, std::vector<fc_u16>(n)), resid(W, std::vector<fc_u16>(n));
     std::vector<std::vector<fc_u16>> weight(W, std::vector<fc_u16>(s.hidden));
     for (int r = 0; r < W; ++r) {
@@ -651,6 +681,10 @@ static void add_call(Session& g, Spec s) {
         for (auto& v : resid[r]) v = rand_half(s.bf);
         for (auto& v : weight[r]) v = rand_half(s.bf, -3, 2);
     }
+    // SP: one residual stream (make_special changes every copy alike),
+    // rank r holding its rows.
+    if (sp)
+        for (int r = 1; r < W; ++r) resid[r] = resid[0];
     if (s.special) make_special(s.bf, s.hidden, W, in, resid);
     const size_t first_probe = s.special ? 5 : 0;
     if (s.probe && s.tokens > first_probe) {
@@ -667,31 +701,50 @@ static void add_call(Session& g, Spec s) {
     for (int r = 0; r < W; ++r) {
         RankData& d = c.rank[r];
         d.in0 = in[r];
-        d.resid0 = resid[r];
+        // SP: the rank's rows of the stream (rows r*S..).
+        const size_t r0 = sp ? r * ns : 0;
+        d.resid0.assign(resid[r].begin() + r0, resid[r].begin() + r0 + ns);
         d.weight0 = weight[r];
         d.input.make(n * 2, 0);
         std::memcpy(d.input.data, in[r].data(), n * 2);
-        d.resid_in.make(n * 2, 0);
-        std::memcpy(d.resid_in.data, resid[r].data(), n * 2);
+        d.resid_in.make(ns * 2, 0);
+        std::memcpy(d.resid_in.data, d.resid0.data(), ns * 2);
         // Outputs start as bytes no result has in that many places.
-        if (!s.res_in_place) d.resid_out.make(n * 2, 0xcd);
+        if (!s.res_in_place) d.resid_out.make(ns * 2, 0xcd);
         d.weight.make(s.hidden * 2, 0);
         std::memcpy(d.weight.data, weight[r].data(), s.hidden * 2);
-        if (norms && s.norm_out) d.norm_out.make(n * 2, 0xcd);
-        if (quant) d.quant_out.make(n, 0xcd);
+        if (norms && s.norm_out) d.norm_out.make(no * 2, 0xcd);
+        if (quant) d.quant_out.make(no, 0xcd);
         if (s.pat == FU_PAT_RMS_NVFP4) {
-            d.quant_out.make(n / 2, 0xcd);
-            d.sf_out.make(sf_bytes(s.sf_linear, s.tokens, s.hidden), 0xcd);
+            d.quant_out.make(no / 2, 0xcd);
+            d.sf_out.make(sf_bytes(s.sf_linear, out_rows, s.hidden), 0xcd);
         }
         if (s.pat == FU_PAT_RMS_FP8 || s.pat == FU_PAT_RMS_NVFP4) {
             d.scale.make(4, 0);
             std::memcpy(d.scale.data, &s.static_scale, 4);
         } else if (per_token) {
-            d.scale.make(4 * s.tokens, 0xcd);
+            d.scale.make(4 * out_rows, 0xcd);
         }
-        if (s.ar_out && !s.ar_in_place) d.ar_out.make(n * 2, 0xcd);
-        d.want = reference(s.pat, s.bf, s.tokens, s.hidden, s.eps, in, resid[r], weight[r], s.static_scale,
-                           s.sf_linear);
+        if (s.ar_out && !s.ar_in_place) d.ar_out.make(ns * 2, 0xcd);
+        if (!sp) {
+            d.want = reference(s.pat, s.bf, s.tokens, s.hidden, s.eps, in, resid[r], weight[r], s.static_scale,
+                               s.sf_linear);
+        } else {
+            // The shard's rows alone: every input's rows r*S.., the rank's
+            // residual; the gathered outputs from every row.
+            std::vector<std::vector<fc_u16>> rows_in(W);
+            for (int q = 0; q < W; ++q) rows_in[q].assign(in[q].begin() + r0, in[q].begin() + r0 + ns);
+            d.want = reference(s.pat, s.bf, shard, s.hidden, s.eps, rows_in, d.resid0, weight[r], s.static_scale,
+                               s.sf_linear);
+            if (s.kind == SP_GATHER) {
+                Expect all = reference(s.pat, s.bf, s.tokens, s.hidden, s.eps, in, resid[r], weight[r],
+                                       s.static_scale, s.sf_linear);
+                d.want.norm = all.norm;
+                d.want.quant = all.quant;
+                d.want.sf = all.sf;
+                d.want.scales = all.scales;
+            }
+        }
 
         FcParams p;
         std::memset(&p, 0, sizeof p);
@@ -748,6 +801,11 @@ static int walkers(const Session& g, const Call& c) {
     } else if (s.kind == TWOSHOT) {
         const fc_u64 cap = push2_cap(g, row);
         note(g.world * (((c.advance > 1 ? cap : (s.tokens + g.world - 1) / g.world) + nb - 1) / nb));
+    } else if (is_sp(s.kind)) {
+        // Gathered: every shard's piece; a shard: our own piece.
+        const fc_u64 cap = push2_cap(g, row);
+        const fc_u64 per = ((c.advance > 1 ? cap : s.tokens / g.world) + nb - 1) / nb;
+        note(s.kind == SP_GATHER && s.pat != FU_PAT_RES ? g.world * per : per);
     } else if (s.hidden / 8 > (size_t)g.nt) {
         m |= 4;
     }
@@ -831,7 +889,7 @@ static int verify(const Session& g) {
                 ++b;
             }
             if (s.pat == FU_PAT_RMS_FP8TOK || s.pat == FU_PAT_RMS_I8TOK) {
-                for (size_t t = 0; t < s.tokens; ++t) {
+                for (size_t t = 0; t < d.want.scales.size(); ++t) {
                     fc_u32 got, want;
                     std::memcpy(&got, d.scale.data + 4 * t, 4);
                     std::memcpy(&want, &d.want.scales[t], 4);
@@ -919,8 +977,10 @@ static Session make_session(const Plan& pl) {
     for (int round = 0; round < (pl.order ? 2 : 1); ++round)
     for (int pat = pl.order ? FU_PAT_RMS : FU_PAT_RES; pat <= FU_PAT_RMS_NVFP4; ++pat)
         for (int bf = 0; bf < (pl.order ? 1 : 2); ++bf)
-            for (int ki = 0; ki < 3; ++ki, ++j) {
-                const Kind kind = (Kind)((ki + pat + bf) % 3);
+            for (int ki = 0; ki < KINDS; ++ki, ++j) {
+                Kind kind = (Kind)((ki + pat + bf) % KINDS);
+                // Nothing to gather without a norm (the host refuses it).
+                if (kind == SP_GATHER && pat == FU_PAT_RES) kind = SP_SHARD;
                 Spec s{};
                 s.kind = kind;
                 s.pat = pat;
@@ -929,6 +989,8 @@ static Session make_session(const Plan& pl) {
                 const auto width = [&](size_t h) { return pat == FU_PAT_RMS_NVFP4 ? (h + 15) / 16 * 16 : h; };
                 s.hidden = width(pl.hiddens[(j + rnd(2)) % pl.hiddens.size()]);
                 s.tokens = pl.tokens[(j + rnd(3)) % pl.tokens.size()];
+                // SP: the plan's tokens are the rows of a shard.
+                if (is_sp(kind)) s.tokens *= (size_t)pl.world;
                 if (kind == ONESHOT_LL && !fits(g, kind, s.tokens, s.hidden)) {
                     // The most tokens (of the plan's, or 1) whose rows fit the
                     // area at this hidden, else at the smallest.
@@ -947,10 +1009,13 @@ static Session make_session(const Plan& pl) {
                 s.special = s.tokens >= 5 && rnd(2) == 0;
                 s.eps = s.special && rnd(2) ? 0.0f : 1e-6f;
                 s.ar_out = rnd(2);
-                s.ar_in_place = s.ar_out && rnd(3) == 0;
+                // (SP: allreduce_out is the shard's; the host refuses the input.)
+                s.ar_in_place = s.ar_out && !is_sp(kind) && rnd(3) == 0;
                 s.res_in_place = rnd(3) == 0;
                 s.norm_out = pat == FU_PAT_RMS || rnd(4) != 0;
-                s.probe = pat != FU_PAT_RES && (pl.order || rnd(3) != 0);
+                // SP rows take the same walkers (fused_rows); probes need
+                // each rank's own residual of every row.
+                s.probe = pat != FU_PAT_RES && !is_sp(kind) && (pl.order || rnd(3) != 0);
                 s.static_scale = SCALES[rnd(4)];
                 if (pat == FU_PAT_RMS_NVFP4) s.static_scale = NVFP4_SCALES[rnd(4)];
                 s.sf_linear = rnd(2);
@@ -1009,7 +1074,7 @@ int main(int argc, char** argv) {
         {"w2 order", 2, 256, 65536, {1, 2, 9}, {520, 1032}, {1, 3}, true},
     };
     int bad = 0, calls = 0, launches = 0, walked[3] = {0, 0, 0};
-    unsigned most_chunks[3] = {0, 0, 0};
+    unsigned most_chunks[KINDS] = {0, 0, 0, 0, 0};
     for (const Plan& pl : plans) {
         const auto t0 = std::chrono::steady_clock::now();
         running = pl.what;
@@ -1035,11 +1100,12 @@ int main(int argc, char** argv) {
                     ms(t2 - t1));
         bad += b;
     }
-    std::printf("seed %lu: %d calls (%d launches), most chunks a call: one-shot %u, two-shot %u; calls with the "
-                "block walker %d, the group walker %d, LL threads of two packs %d; rows whose every rstd change "
-                "shows: %d of %d probed, in %d of %d norm calls\n",
-                seed, calls, launches, most_chunks[ONESHOT], most_chunks[TWOSHOT], walked[0], walked[1], walked[2],
-                probed_rows, probe_rows, probed_calls, norm_calls);
+    std::printf("seed %lu: %d calls (%d launches), most chunks a call: one-shot %u, two-shot %u, sp gathered %u, sp "
+                "shard %u; calls with the block walker %d, the group walker %d, LL threads of two packs %d; rows "
+                "whose every rstd change shows: %d of %d probed, in %d of %d norm calls\n",
+                seed, calls, launches, most_chunks[ONESHOT], most_chunks[TWOSHOT], most_chunks[SP_GATHER],
+                most_chunks[SP_SHARD], walked[0], walked[1], walked[2], probed_rows, probe_rows, probed_calls,
+                norm_calls);
     if (bad) {
         std::printf("%d failures\n", bad);
         return 1;

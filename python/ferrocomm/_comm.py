@@ -468,6 +468,73 @@ class Communicator:
             opt(shared_expert_output), opt(sf_out), sf_layout, opts=opts,
         )
 
+    def reduce_scatter_fused(
+        self,
+        input: Any,
+        residual: Any,
+        weight: Any = None,
+        eps: float = 1e-6,
+        *,
+        output: str = "gathered",
+        pattern: Optional[str] = None,
+        residual_out: Any = None,
+        norm_out: Any = None,
+        quant_out: Any = None,
+        scale: Any = None,
+        allreduce_out: Any = None,
+        sf_out: Any = None,
+        sf_layout: str = "swizzled",
+        async_op: bool = False, hints: Hints = None, timeout: Timeout = None, stream: Stream = None,
+    ) -> Optional[Work]:
+        """The sequence-parallel form of :meth:`all_reduce_fused`, in one
+        kernel: reduce-scatter (sum) of ``input`` (``tokens x hidden``
+        partial sums on every rank, float16 or bfloat16, ``tokens`` a
+        multiple of the world size; rank ``r`` owns rows ``[r*S, (r+1)*S)``,
+        ``S = tokens / world``), then on each owned row the residual add
+        with this rank's shard of the residual stream, RMSNorm and the
+        quantization, exactly as ``all_reduce_fused`` computes them on the
+        same rows (bitwise; docs/protocol.md, "Sequence-parallel form").
+
+        - ``residual`` (``residual_out``, defaulting to ``residual``: in
+          place) and ``allreduce_out``: this rank's shard, ``S x hidden``
+          (the SP residual stream stays sharded).
+        - ``output="gathered"``: ``norm_out``, ``quant_out``, the per-token
+          ``scale`` and NVFP4's ``sf_out`` hold all ``tokens`` rows, the
+          same on every rank (reduce-scatter + norm + all-gather);
+          ``output="shard"``: they hold this rank's ``S`` rows and nothing
+          is all-gathered.
+
+        ``pattern``, ``weight``, ``eps``, ``quant_out``, ``scale``,
+        ``sf_out`` and ``sf_layout`` are ``all_reduce_fused``'s. Residual
+        add alone (no ``weight``) has nothing to gather: give
+        ``output="shard"``. No MoE prologue; no output may overlap
+        ``input``::
+
+            # SP layer end: x partial sums (tokens x hidden), res this rank's rows
+            comm.reduce_scatter_fused(x, res, w, eps, norm_out=normed)          # normed: tokens x hidden
+            comm.reduce_scatter_fused(x, res, w, eps, output="shard", norm_out=mine)  # mine: S x hidden
+        """
+        input, residual = prepare(input), prepare(residual)
+        residual_out = residual if residual_out is None else prepare(residual_out)
+        if pattern is None:
+            pattern = "residual_add" if weight is None else "residual_rms_norm"
+            if quant_out is not None:
+                raise InvalidArgument("quant_out needs an explicit pattern (which quantization and which scale)")
+        if weight is not None and norm_out is None and quant_out is None:
+            raise InvalidArgument(
+                "reduce_scatter_fused: with weight, give norm_out (or quant_out) for the normed rows"
+            )
+        shape = getattr(input, "shape", None)
+        if not shape:
+            raise InvalidArgument("reduce_scatter_fused: input must have a shape (tokens x hidden)")
+        hidden = int(shape[-1])
+        c, opts = self._per_call(input, async_op, hints, timeout, stream)
+        opt = lambda t: None if t is None else prepare(t)  # noqa: E731
+        return c.reduce_scatter_fused(
+            input, residual, residual_out, pattern, hidden, output, opt(weight), float(eps), opt(norm_out),
+            opt(quant_out), opt(scale), opt(allreduce_out), opt(sf_out), sf_layout, opts=opts,
+        )
+
     def broadcast(
         self,
         tensor: Any,

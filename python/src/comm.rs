@@ -20,8 +20,8 @@ use std::time::Duration;
 use ferrocomm::bootstrap::{rendezvous_from_env, Store};
 use ferrocomm::device::Device;
 use ferrocomm::{
-    CommOptions, Error, Fusion, FusionPattern, MoeFinalize, P2p, ReduceOp, Reduction, Registration, SfLayout, Tensor,
-    MOE_MAX_TOPK,
+    CommOptions, Error, Fusion, FusionPattern, MoeFinalize, P2p, ReduceOp, Reduction, Registration, SfLayout, SpOutput,
+    Tensor, MOE_MAX_TOPK,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyFloat, PyInt};
@@ -69,6 +69,70 @@ fn sf_layout(name: &str) -> PyResult<SfLayout> {
         _ => Err(invalid(format!(
             "unknown scale-factor layout {name:?}: swizzled (128x4 tiles) or linear"
         ))),
+    }
+}
+
+/// The sequence-parallel output form by name.
+fn sp_output(name: &str) -> PyResult<SpOutput> {
+    match name.trim().to_ascii_lowercase().as_str() {
+        "gathered" | "gather" | "all" => Ok(SpOutput::Gathered),
+        "shard" | "sharded" => Ok(SpOutput::Shard),
+        _ => Err(invalid(format!(
+            "unknown sequence-parallel output {name:?}: gathered (every row on every rank) or shard (this rank's rows)"
+        ))),
+    }
+}
+
+/// The epilogue arguments both fused entry points take.
+struct Epilogue<'a, 'py> {
+    residual_in: &'a Bound<'py, PyAny>,
+    residual_out: &'a Bound<'py, PyAny>,
+    weight: Option<&'a Bound<'py, PyAny>>,
+    eps: f32,
+    norm_out: Option<&'a Bound<'py, PyAny>>,
+    quant_out: Option<&'a Bound<'py, PyAny>>,
+    scale: Option<&'a Bound<'py, PyAny>>,
+    allreduce_out: Option<&'a Bound<'py, PyAny>>,
+    sf_out: Option<&'a Bound<'py, PyAny>>,
+    layout: SfLayout,
+}
+
+impl Epilogue<'_, '_> {
+    /// The fusion of `pattern`, its tensors imported into `batch` (`what`:
+    /// the entry point, for messages).
+    fn fusion(&self, batch: &mut Batch, pattern: FusionPattern, hidden: usize, what: &str) -> PyResult<Fusion> {
+        let rin = batch.import(self.residual_in, false, &format!("{what} residual_in"))?;
+        let rout = batch.import(self.residual_out, true, &format!("{what} residual_out"))?;
+        let mut fusion = Fusion::new(pattern, hidden, rin, rout);
+        if let Some(w) = self.weight {
+            fusion = fusion.with_norm(batch.import(w, false, &format!("{what} weight"))?, self.eps);
+        }
+        if let Some(t) = self.norm_out {
+            fusion = fusion.with_norm_out(batch.import(t, true, &format!("{what} norm_out"))?);
+        }
+        match (self.quant_out, self.scale) {
+            (Some(q), Some(sc)) => {
+                let q = batch.import(q, true, &format!("{what} quant_out"))?;
+                let sc = batch.import(sc, true, &format!("{what} scale"))?;
+                fusion = fusion.with_quant(q, sc);
+            }
+            (None, None) => {}
+            _ => {
+                return Err(invalid(format!(
+                    "{what}: quant_out and scale go together (the scale is read for a per-tensor FP8 pattern, \
+                     written for the per-token ones)"
+                )))
+            }
+        }
+        // NVFP4's scale factors (the core refuses them on other patterns).
+        if let Some(t) = self.sf_out {
+            fusion.sf_out = Some(batch.import(t, true, &format!("{what} sf_out"))?);
+        }
+        fusion.sf_layout = self.layout;
+        if let Some(t) = self.allreduce_out {
+            fusion = fusion.with_allreduce_out(batch.import(t, true, &format!("{what} allreduce_out"))?);
+        }
+        Ok(fusion)
     }
 }
 
@@ -616,37 +680,19 @@ impl PyComm {
         };
         let mut batch = self.batch(opts);
         let inp = batch.import(input, false, "all_reduce_fused input")?;
-        let rin = batch.import(residual_in, false, "all_reduce_fused residual_in")?;
-        let rout = batch.import(residual_out, true, "all_reduce_fused residual_out")?;
-        let mut fusion = Fusion::new(pattern, hidden, rin, rout);
-        if let Some(w) = weight {
-            fusion = fusion.with_norm(batch.import(w, false, "all_reduce_fused weight")?, eps);
-        }
-        if let Some(t) = norm_out {
-            fusion = fusion.with_norm_out(batch.import(t, true, "all_reduce_fused norm_out")?);
-        }
-        match (quant_out, scale) {
-            (Some(q), Some(sc)) => {
-                let q = batch.import(q, true, "all_reduce_fused quant_out")?;
-                let sc = batch.import(sc, true, "all_reduce_fused scale")?;
-                fusion = fusion.with_quant(q, sc);
-            }
-            (None, None) => {}
-            _ => {
-                return Err(invalid(
-                    "all_reduce_fused: quant_out and scale go together (the scale is read for a per-tensor FP8 \
-                     pattern, written for the per-token ones)",
-                ))
-            }
-        }
-        // NVFP4's scale factors (the core refuses them on other patterns).
-        if let Some(t) = sf_out {
-            fusion.sf_out = Some(batch.import(t, true, "all_reduce_fused sf_out")?);
-        }
-        fusion.sf_layout = layout;
-        if let Some(t) = allreduce_out {
-            fusion = fusion.with_allreduce_out(batch.import(t, true, "all_reduce_fused allreduce_out")?);
-        }
+        let ep = Epilogue {
+            residual_in,
+            residual_out,
+            weight,
+            eps,
+            norm_out,
+            quant_out,
+            scale,
+            allreduce_out,
+            sf_out,
+            layout,
+        };
+        let mut fusion = ep.fusion(&mut batch, pattern, hidden, "all_reduce_fused")?;
         if let Some((idx, sc, k)) = moe {
             let idx = batch.import(idx, false, "all_reduce_fused expanded_idx_to_permuted_idx")?;
             let sc = batch.import(sc, false, "all_reduce_fused expert_scales")?;
@@ -658,6 +704,60 @@ impl PyComm {
         }
         launch!(self, py, batch, "all_reduce_fused", |c, call| c
             .all_reduce_fused(inp, &fusion, call))
+    }
+
+    /// The sequence-parallel fused epilogue
+    /// (`Communicator::reduce_scatter_fused`): reduce-scatter (sum) of
+    /// `input` (tokens x `hidden`, tokens a multiple of the world size),
+    /// the residual add with this rank's shard (`residual_in`, tokens /
+    /// world rows), RMSNorm and the quantization as `pattern` says; the
+    /// normed and quantized outputs hold every row (`output = "gathered"`)
+    /// or this rank's (`"shard"`). `allreduce_out` is the shard's.
+    #[pyo3(signature = (input, residual_in, residual_out, pattern, hidden, output, weight=None, eps=1e-6,
+        norm_out=None, quant_out=None, scale=None, allreduce_out=None, sf_out=None, sf_layout="swizzled", *,
+        opts=CallOpts::default()))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_fused(
+        &self,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        residual_in: &Bound<'_, PyAny>,
+        residual_out: &Bound<'_, PyAny>,
+        pattern: &str,
+        hidden: usize,
+        output: &str,
+        weight: Option<&Bound<'_, PyAny>>,
+        eps: f32,
+        norm_out: Option<&Bound<'_, PyAny>>,
+        quant_out: Option<&Bound<'_, PyAny>>,
+        scale: Option<&Bound<'_, PyAny>>,
+        allreduce_out: Option<&Bound<'_, PyAny>>,
+        sf_out: Option<&Bound<'_, PyAny>>,
+        sf_layout: &str,
+        opts: CallOpts,
+    ) -> PyResult<Option<PyWork>> {
+        let pattern = fusion_pattern(pattern)?;
+        let layout = self::sf_layout(sf_layout)?;
+        let out = sp_output(output)?;
+        let mut batch = self.batch(opts);
+        let inp = batch.import(input, false, "reduce_scatter_fused input")?;
+        let ep = Epilogue {
+            residual_in,
+            residual_out,
+            weight,
+            eps,
+            norm_out,
+            quant_out,
+            scale,
+            allreduce_out,
+            sf_out,
+            layout,
+        };
+        let fusion = ep
+            .fusion(&mut batch, pattern, hidden, "reduce_scatter_fused")?
+            .with_seq_parallel(out);
+        launch!(self, py, batch, "reduce_scatter_fused", |c, call| c
+            .reduce_scatter_fused(inp, &fusion, call))
     }
 
     #[pyo3(signature = (tensor, root, *, opts=CallOpts::default()))]

@@ -152,16 +152,134 @@ pub enum FusedKind {
     /// its own residual, weight and outputs: the one-shot's results with
     /// 2(n-1)/n of the input on the links instead of (n-1).
     TwoShot,
+    /// The sequence-parallel form, gathered ([`SpOutput::Gathered`]): the
+    /// two-shot's data flow with the shards as segments. Each rank reduces
+    /// its own rows, adds its residual shard, pushes the new residual rows
+    /// to every rank, and every rank normalizes (and quantizes) every row.
+    SpGather,
+    /// The sequence-parallel form, sharded ([`SpOutput::Shard`]): each rank
+    /// reduces its own rows and applies the whole epilogue to them; one
+    /// handshake a chunk, no all-gather.
+    SpShard,
 }
 
 impl FusedKind {
-    pub const ALL: [FusedKind; 3] = [FusedKind::OneShot, FusedKind::OneShotLl, FusedKind::TwoShot];
+    pub const ALL: [FusedKind; 5] = [
+        FusedKind::OneShot,
+        FusedKind::OneShotLl,
+        FusedKind::TwoShot,
+        FusedKind::SpGather,
+        FusedKind::SpShard,
+    ];
+
+    /// The all-reduce kinds (what [`FusedForm::AllReduce`] runs).
+    pub const ALL_REDUCE: [FusedKind; 3] = [FusedKind::OneShot, FusedKind::OneShotLl, FusedKind::TwoShot];
 
     pub const fn name(self) -> &'static str {
         match self {
             FusedKind::OneShot => "oneshot",
             FusedKind::OneShotLl => "oneshot_ll",
             FusedKind::TwoShot => "twoshot",
+            FusedKind::SpGather => "sp_gather",
+            FusedKind::SpShard => "sp_shard",
+        }
+    }
+
+    /// Whether the kind is a sequence-parallel form (its input is always
+    /// [`FusedInput::Rows`]).
+    pub const fn seq_parallel(self) -> bool {
+        matches!(self, FusedKind::SpGather | FusedKind::SpShard)
+    }
+
+    /// Whether the kernel takes `input` (SP kinds take no MoE prologue).
+    pub const fn takes(self, input: FusedInput) -> bool {
+        !self.seq_parallel() || matches!(input, FusedInput::Rows)
+    }
+}
+
+/// Where the sequence-parallel form's normed (and quantized) rows go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SpOutput {
+    /// Every rank gets the normed rows of all `tokens` (reduce-scatter,
+    /// epilogue, all-gather).
+    Gathered,
+    /// Each rank keeps only its own `tokens / world` rows (no all-gather).
+    Shard,
+}
+
+impl SpOutput {
+    pub const ALL: [SpOutput; 2] = [SpOutput::Gathered, SpOutput::Shard];
+
+    /// The short name (`gathered`, `shard`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            SpOutput::Gathered => "gathered",
+            SpOutput::Shard => "shard",
+        }
+    }
+
+    /// The kernel family that computes it.
+    pub const fn kind(self) -> FusedKind {
+        match self {
+            SpOutput::Gathered => FusedKind::SpGather,
+            SpOutput::Shard => FusedKind::SpShard,
+        }
+    }
+}
+
+impl fmt::Display for SpOutput {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The form of a fused call: what is reduced where, and which rows each
+/// rank's tensors hold (docs/protocol.md, "Fused epilogues").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum FusedForm {
+    /// All-reduce: every tensor holds all `tokens` rows
+    /// (`Communicator::all_reduce_fused`).
+    #[default]
+    AllReduce,
+    /// Sequence parallel: reduce-scatter of `tokens` rows (`tokens % world
+    /// == 0`), rank `r` owning rows `[r*S, (r+1)*S)`, `S = tokens / world`;
+    /// the residual and `allreduce_out` hold the rank's `S` rows, the normed
+    /// and quantized outputs as [`SpOutput`] says
+    /// (`Communicator::reduce_scatter_fused`).
+    SeqParallel(SpOutput),
+}
+
+impl FusedForm {
+    /// The SP output form, if the form is sequence parallel.
+    pub const fn seq_parallel(self) -> Option<SpOutput> {
+        match self {
+            FusedForm::AllReduce => None,
+            FusedForm::SeqParallel(o) => Some(o),
+        }
+    }
+
+    /// Rows of the residual tensors (and `allreduce_out`) of a call of
+    /// `tokens` rows at `world` ranks.
+    pub const fn residual_rows(self, tokens: usize, world: usize) -> usize {
+        match self {
+            FusedForm::AllReduce => tokens,
+            FusedForm::SeqParallel(_) => tokens / world,
+        }
+    }
+
+    /// Rows of the normed and quantized outputs (and per-token scales).
+    pub const fn output_rows(self, tokens: usize, world: usize) -> usize {
+        match self {
+            FusedForm::AllReduce | FusedForm::SeqParallel(SpOutput::Gathered) => tokens,
+            FusedForm::SeqParallel(SpOutput::Shard) => tokens / world,
+        }
+    }
+
+    /// The entry point's name, for messages.
+    pub const fn entry(self) -> &'static str {
+        match self {
+            FusedForm::AllReduce => "all_reduce_fused",
+            FusedForm::SeqParallel(_) => "reduce_scatter_fused",
         }
     }
 }
@@ -241,7 +359,7 @@ pub fn fused_kernel_name(kind: FusedKind, input: FusedInput, pattern: FusionPatt
 pub fn fused_kernel_names() -> Vec<String> {
     let mut names = Vec::new();
     for kind in FusedKind::ALL {
-        for input in FusedInput::ALL {
+        for input in FusedInput::ALL.into_iter().filter(|&i| kind.takes(i)) {
             for pattern in FusionPattern::ALL {
                 for dtype in FUSED_DTYPES {
                     names.push(fused_kernel_name(kind, input, pattern, dtype));
@@ -255,7 +373,7 @@ pub fn fused_kernel_names() -> Vec<String> {
 /// The (kind, input, pattern, dtype) a fused entry-point name stands for.
 pub fn parse_fused(name: &str) -> Option<(FusedKind, FusedInput, FusionPattern, DType)> {
     for kind in FusedKind::ALL {
-        for input in FusedInput::ALL {
+        for input in FusedInput::ALL.into_iter().filter(|&i| kind.takes(i)) {
             for pattern in FusionPattern::ALL {
                 for dtype in FUSED_DTYPES {
                     if fused_kernel_name(kind, input, pattern, dtype) == name {
@@ -280,11 +398,15 @@ pub fn fused_entry(name: &str) -> Option<String> {
         FusedKind::OneShot => "fused_oneshot",
         FusedKind::OneShotLl => "fused_oneshot_ll",
         FusedKind::TwoShot => "fused_twoshot",
+        FusedKind::SpGather | FusedKind::SpShard => "fused_sp",
     };
-    // The MoE prologue is the template's third argument (false by default).
-    let moe = match input {
-        FusedInput::Rows => "",
-        FusedInput::MoeFinalize => ", true",
+    // The MoE prologue is the template's third argument (false by default);
+    // the SP kernel's third argument is whether it gathers.
+    let moe = match (kind, input) {
+        (FusedKind::SpGather, _) => ", true",
+        (FusedKind::SpShard, _) => ", false",
+        (_, FusedInput::Rows) => "",
+        (_, FusedInput::MoeFinalize) => ", true",
     };
     Some(format!(
         "FC_KERNEL({name}) {{ fc::{f}<{ty}, {}{moe}>(p); }}\n",
@@ -516,6 +638,12 @@ impl FusedCall {
                 world,
                 KernelKind::TwoShotPush,
             ),
+            // The two-shot's rule, a shard a segment.
+            FusedKind::SpGather | FusedKind::SpShard => (
+                fused_segment_rows(slot, world, self.hidden, elem).min(self.tokens / world),
+                world,
+                KernelKind::TwoShotPush,
+            ),
         };
         let rows = rows.max(1);
         let mut grid = grids.grid(kind, segments * rows * self.hidden * elem);
@@ -543,10 +671,9 @@ mod tests {
     #[test]
     fn names_round_trip_and_entries_call_the_template() {
         let names = fused_kernel_names();
-        assert_eq!(
-            names.len(),
-            FusedKind::ALL.len() * FusedInput::ALL.len() * FusionPattern::ALL.len() * FUSED_DTYPES.len()
-        );
+        // The SP kinds take no MoE prologue.
+        let combos = FusedKind::ALL_REDUCE.len() * FusedInput::ALL.len() + 2;
+        assert_eq!(names.len(), combos * FusionPattern::ALL.len() * FUSED_DTYPES.len());
         for n in &names {
             let e = fused_entry(n).unwrap();
             assert!(e.starts_with(&format!("FC_KERNEL({n}) ")), "{e}");
@@ -569,6 +696,15 @@ mod tests {
             ))
         );
         assert!(fused_entry("fc_fused_oneshot_rms_f32").is_none());
+        assert_eq!(
+            fused_entry("fc_fused_sp_gather_rms_nvfp4_bf16").unwrap(),
+            "FC_KERNEL(fc_fused_sp_gather_rms_nvfp4_bf16) { fc::fused_sp<fc::TBF16, 5, true>(p); }\n"
+        );
+        assert_eq!(
+            fused_entry("fc_fused_sp_shard_res_f16").unwrap(),
+            "FC_KERNEL(fc_fused_sp_shard_res_f16) { fc::fused_sp<fc::TF16, 0, false>(p); }\n"
+        );
+        assert!(parse_fused("fc_fused_sp_shard_moe_rms_f16").is_none());
     }
 
     /// `fu_div` of fused.cu (for a scale in [2^-30, 2^30]): the quotient

@@ -21,6 +21,7 @@
 //!   every output.
 //! - `smoke`: one small launch of every kernel family (for compute-sanitizer).
 //! - `fused_nvfp4`: the fused NVFP4 cases alone (`ferrocomm::testing::fused_nvfp4`).
+//! - `fused_sp`: the sequence-parallel fused cases alone (`ferrocomm::testing::fused_sp`).
 //! - `copy_route`: the copy route's cases alone (`ferrocomm::testing::copy_route`).
 //! - `overlap`: the chunked all-gather and reduce-scatter alone (`ferrocomm::testing::overlap`).
 //! - `heap`: the symmetric heap and window suite (on GPUs also the

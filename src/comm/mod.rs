@@ -27,7 +27,7 @@ mod vendor;
 mod window;
 mod work;
 
-pub use crate::algo::fused::{FusionPattern, FUSED_MAX_HIDDEN, MOE_MAX_TOPK};
+pub use crate::algo::fused::{FusedForm, FusionPattern, SpOutput, FUSED_MAX_HIDDEN, MOE_MAX_TOPK};
 pub use crate::algo::nvfp4::SfLayout;
 pub use crate::plan::{Algorithm, Collective, DtypeClass, Ladders, Step};
 pub use broadcaster::{Broadcaster, BroadcasterOptions, Interrupt};

@@ -2,7 +2,7 @@
 //! the measured thresholds, within what the workspace holds.
 
 use super::Algorithm;
-use crate::algo::fused::{FusedKind, FUSED_LL_MAX_BYTES, FUSED_LL_MAX_HIDDEN, FUSED_TWOSHOT_MIN_BYTES};
+use crate::algo::fused::{FusedKind, SpOutput, FUSED_LL_MAX_BYTES, FUSED_LL_MAX_HIDDEN, FUSED_TWOSHOT_MIN_BYTES};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -69,6 +69,29 @@ pub(crate) fn fused_kind(asked: Option<Algorithm>, s: &FusedShape) -> Result<Fus
             )))
         }
     })
+}
+
+/// The kernel family of a sequence-parallel fused call: the form's own
+/// (one kernel each, the two-shot's data flow), which the call's `algo` may
+/// only confirm (unset, `kernels`, or a two-shot); its rows must fit the
+/// two-shot's inboxes. Errors are without the call's prefix.
+pub(crate) fn fused_sp_kind(asked: Option<Algorithm>, out: SpOutput, s: &FusedShape) -> Result<FusedKind> {
+    match asked {
+        None | Some(Algorithm::Kernels | Algorithm::TwoShot | Algorithm::TwoShotPush) => {}
+        Some(other) => {
+            return Err(Error::Unsupported(format!(
+                "reduce_scatter_fused runs the sequence-parallel fused kernel (a two-shot), not {other}"
+            )))
+        }
+    }
+    if s.tokens > 0 && !s.fits_two {
+        return Err(Error::invalid(format!(
+            "a row of {} x {} does not fit one rank's two-shot inbox at world {}; create the communicator \
+             with larger slot_bytes",
+            s.hidden, s.dtype, s.world
+        )));
+    }
+    Ok(out.kind())
 }
 
 /// The measured choice for `tokens` rows of `bytes` in all at `world`

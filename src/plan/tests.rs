@@ -1,10 +1,10 @@
 //! The planner's rules, each as a table, with no device: the facts a
 //! communicator would have, a request, and the plan that must come out.
 
-use super::fused::{fused_kind, FusedShape};
+use super::fused::{fused_kind, fused_sp_kind, FusedShape};
 use super::table::{A2A_VENDOR_MIN_BLOCK_BYTES, CUSTOM_MIN_BLOCK_BYTES, DIRECT_MIN_BLOCK_BYTES};
 use super::*;
-use crate::algo::fused::FusedKind;
+use crate::algo::fused::{FusedKind, SpOutput};
 use crate::algo::layout::ll_capacity;
 
 const KIB: usize = 1024;
@@ -479,6 +479,34 @@ fn the_fused_family_follows_the_call_then_the_thresholds_within_the_workspace() 
     assert!(matches!(
         fused_kind(Some(A::Vendor), &shape(1, 2)),
         Err(Error::Unsupported(_))
+    ));
+}
+
+#[test]
+fn the_sequence_parallel_form_fixes_its_family() {
+    let mut s = FusedShape {
+        dtype: BF16,
+        tokens: 64,
+        hidden: 4096,
+        world: 2,
+        fits_two: true,
+        ll_rows: 512,
+    };
+    for out in SpOutput::ALL {
+        for asked in [None, Some(A::Kernels), Some(A::TwoShot), Some(A::TwoShotPush)] {
+            assert_eq!(fused_sp_kind(asked, out, &s).unwrap(), out.kind());
+        }
+        for asked in [A::OneShot, A::OneShotLl, A::Vendor] {
+            assert!(matches!(
+                fused_sp_kind(Some(asked), out, &s),
+                Err(Error::Unsupported(_))
+            ));
+        }
+    }
+    s.fits_two = false;
+    assert!(matches!(
+        fused_sp_kind(None, SpOutput::Shard, &s),
+        Err(Error::InvalidArgument(m)) if m.contains("does not fit")
     ));
 }
 

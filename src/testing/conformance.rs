@@ -1015,6 +1015,32 @@ macro_rules! conformance_tests {
                 run_fused_nvfp4(3)
             }
 
+            /// The sequence-parallel fused form alone (also part of the whole suite).
+            fn run_fused_sp(world: usize) {
+                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
+                $crate::testing::conformance::run_thread_suite(
+                    stringify!($backend),
+                    world,
+                    $skip(world),
+                    &$make,
+                    |o| o,
+                    |comm, _, cfg| $crate::testing::fused_sp::run_fused_sp(comm, cfg),
+                    &cfg,
+                    1,
+                );
+            }
+
+            #[test]
+            $(#[$attr])*
+            fn fused_sp_world_2() {
+                run_fused_sp(2)
+            }
+            #[test]
+            $(#[$attr])*
+            fn fused_sp_world_3() {
+                run_fused_sp(3)
+            }
+
             #[test]
             $(#[$attr])*
             fn collectives_without_ll_world_2() {

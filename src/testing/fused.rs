@@ -220,18 +220,19 @@ pub fn kind_algo(kind: FusedKind) -> Algorithm {
     match kind {
         FusedKind::OneShot => Algorithm::OneShotPush,
         FusedKind::OneShotLl => Algorithm::OneShotLl,
-        FusedKind::TwoShot => Algorithm::TwoShotPush,
+        // The SP kinds share the two-shot's data flow (and accept its hint).
+        FusedKind::TwoShot | FusedKind::SpGather | FusedKind::SpShard => Algorithm::TwoShotPush,
     }
 }
 
 /// The per-tensor FP8 scale the static pattern is given: small enough that
 /// the largest normed values saturate.
-const STATIC_SCALE: f32 = 0.009;
+pub(super) const STATIC_SCALE: f32 = 0.009;
 
 /// Special rows: row 1 has a NaN in rank 1's input, row 2 an infinity in
 /// the residual, row 3 is all zeros (with eps = 0 its rstd is infinite),
 /// row 4 overflows the dtype in the all-reduce.
-fn special_value(row: usize, col: usize, rank: usize, residual: bool, dtype: DType) -> Option<f64> {
+pub(super) fn special_value(row: usize, col: usize, rank: usize, residual: bool, dtype: DType) -> Option<f64> {
     let max = if dtype == DType::F16 { 65504.0 } else { 3.0e38 };
     match (row, col, residual) {
         (1, 3, false) if rank == 1 => Some(f64::NAN),
@@ -416,7 +417,7 @@ impl<D: Device> Suite<'_, D> {
                     with_allreduce_out: !case.with_allreduce_out,
                     ..case
                 };
-                for kind in FusedKind::ALL {
+                for kind in FusedKind::ALL_REDUCE {
                     self.fused_case::<bf16>(&Case { kind, ..case })?;
                     self.fused_case::<f16>(&Case { kind, ..flipped })?;
                 }
@@ -436,7 +437,7 @@ impl<D: Device> Suite<'_, D> {
                     special: true,
                     moe: None,
                 };
-                for kind in FusedKind::ALL {
+                for kind in FusedKind::ALL_REDUCE {
                     self.fused_case::<bf16>(&Case { kind, ..case })?;
                     self.fused_case::<f16>(&Case { kind, ..case })?;
                 }
@@ -445,6 +446,7 @@ impl<D: Device> Suite<'_, D> {
         self.fused_graph_replay()?;
         self.fused_validation()?;
         self.fused_nvfp4()?;
+        self.fused_sp()?;
         self.fused_moe()
     }
 
@@ -488,7 +490,7 @@ impl<D: Device> Suite<'_, D> {
                         }),
                         ..case
                     };
-                    for kind in FusedKind::ALL {
+                    for kind in FusedKind::ALL_REDUCE {
                         self.fused_case::<bf16>(&Case { kind, ..case })?;
                         self.fused_case::<f16>(&Case { kind, ..flipped })?;
                     }
@@ -515,7 +517,7 @@ impl<D: Device> Suite<'_, D> {
                         scales_f32: topk != 8,
                     }),
                 };
-                for kind in FusedKind::ALL {
+                for kind in FusedKind::ALL_REDUCE {
                     self.fused_case::<bf16>(&Case { kind, ..case })?;
                     self.fused_case::<f16>(&Case { kind, ..case })?;
                 }
@@ -529,7 +531,7 @@ impl<D: Device> Suite<'_, D> {
     /// families, bf16): the sanitizers' smoke run (`run_smoke`).
     pub(super) fn fused_smoke(&mut self) -> Result<()> {
         for pattern in FusionPattern::ALL {
-            for kind in FusedKind::ALL {
+            for kind in FusedKind::ALL_REDUCE {
                 let case = Case {
                     kind,
                     pattern,
@@ -1049,7 +1051,7 @@ impl<D: Device> Suite<'_, D> {
             shared: true,
             scales_f32: true,
         };
-        for kind in FusedKind::ALL {
+        for kind in FusedKind::ALL_REDUCE {
             let call = Call::new().algo(kind_algo(kind));
             let bufs = [
                 rows * hidden * 2,
@@ -1348,6 +1350,8 @@ pub fn run_fused_chunked<D: Device>(
             })?;
         }
     }
+    // The sequence-parallel form over the same chunks.
+    super::fused_sp::sp_chunked(&mut s)?;
     // Calls too large for a kind's workspace are refused: one row of
     // 65536 elements for the chunked kinds (when the slots are that small);
     // one row more than the lines hold, or a row wider than its threads

@@ -11,6 +11,7 @@ pub mod data;
 pub mod ep;
 pub mod fused;
 pub mod fused_nvfp4;
+pub mod fused_sp;
 pub mod fuzz;
 pub mod harness;
 pub mod heap;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use ferrocomm::algo::kernels::QR_DTYPES;
 use ferrocomm::codec::Quantization;
 use ferrocomm::device::BackendKind;
-use ferrocomm::{DType, Error, FusionPattern, ReduceOp, Result};
+use ferrocomm::{DType, Error, FusionPattern, ReduceOp, Result, SpOutput};
 
 use crate::colls::Coll;
 
@@ -21,7 +21,7 @@ pub const USAGE: &str =
                         side by side; heap operands take the direct kinds from FERROCOMM_DIRECT_MIN_BYTES a peer)
                        [--quantization int4,int6,int8,fp8,fp4]
                        [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok,rms_nvfp4|all [--tokens 1,32,128,2048] [--hidden 4096]
-                        [--fused-moe TOPK,..]]
+                        [--fused-moe TOPK,..] [--fused-sp gathered,shard|all]]
                        [--heap]  (device put vs copy engine, user all-gather vs all_gather)
                        [--broadcaster]  (the metadata broadcaster: msgs/s and latency at 64 B, 4 KiB, 1 MiB)
                        [--ep [--tokens 1,8,32,128,512,1024,4096] [--hidden 7168] [--experts 256] [--topk 8] [--eager-only]]
@@ -80,6 +80,9 @@ pub struct Args {
     /// `--fused-moe`: top-k values of MoE-finalize rows (fused, and the
     /// unfused pipeline beside them) added to the fused table.
     pub fused_moe: Vec<usize>,
+    /// `--fused-sp`: the sequence-parallel forms (`reduce_scatter_fused`)
+    /// whose rows are added to the fused table, per pattern and size.
+    pub fused_sp: Vec<SpOutput>,
     pub tokens: Vec<usize>,
     pub hidden: usize,
     /// `--heap`: the symmetric heap's rows (`heap.rs`) instead of the collectives.
@@ -123,6 +126,7 @@ impl Default for Args {
             broadcaster: false,
             operands: vec![Operands::Plain],
             fused_moe: Vec::new(),
+            fused_sp: Vec::new(),
             tokens: vec![1, 32, 128, 2048],
             hidden: 4096,
             ep: false,
@@ -189,6 +193,7 @@ impl Args {
             "--broadcaster" => self.broadcaster = true,
             "--operands" => self.operands = parse_operands(&value()?)?,
             "--fused-moe" => self.fused_moe = parse_topks(&value()?)?,
+            "--fused-sp" => self.fused_sp = parse_sp(&value()?)?,
             "--ep" => self.ep = true,
             "--experts" => self.experts = Some(number(flag, &value()?)?),
             "--topk" => self.topk = Some(number(flag, &value()?)?),
@@ -215,7 +220,12 @@ impl Args {
         {
             return Err(Error::invalid("--quantization runs f16/bf16 sums only"));
         }
-        let other_rows = self.fused.is_some() || !self.fused_moe.is_empty() || self.heap || self.broadcaster || self.ep;
+        let other_rows = self.fused.is_some()
+            || !self.fused_moe.is_empty()
+            || !self.fused_sp.is_empty()
+            || self.heap
+            || self.broadcaster
+            || self.ep;
         if self.operands != [Operands::Plain] && other_rows {
             return Err(Error::invalid(
                 "--operands heap|both applies to the --coll rows, not to --fused, --fused-moe, --heap or --ep",
@@ -227,7 +237,7 @@ impl Args {
     /// What a flag implies: MoE rows alone take the pattern of a MoE
     /// layer's end; `--algo all` is every algorithm.
     fn complete(mut self) -> Self {
-        if !self.fused_moe.is_empty() && self.fused.is_none() {
+        if (!self.fused_moe.is_empty() || !self.fused_sp.is_empty()) && self.fused.is_none() {
             self.fused = Some(vec![FusionPattern::ResidualRmsNorm]);
         }
         if self.algos.iter().any(|x| x == "all") {
@@ -319,6 +329,13 @@ fn parse_patterns(s: &str) -> Result<Vec<FusionPattern>> {
         Error::invalid(format!(
             "unknown --fused pattern {x:?} (res, rms, rms_fp8, rms_fp8tok, rms_i8tok, all)"
         ))
+    })
+}
+
+/// `--fused-sp`: output forms by `SpOutput::name`, or `all`.
+fn parse_sp(s: &str) -> Result<Vec<SpOutput>> {
+    pick(s, &SpOutput::ALL, SpOutput::name, |x| {
+        Error::invalid(format!("unknown --fused-sp form {x:?} (gathered, shard, all)"))
     })
 }
 

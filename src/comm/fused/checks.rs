@@ -4,11 +4,11 @@
 
 use super::Fusion;
 use crate::algo::fused::{
-    fused_ll_rows, fused_rows_per_chunk, fused_segment_rows, FusedCall, FusionPattern, MoeCall, FUSED_DTYPES,
-    FUSED_MAX_HIDDEN, MOE_MAX_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT, PTR_QUANT_OUT, PTR_RESIDUAL_IN, PTR_RESIDUAL_OUT,
-    PTR_SCALE, PTR_SF_OUT, PTR_WEIGHT,
+    fused_ll_rows, fused_rows_per_chunk, fused_segment_rows, FusedCall, FusedForm, FusionPattern, MoeCall, SpOutput,
+    FUSED_DTYPES, FUSED_MAX_HIDDEN, MOE_MAX_TOPK, PTR_ALLREDUCE_OUT, PTR_NORM_OUT, PTR_QUANT_OUT, PTR_RESIDUAL_IN,
+    PTR_RESIDUAL_OUT, PTR_SCALE, PTR_SF_OUT, PTR_WEIGHT,
 };
-use crate::algo::layout::push_oneshot_stride;
+use crate::algo::layout::{push_oneshot_stride, push_twoshot_stride};
 use crate::algo::nvfp4::NVFP4_BLOCK;
 use crate::comm::call::Call;
 use crate::comm::communicator::Communicator;
@@ -16,7 +16,7 @@ use crate::comm::tensor::Tensor;
 use crate::device::{Device, MAX_RANKS};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::plan::fused::{fused_kind, FusedShape};
+use crate::plan::fused::{fused_kind, fused_sp_kind, FusedShape};
 
 /// A tensor's role, for messages.
 struct Role {
@@ -35,20 +35,32 @@ impl Role {
     }
 }
 
-/// The call's rows: `tokens` of `hidden`, `n` elements in all.
+/// The call's rows: `tokens` of `hidden` reduced, `n` elements in all; the
+/// residual tensors hold `res_n` elements and the normed and quantized
+/// outputs `out_tokens` rows (`out_n` elements), which the form decides.
 struct Rows {
     tokens: usize,
     hidden: usize,
     n: usize,
     dtype: DType,
+    res_n: usize,
+    out_tokens: usize,
+    out_n: usize,
 }
 
-/// Errors of one fused call, named by its pattern.
-struct Errs(FusionPattern);
+/// Errors of one fused call, named by its entry point, form and pattern.
+struct Errs {
+    pattern: FusionPattern,
+    form: FusedForm,
+}
 
 impl Errs {
     fn err(&self, m: String) -> Error {
-        Error::invalid(format!("all_reduce_fused ({}): {m}", self.0))
+        let form = match self.form.seq_parallel() {
+            None => String::new(),
+            Some(o) => format!(" {o}"),
+        };
+        Error::invalid(format!("{} ({}{form}): {m}", self.form.entry(), self.pattern))
     }
 
     /// `t` must be `count` x `dt`.
@@ -56,7 +68,7 @@ impl Errs {
         if t.dtype() != dt || t.count() != count {
             return Err(self.err(format!(
                 "{what} must be {count} x {dt} ({} x {} for rows), not {} x {}",
-                rows.tokens,
+                count / rows.hidden.max(1),
                 rows.hidden,
                 t.count(),
                 t.dtype()
@@ -68,7 +80,10 @@ impl Errs {
     /// `what` must not be given.
     fn unwanted(&self, what: &str, present: bool) -> Result<()> {
         if present {
-            return Err(self.err(format!("{what} was given, but pattern {} does not use it", self.0)));
+            return Err(self.err(format!(
+                "{what} was given, but pattern {} does not use it",
+                self.pattern
+            )));
         }
         Ok(())
     }
@@ -78,15 +93,18 @@ impl<D: Device> Communicator<D> {
     /// Every check of a fused call, before anything is queued: the call it
     /// becomes.
     pub(super) fn checked_fusion(&self, input: &Tensor, f: &Fusion, call: &Call<'_, D>) -> Result<FusedCall> {
-        let e = Errs(f.pattern);
+        let e = Errs {
+            pattern: f.pattern,
+            form: f.form,
+        };
         let rows = self.fused_rows(&e, input, f)?;
         let mut roles = vec![
             Role::input("input", *input),
             Role::input("residual_in", f.residual_in),
             Role::output("residual_out", f.residual_out),
         ];
-        e.expect("residual_in", &f.residual_in, rows.dtype, rows.n, &rows)?;
-        e.expect("residual_out", &f.residual_out, rows.dtype, rows.n, &rows)?;
+        e.expect("residual_in", &f.residual_in, rows.dtype, rows.res_n, &rows)?;
+        e.expect("residual_out", &f.residual_out, rows.dtype, rows.res_n, &rows)?;
         pattern_roles(&e, f, &rows, &mut roles)?;
         let moe = moe_roles(&e, f, input, &rows, &mut roles)?;
         self.check_fused_memory(&e, f, &roles, rows.n)?;
@@ -102,13 +120,19 @@ impl<D: Device> Communicator<D> {
             fits_two: fused_segment_rows(slot_bytes, world, rows.hidden, es) > 0,
             ll_rows: fused_ll_rows(slot_bytes, world, rows.hidden, es),
         };
-        let kind = fused_kind(call.asked_algo()?, &shape).map_err(|err| match err {
+        let asked = call.asked_algo()?;
+        let kind = match f.form.seq_parallel() {
+            None => fused_kind(asked, &shape),
+            Some(out) => fused_sp_kind(asked, out, &shape),
+        }
+        .map_err(|err| match err {
             Error::InvalidArgument(m) => e.err(m),
             other => other,
         })?;
         crate::fc_log!(
             tracing::Level::DEBUG,
-            "plan: all_reduce_fused {}{} {} x {} {} (world {world}) -> {}",
+            "plan: {} {}{} {} x {} {} (world {world}) -> {}",
+            f.form.entry(),
             if f.moe.is_some() { "moe_" } else { "" },
             f.pattern,
             rows.tokens,
@@ -172,6 +196,17 @@ impl<D: Device> Communicator<D> {
         let world = self.size();
         // The workspace's slots (what Workspace::create was given).
         let slot_bytes = self.options().slot_bytes_for(self.device().facts().backend);
+        if let Some(out) = f.form.seq_parallel() {
+            sp_rows(e, f, out, tokens, hidden, world)?;
+            if tokens > 0 && fused_segment_rows(slot_bytes, world, hidden, dtype.size()) == 0 {
+                return Err(e.err(format!(
+                    "a row of {hidden} x {dtype} ({} bytes) does not fit one rank's two-shot inbox \
+                     ({} bytes at world {world}); create the communicator with larger slot_bytes",
+                    hidden * dtype.size(),
+                    push_twoshot_stride(slot_bytes, world)
+                )));
+            }
+        }
         if tokens > 0 && fused_rows_per_chunk(slot_bytes, world, hidden, dtype.size()) == 0 {
             return Err(e.err(format!(
                 "a row of {hidden} x {dtype} ({} bytes) does not fit one rank's share of the workspace \
@@ -180,11 +215,15 @@ impl<D: Device> Communicator<D> {
                 push_oneshot_stride(slot_bytes, world)
             )));
         }
+        let out_tokens = f.form.output_rows(tokens, world);
         Ok(Rows {
             tokens,
             hidden,
             n: tokens * hidden,
             dtype,
+            res_n: f.form.residual_rows(tokens, world) * hidden,
+            out_tokens,
+            out_n: out_tokens * hidden,
         })
     }
 
@@ -220,10 +259,14 @@ impl<D: Device> Communicator<D> {
         }
         let same = |a: &Tensor, b: &Tensor| a.ptr() == b.ptr() && a.count() == b.count();
         // With a MoE prologue the input (the experts' rows) is gathered
-        // from anywhere while rows are written: nothing may replace it.
+        // from anywhere while rows are written: nothing may replace it. In
+        // the sequence-parallel form the input's rows go out chunk by chunk
+        // while the shard's are written, and the shard is not the input's
+        // shape: nothing may replace it either.
+        let ar_in_place = f.moe.is_none() && f.form == FusedForm::AllReduce;
         let allowed = |out: &Role, other: &Role| {
             (out.what == "residual_out" && other.what == "residual_in" && same(&out.t, &other.t))
-                || (out.what == "allreduce_out" && other.what == "input" && f.moe.is_none() && same(&out.t, &other.t))
+                || (out.what == "allreduce_out" && other.what == "input" && ar_in_place && same(&out.t, &other.t))
         };
         for (i, a) in roles.iter().enumerate() {
             for b in roles.iter().skip(i + 1) {
@@ -243,7 +286,7 @@ impl<D: Device> Communicator<D> {
 /// The tensors the pattern takes (the norm's, the quantization's, the
 /// all-reduce's own output), checked, and refused where it takes none.
 fn pattern_roles(e: &Errs, f: &Fusion, rows: &Rows, roles: &mut Vec<Role>) -> Result<()> {
-    let (n, dtype) = (rows.n, rows.dtype);
+    let (n, dtype) = (rows.out_n, rows.dtype);
     if f.pattern.norms() {
         let Some(w) = f.weight else {
             return Err(e.err("RMSNorm needs a weight (Fusion::with_norm)".into()));
@@ -272,7 +315,7 @@ fn pattern_roles(e: &Errs, f: &Fusion, rows: &Rows, roles: &mut Vec<Role>) -> Re
             return Err(e.err("quant_out and scale are required (Fusion::with_quant)".into()));
         };
         e.expect("quant_out", &q, qdt, n, rows)?;
-        let scales = if f.pattern.per_token() { rows.tokens } else { 1 };
+        let scales = if f.pattern.per_token() { rows.out_tokens } else { 1 };
         if s.dtype() != DType::F32 || s.count() != scales {
             return Err(e.err(format!(
                 "scale must be {scales} x f32 ({}), not {} x {}",
@@ -301,7 +344,7 @@ fn pattern_roles(e: &Errs, f: &Fusion, rows: &Rows, roles: &mut Vec<Role>) -> Re
         e.unwanted("sf_out", f.sf_out.is_some())?;
     }
     if let Some(t) = f.allreduce_out {
-        e.expect("allreduce_out", &t, dtype, n, rows)?;
+        e.expect("allreduce_out", &t, dtype, rows.res_n, rows)?;
         roles.push(Role::output("allreduce_out", t));
     }
     Ok(())
@@ -313,11 +356,11 @@ fn nvfp4_roles(e: &Errs, f: &Fusion, rows: &Rows, roles: &mut Vec<Role>) -> Resu
     let (Some(q), Some(s), Some(sf)) = (f.quant_out, f.scale, f.sf_out) else {
         return Err(e.err("quant_out, scale and sf_out are required (Fusion::with_nvfp4)".into()));
     };
-    if q.dtype() != DType::U8 || q.count() != rows.n / 2 {
+    if q.dtype() != DType::U8 || q.count() != rows.out_n / 2 {
         return Err(e.err(format!(
             "quant_out must be {} x u8 (two e2m1 values a byte, {} x {} for rows), not {} x {}",
-            rows.n / 2,
-            rows.tokens,
+            rows.out_n / 2,
+            rows.out_tokens,
             rows.hidden,
             q.count(),
             q.dtype()
@@ -330,12 +373,12 @@ fn nvfp4_roles(e: &Errs, f: &Fusion, rows: &Rows, roles: &mut Vec<Role>) -> Resu
             s.dtype()
         )));
     }
-    let want = f.sf_layout.sf_bytes(rows.tokens, rows.hidden);
+    let want = f.sf_layout.sf_bytes(rows.out_tokens, rows.hidden);
     if !matches!(sf.dtype(), DType::F8E4M3 | DType::U8) || sf.count() != want {
         return Err(e.err(format!(
             "sf_out must be {want} x f8e4m3 or u8 (the {} layout of {} x {} rows), not {} x {}",
             f.sf_layout,
-            rows.tokens,
+            rows.out_tokens,
             rows.hidden / NVFP4_BLOCK,
             sf.count(),
             sf.dtype()
@@ -344,6 +387,30 @@ fn nvfp4_roles(e: &Errs, f: &Fusion, rows: &Rows, roles: &mut Vec<Role>) -> Resu
     roles.push(Role::output("quant_out", q));
     roles.push(Role::input("scale", s));
     roles.push(Role::output("sf_out", sf));
+    Ok(())
+}
+
+/// What the sequence-parallel form asks of a call's rows beyond the
+/// all-reduce's: whole shards, no MoE prologue, and something to gather.
+fn sp_rows(e: &Errs, f: &Fusion, out: SpOutput, tokens: usize, hidden: usize, world: usize) -> Result<()> {
+    if f.moe.is_some() {
+        return Err(e.err(
+            "the sequence-parallel form takes no MoE-finalize prologue (finalize first, or use all_reduce_fused)"
+                .into(),
+        ));
+    }
+    if tokens % world != 0 {
+        return Err(e.err(format!(
+            "tokens = {tokens} (the input's rows of {hidden}) is not a multiple of the world size {world}: \
+             every rank owns tokens / world rows"
+        )));
+    }
+    if out == SpOutput::Gathered && !f.pattern.norms() {
+        return Err(e.err(format!(
+            "pattern {} has no normed rows to gather (its outputs are the residual shard); use SpOutput::Shard",
+            f.pattern
+        )));
+    }
     Ok(())
 }
 

@@ -9,6 +9,11 @@
 //! With [`Fusion::with_moe_finalize`] the call's input is a MoE layer's
 //! expert outputs instead, and each token's row is first finalized from its
 //! top-k expert rows ([`MoeFinalize`]), inside the same kernel.
+//!
+//! With [`Fusion::with_seq_parallel`] the call is the sequence-parallel
+//! form instead ([`Communicator::reduce_scatter_fused`]): reduce-scatter of
+//! the rows, the epilogue on each rank's own rows with its residual shard,
+//! and the normed rows all-gathered or kept as the shard ([`SpOutput`]).
 
 mod checks;
 
@@ -16,7 +21,7 @@ use super::call::Call;
 use super::communicator::Communicator;
 use super::tensor::Tensor;
 use super::work::Work;
-use crate::algo::fused::FusionPattern;
+use crate::algo::fused::{FusedForm, FusionPattern, SpOutput};
 use crate::algo::nvfp4::SfLayout;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -32,7 +37,8 @@ pub struct Fusion {
     /// Elements of a row (the model's hidden size): a multiple of 8, at
     /// most [`FUSED_MAX_HIDDEN`](super::FUSED_MAX_HIDDEN).
     pub hidden: usize,
-    /// The residual stream, `tokens x hidden` of the input's dtype.
+    /// The residual stream, `tokens x hidden` of the input's dtype (the
+    /// sequence-parallel form: this rank's shard, `tokens / world` rows).
     pub residual_in: Tensor,
     /// `round(allreduce + residual_in)`; may be `residual_in` itself (in place).
     pub residual_out: Tensor,
@@ -60,6 +66,12 @@ pub struct Fusion {
     /// The MoE-finalize prologue: the call's input is then the experts'
     /// output, and `tokens` comes from `residual_in`.
     pub moe: Option<MoeFinalize>,
+    /// All-reduce (every tensor holds all `tokens` rows), or the
+    /// sequence-parallel form ([`Fusion::with_seq_parallel`]), whose
+    /// residual and `allreduce_out` hold this rank's `tokens / world` rows
+    /// and whose normed and quantized outputs hold the rows its
+    /// [`SpOutput`] says.
+    pub form: FusedForm,
 }
 
 /// The MoE-finalize prologue of a fused call (the arguments of
@@ -125,6 +137,7 @@ impl Fusion {
             sf_layout: SfLayout::Swizzled128x4,
             allreduce_out: None,
             moe: None,
+            form: FusedForm::AllReduce,
         }
     }
 
@@ -170,6 +183,16 @@ impl Fusion {
         self.moe = Some(moe);
         self
     }
+
+    /// The sequence-parallel form ([`Communicator::reduce_scatter_fused`]):
+    /// `residual_in`, `residual_out` and `allreduce_out` are this rank's
+    /// shard (`tokens / world` rows), the normed and quantized outputs (and
+    /// per-token scales) `tokens` rows ([`SpOutput::Gathered`]) or the
+    /// shard's ([`SpOutput::Shard`]).
+    pub fn with_seq_parallel(mut self, out: SpOutput) -> Self {
+        self.form = FusedForm::SeqParallel(out);
+        self
+    }
 }
 
 impl<D: Device> Communicator<D> {
@@ -189,14 +212,51 @@ impl<D: Device> Communicator<D> {
     /// prologue's tensors (the kernel gathers expert rows from anywhere
     /// while other rows are written).
     pub fn all_reduce_fused(&self, input: Tensor, fusion: &Fusion, call: &Call<'_, D>) -> Result<Work<D>> {
+        if fusion.form != FusedForm::AllReduce {
+            return Err(Error::invalid(
+                "all_reduce_fused: the fusion is sequence parallel (Fusion::with_seq_parallel); \
+                 call reduce_scatter_fused",
+            ));
+        }
+        self.run_fused(input, fusion, call)
+    }
+
+    /// The sequence-parallel fused epilogue ([`Fusion::with_seq_parallel`]),
+    /// in one kernel: reduce-scatter (sum) of `input` (`tokens x hidden`
+    /// partial sums on every rank, f16 or bf16, `tokens % world == 0`; rank
+    /// `r` owns rows `[r*S, (r+1)*S)`, `S = tokens / world`), then on each
+    /// owned row the residual add with this rank's shard of the residual
+    /// stream (`residual_in`, `S x hidden`), RMSNorm and the quantization,
+    /// as [`Communicator::all_reduce_fused`] computes them; then, for
+    /// [`SpOutput::Gathered`], the normed (and quantized) rows of all
+    /// `tokens` on every rank, and for [`SpOutput::Shard`] only this rank's
+    /// `S` rows (no all-gather). Every value is bitwise the all-reduce
+    /// form's on the same rows with the full residual (the ranks' shards
+    /// concatenated): docs/protocol.md, "Sequence-parallel form".
+    /// Collective; the rules of `all_reduce_fused` on memory, streams and
+    /// graphs hold, except that no output may overlap the input. No MoE
+    /// prologue.
+    pub fn reduce_scatter_fused(&self, input: Tensor, fusion: &Fusion, call: &Call<'_, D>) -> Result<Work<D>> {
+        if fusion.form.seq_parallel().is_none() {
+            return Err(Error::invalid(
+                "reduce_scatter_fused: the fusion is not sequence parallel; \
+                 set its output form with Fusion::with_seq_parallel",
+            ));
+        }
+        self.run_fused(input, fusion, call)
+    }
+
+    /// Check and enqueue either form (the fusion's form picks the kernel).
+    fn run_fused(&self, input: Tensor, fusion: &Fusion, call: &Call<'_, D>) -> Result<Work<D>> {
         let c = self.checked_fusion(&input, fusion, call)?;
-        self.submit(call, "all_reduce_fused", |s| {
+        let entry = fusion.form.entry();
+        self.submit(call, entry, |s| {
             if c.tokens == 0 {
                 return Ok(());
             }
             let inner = s.inner;
             s.res.load_fused_module(&inner.device)?;
-            let ws = s.workspace("all_reduce_fused")?;
+            let ws = s.workspace(entry)?;
             let Some(module) = s.res.fused_module.as_ref() else {
                 return Err(Error::invalid("the fused module did not load"));
             };

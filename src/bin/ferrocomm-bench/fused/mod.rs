@@ -18,18 +18,25 @@
 //! checked within a tolerance (the vendor's all-reduce order is not
 //! ferrocomm's).
 //!
+//! `--fused-sp gathered,shard` adds, per pattern and size, the
+//! sequence-parallel rows (`sp_gather_<pattern>`, `sp_shard_<pattern>`:
+//! `Communicator::reduce_scatter_fused`, the residual this rank's shard;
+//! tokens a multiple of the world size), checked bit for bit against the
+//! same unfused reference on the same rows.
+//!
 //! Here: the flags and the table; `row` times a fused row, `moe` a MoE
-//! row, `unfused` the pipeline beside it.
+//! row, `unfused` the pipeline beside it, `sp` a sequence-parallel row.
 
 mod moe;
 mod row;
+mod sp;
 mod unfused;
 
 use ferrocomm::algo::fused::FusionPattern;
 use ferrocomm::codec::Half16;
 use ferrocomm::device::{BackendKind, Device};
 use ferrocomm::testing::data::FromF64;
-use ferrocomm::{Communicator, DType, Error, Result};
+use ferrocomm::{Communicator, DType, Error, Result, SpOutput};
 
 use crate::args::Args;
 use moe::MoeRow;
@@ -89,6 +96,7 @@ impl<D: Device> Table<'_, D> {
             for &tokens in &self.a.tokens {
                 wrong += self.algo_rows::<S>(pattern, tokens)?;
                 wrong += self.unfused_rows::<S>(pattern, tokens)?;
+                wrong += self.sp_rows::<S>(pattern, tokens)?;
             }
         }
         Ok(wrong)
@@ -156,6 +164,40 @@ impl<D: Device> Table<'_, D> {
                 if comm.rank() == 0 {
                     let name = format!("unfused{topk}_{}", pattern.name());
                     print_line(&Line::new(name, dtype, u.ar_name, &spec, sample), a.hidden);
+                }
+            }
+        }
+        Ok(wrong)
+    }
+}
+
+impl<D: Device> Table<'_, D> {
+    /// The sequence-parallel rows of `--fused-sp`: one kernel family, so
+    /// once per form and mode (not per `--algo`; the algo column says
+    /// `sp`). Tokens that are not a multiple of the world size, and
+    /// `res` gathered (nothing to gather), have no row.
+    fn sp_rows<S: FromF64 + Half16>(&self, pattern: FusionPattern, tokens: usize) -> Result<usize> {
+        let (comm, a, dtype) = (self.comm, self.a, <S as Half16>::DTYPE);
+        let mut wrong = 0;
+        for &out in &a.fused_sp {
+            let name = format!("{}_{}", out.kind().name(), pattern.name());
+            if tokens % comm.size() != 0 || (out == SpOutput::Gathered && !pattern.norms()) {
+                if comm.rank() == 0 {
+                    println!("# {name} {dtype} {tokens} tokens: no row (tokens % world, or nothing to gather)");
+                }
+                continue;
+            }
+            for &mode in a.modes() {
+                let spec = RowSpec {
+                    pattern,
+                    tokens,
+                    choice: None,
+                    mode,
+                };
+                let sample = sp::one::<D, S>(comm, a, &spec, out)?;
+                wrong += sample.wrong;
+                if comm.rank() == 0 {
+                    print_line(&Line::new(name.clone(), dtype, "sp", &spec, sample), a.hidden);
                 }
             }
         }

@@ -14,17 +14,17 @@ use crate::colls::with_algo;
 use crate::timing::{median, time_samples, OPS_PER_SAMPLE};
 
 /// The static FP8 scale of `rms_fp8` rows.
-const STATIC_SCALE: f32 = 0.01;
+pub const STATIC_SCALE: f32 = 0.01;
 
 /// The global scale of `rms_nvfp4` rows (FlashInfer's `448 * 6 / amax` for
 /// an amax of 8), and where their scale factors go: the layout Blackwell's
 /// GEMMs read.
-const NVFP4_GLOBAL_SCALE: f32 = 336.0;
-const NVFP4_LAYOUT: SfLayout = SfLayout::Swizzled128x4;
+pub const NVFP4_GLOBAL_SCALE: f32 = 336.0;
+pub const NVFP4_LAYOUT: SfLayout = SfLayout::Swizzled128x4;
 
 /// The scale a pattern's buffer 6 starts with (static FP8: the scale;
 /// NVFP4: the global scale).
-fn given_scale(pattern: FusionPattern) -> f32 {
+pub fn given_scale(pattern: FusionPattern) -> f32 {
     if pattern.nvfp4() {
         NVFP4_GLOBAL_SCALE
     } else {
@@ -33,7 +33,7 @@ fn given_scale(pattern: FusionPattern) -> f32 {
 }
 
 /// Where NVFP4's scale factors start in buffer 5, after the codes.
-fn sf_offset(n: usize) -> usize {
+pub fn sf_offset(n: usize) -> usize {
     (n / 2).next_multiple_of(16)
 }
 
@@ -76,8 +76,8 @@ pub fn random<S: FromF64>(r: usize, k: usize, seed: u64) -> Vec<S> {
 
 /// The epilogue's own inputs: the residual and the norm's weight.
 pub struct Epilogue<S> {
-    residual: Vec<S>,
-    weight: Vec<S>,
+    pub residual: Vec<S>,
+    pub weight: Vec<S>,
 }
 
 impl<S: FromF64 + Half16> Epilogue<S> {
@@ -149,6 +149,11 @@ impl<'c, D: Device> Buffers<'c, D> {
     /// Buffer `k` as `count` elements of `dtype`.
     pub fn t(&self, k: usize, dtype: DType, count: usize) -> Result<Tensor> {
         Tensor::view(&self.bufs[k], dtype, 0, count)
+    }
+
+    /// `count` elements of `dtype` at byte `offset` of buffer `k`.
+    pub fn view(&self, k: usize, dtype: DType, offset: usize, count: usize) -> Result<Tensor> {
+        Tensor::view(&self.bufs[k], dtype, offset, count)
     }
 
     /// The first `len` bytes of buffer `k`, after what the stream ran.

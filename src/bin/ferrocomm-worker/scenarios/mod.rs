@@ -39,6 +39,7 @@ pub fn scenario<D: Device>(dev: D, store: Arc<dyn Store>, rank: usize, world: us
         "replay" => suites::replay(&comm, a),
         "smoke" => suites::smoke(&comm, a),
         "fused_nvfp4" => suites::fused_nvfp4(&comm, a),
+        "fused_sp" => suites::fused_sp(&comm, a),
         "copy_route" => suites::copy_route(&comm, a),
         "overlap" => suites::overlap(&comm, store, a),
         s if broadcaster::handles(s) => broadcaster::run(&comm, s, &broadcaster_params(a)),

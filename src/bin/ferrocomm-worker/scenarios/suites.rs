@@ -1,6 +1,6 @@
 //! The scenarios that run a suite of `ferrocomm::testing` across the
-//! processes: `conformance`, `fuzz`, `heap`, `ep`, `smoke`, `fused_nvfp4`, `copy_route`,
-//! `overlap` and `replay`.
+//! processes: `conformance`, `fuzz`, `heap`, `ep`, `smoke`, `fused_nvfp4`, `fused_sp`,
+//! `copy_route`, `overlap` and `replay`.
 
 use std::time::{Duration, Instant};
 
@@ -10,6 +10,7 @@ use ferrocomm::testing::conformance::{run_graph_replays, run_smoke, run_suite, S
 use ferrocomm::testing::copy_route::run_copy_route;
 use ferrocomm::testing::ep::run_ep_suite;
 use ferrocomm::testing::fused_nvfp4::run_fused_nvfp4;
+use ferrocomm::testing::fused_sp::run_fused_sp;
 use ferrocomm::testing::fuzz::{run_fuzz, FuzzConfig};
 use ferrocomm::testing::heap::{run_heap_suite, run_user_allgather};
 use ferrocomm::testing::overlap::run_overlap;
@@ -109,6 +110,17 @@ pub fn fused_nvfp4<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String
     let report = run_fused_nvfp4(comm, &quick_suite(a))?;
     comm.finalize()?;
     suite_result(comm.rank(), "fused NVFP4 checks", report)
+}
+
+/// The sequence-parallel fused form alone (`testing::fused_sp`:
+/// `reduce_scatter_fused`, every pattern, gathered and shard, both dtypes,
+/// NVFP4 in both layouts, special rows, a graph replay, validation), across
+/// processes; `FERROCOMM_SLOT_BYTES=131072` runs its calls over several
+/// chunks.
+pub fn fused_sp<D: Device>(comm: &Communicator<D>, a: &Args) -> Result<String> {
+    let report = run_fused_sp(comm, &quick_suite(a))?;
+    comm.finalize()?;
+    suite_result(comm.rank(), "fused SP checks", report)
 }
 
 /// The copy route alone (`testing::copy_route`: every collective it takes,
