@@ -12,10 +12,11 @@ use half::{bf16, f16};
 use super::conformance::{context, Suite, POISON};
 use super::data::{self, FromF64, Values};
 use super::fused_nvfp4::{case_layout, nvfp4_reference, sf_in_layout, NVFP4_GLOBAL_SCALE};
+use super::fused_sp::SpCase;
 use crate::algo::fused::{fp8_min_scale, int8_min_scale, FusedKind, FusionPattern, FP8_MAX, INT8_MAX};
 use crate::algo::nvfp4::SfLayout;
 use crate::codec::{Fp8Flavor, Half16};
-use crate::comm::{Call, Fusion, MoeFinalize, Tensor};
+use crate::comm::{Call, Fusion, MoeFinalize, SpOutput, Tensor};
 use crate::device::Device;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -527,8 +528,9 @@ impl<D: Device> Suite<'_, D> {
         self.fused_moe_validation()
     }
 
-    /// One small, checked call of each fused kernel (every pattern, both
-    /// families, bf16): the sanitizers' smoke run (`run_smoke`).
+    /// One small, checked call of each fused kernel (every pattern, every
+    /// kind, both sequence-parallel forms, bf16): the sanitizers' smoke run
+    /// (`run_smoke`).
     pub(super) fn fused_smoke(&mut self) -> Result<()> {
         for pattern in FusionPattern::ALL {
             for kind in FusedKind::ALL_REDUCE {
@@ -554,6 +556,20 @@ impl<D: Device> Suite<'_, D> {
                     });
                     self.fused_case::<bf16>(&Case { moe, ..case })?;
                 }
+            }
+            for out in SpOutput::ALL {
+                self.fused_sp_case::<bf16>(&SpCase {
+                    out,
+                    pattern,
+                    shard: 3,
+                    hidden: if pattern.nvfp4() { 272 } else { 264 },
+                    eps: 1e-6,
+                    in_place: false,
+                    with_allreduce_out: true,
+                    with_norm_out: pattern.norms(),
+                    special: false,
+                    layout: SfLayout::Swizzled128x4,
+                })?;
             }
         }
         Ok(())
