@@ -226,6 +226,14 @@ pub fn kind_algo(kind: FusedKind) -> Algorithm {
     }
 }
 
+/// NVFP4's graph replays: its global scale is read on the device when the
+/// kernel runs, so each replay writes a new one (the LL one-shot writes the
+/// swizzled layout, the two-shot the linear one).
+pub(super) const NVFP4_GRAPH_RUNS: [(FusionPattern, FusedKind); 2] = [
+    (FusionPattern::ResidualRmsNormNvfp4, FusedKind::OneShotLl),
+    (FusionPattern::ResidualRmsNormNvfp4, FusedKind::TwoShot),
+];
+
 /// The per-tensor FP8 scale the static pattern is given: small enough that
 /// the largest normed values saturate.
 pub(super) const STATIC_SCALE: f32 = 0.009;
@@ -756,27 +764,28 @@ impl<D: Device> Suite<'_, D> {
         Ok(())
     }
 
-    /// Capture one fused call (per-token FP8, all outputs) and one static
-    /// FP8 call, then replay them with fresh input, residual and (static)
-    /// scale each time: the scale is read on the device at run time.
+    /// Capture fused calls (per-token FP8 and INT8, static FP8) and replay
+    /// them with fresh input, residual and (static) scale each time: the
+    /// scale is read on the device at run time. NVFP4's replays are its
+    /// cases' ([`NVFP4_GRAPH_RUNS`]).
     fn fused_graph_replay(&mut self) -> Result<()> {
+        self.fused_graph_replay_of(&[
+            (FusionPattern::ResidualRmsNormFp8PerToken, FusedKind::OneShot),
+            (FusionPattern::ResidualRmsNormFp8, FusedKind::TwoShot),
+            (FusionPattern::ResidualRmsNormFp8, FusedKind::OneShotLl),
+            (FusionPattern::ResidualRmsNormInt8PerToken, FusedKind::TwoShot),
+        ])
+    }
+
+    /// The graph replays of `runs` (see [`Suite::fused_graph_replay`]).
+    pub(super) fn fused_graph_replay_of(&mut self, runs: &[(FusionPattern, FusedKind)]) -> Result<()> {
         let comm = self.comm;
         let dev = comm.device();
         let (rank, world) = (comm.rank(), comm.size());
         let (tokens, hidden) = (9, 1024);
         let n = tokens * hidden;
         let stream = dev.create_stream()?;
-        let runs = [
-            (FusionPattern::ResidualRmsNormFp8PerToken, FusedKind::OneShot),
-            (FusionPattern::ResidualRmsNormFp8, FusedKind::TwoShot),
-            (FusionPattern::ResidualRmsNormFp8, FusedKind::OneShotLl),
-            (FusionPattern::ResidualRmsNormInt8PerToken, FusedKind::TwoShot),
-            // NVFP4's global scale is read on the device when the kernel
-            // runs: each replay below writes a new one, in both layouts.
-            (FusionPattern::ResidualRmsNormNvfp4, FusedKind::OneShotLl),
-            (FusionPattern::ResidualRmsNormNvfp4, FusedKind::TwoShot),
-        ];
-        for (pattern, kind) in runs {
+        for &(pattern, kind) in runs {
             let call = Call::new().algo(kind_algo(kind));
             let qdt = pattern.quant_dtype().unwrap_or(DType::F8E4M3);
             let layout = if kind == FusedKind::TwoShot {

@@ -162,6 +162,7 @@ impl<D: Device> Suite<'_, D> {
                 ..case
             })?;
         }
+        self.fused_graph_replay_of(&super::fused::NVFP4_GRAPH_RUNS)?;
         self.fused_nvfp4_validation()
     }
 
