@@ -207,6 +207,14 @@ if [[ " $STEPS " == *" shared "* ]] && command -v torchrun >/dev/null; then
     # chunks outlast the step.
     step shared_copy_route "${shared[@]}" torchrun --nproc_per_node=2 --no-python \
         "$BIN/ferrocomm-worker" copy_route --backend cuda --timeout-secs 60
+    # The sequence-parallel fused epilogue, bitwise against the host
+    # reference: default slots, then 512 KiB slots so the largest cases run
+    # over several chunks (smaller slots' many handshakes, each a time
+    # slice on a shared GPU, outlast the step).
+    step shared_fused_sp "${shared[@]}" torchrun --nproc_per_node=2 --no-python \
+        "$BIN/ferrocomm-worker" fused_sp --backend cuda --timeout-secs 60
+    step shared_fused_sp_chunked "${shared[@]}" FERROCOMM_SLOT_BYTES=524288 torchrun --nproc_per_node=2 \
+        --no-python "$BIN/ferrocomm-worker" fused_sp --backend cuda --timeout-secs 60
     # The chunked all-gather and reduce-scatter (comm::overlap), bitwise.
     step shared_overlap "${shared[@]}" torchrun --nproc_per_node=2 --no-python \
         "$BIN/ferrocomm-worker" overlap --backend cuda --timeout-secs 60
@@ -232,7 +240,7 @@ if [[ " $STEPS " == *" shared "* ]] && command -v torchrun >/dev/null; then
     # The fused epilogues' bench rows, MoE finalize among them, checked
     # against the host reference on GPU memory (#wrong; no timing meaning).
     step shared_fused_bench "${shared[@]}" "$BIN/ferrocomm-bench" --backend cuda --world 2 --fused all \
-        --fused-moe 1,2,8 --tokens 1,32,128 --hidden 4096 --iters 3 --warmup 1
+        --fused-moe 1,2,8 --fused-sp all --tokens 1,32,128 --hidden 4096 --iters 3 --warmup 1
     if command -v compute-sanitizer >/dev/null; then
         for tool in memcheck racecheck; do
             wrapper="/tmp/ferrocomm-sanitize-shared-$tool.sh"
@@ -306,6 +314,11 @@ if [[ " $STEPS " == *" fused "* ]]; then
                 --algo auto,oneshot-ll,oneshot-push,twoshot-push \
                 --tokens 1,8,32,64,128,256,512,2048 --hidden "$h" --iters 20 --warmup 5 --json "$LOG/fused_w${w}_h$h.json"
         done
+        # The sequence-parallel form (gathered and shard) beside the
+        # all-reduce form of the same rows.
+        step "fused_sp_w$w" "$BIN/ferrocomm-bench" --backend cuda --world "$w" --fused rms,rms_fp8tok,rms_nvfp4 \
+            --fused-sp all --graph --tokens 128,512,2048,8192 --hidden 8192 --iters 20 --warmup 5 \
+            --json "$LOG/fused_sp_w$w.json"
     done
 fi
 

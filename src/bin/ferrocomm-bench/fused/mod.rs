@@ -216,7 +216,7 @@ fn print_header<D: Device>(comm: &Communicator<D>, a: &Args) {
         comm.device().facts().name
     );
     println!(
-        "{:>16} {:>6} {:>7} {:>7} {:>14} {:>6} {:>10} {:>8} {:>7}",
+        "{:>20} {:>6} {:>7} {:>7} {:>14} {:>6} {:>10} {:>8} {:>7}",
         "pattern", "dtype", "tokens", "hidden", "algo", "mode", "time_us", "cpu_us", "#wrong"
     );
 }
@@ -246,7 +246,7 @@ impl<'a> Line<'a> {
 
 fn print_line(l: &Line<'_>, hidden: usize) {
     println!(
-        "{:>16} {:>6} {:>7} {:>7} {:>14} {:>6} {:>10.2} {:>8.2} {:>7}",
+        "{:>20} {:>6} {:>7} {:>7} {:>14} {:>6} {:>10.2} {:>8.2} {:>7}",
         l.name,
         l.dtype.name(),
         l.tokens,
