@@ -848,22 +848,34 @@ macro_rules! conformance_tests {
     ($backend:ident, $make:expr, $skip:expr, $cfg:expr, ignore = $why:literal) => {
         $crate::conformance_tests!(@tests $backend, $make, $skip, $cfg, #[ignore = $why]);
     };
+    // One part of the suite on threads: `run_thread_suite` with the
+    // backend's device, skip rule and config, at `world`, with `opts`
+    // applied to the communicator options.
+    (@part $backend:ident, $make:expr, $skip:expr, $cfg:expr, $world:expr, $opts:expr, $suite:expr, $min:expr) => {{
+        let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
+        $crate::testing::conformance::run_thread_suite(
+            stringify!($backend),
+            $world,
+            $skip($world),
+            &$make,
+            $opts,
+            $suite,
+            &cfg,
+            $min,
+        );
+    }};
     (@tests $backend:ident, $make:expr, $skip:expr, $cfg:expr, $(#[$attr:meta])*) => {
         mod $backend {
             #[allow(unused_imports)]
             use super::*;
 
             fn run(world: usize) {
-                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
-                $crate::testing::conformance::run_thread_suite(
-                    stringify!($backend),
+                $crate::conformance_tests!(
+                    @part $backend, $make, $skip, $cfg,
                     world,
-                    $skip(world),
-                    &$make,
                     |o| o,
                     |comm, store, cfg| $crate::testing::conformance::run_suite(comm, store, cfg),
-                    &cfg,
-                    100,
+                    100
                 );
             }
 
@@ -897,16 +909,12 @@ macro_rules! conformance_tests {
 
             /// Fused epilogues over several workspace chunks (128 KiB slots).
             fn run_fused_chunked(world: usize) {
-                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
-                $crate::testing::conformance::run_thread_suite(
-                    stringify!($backend),
+                $crate::conformance_tests!(
+                    @part $backend, $make, $skip, $cfg,
                     world,
-                    $skip(world),
-                    &$make,
                     |o| o.with_slot_bytes(128 << 10),
                     |comm, _, cfg| $crate::testing::fused::run_fused_chunked(comm, cfg),
-                    &cfg,
-                    1,
+                    1
                 );
             }
 
@@ -924,16 +932,12 @@ macro_rules! conformance_tests {
             /// The copy route over several chunks of its inboxes (128 KiB
             /// slots), and captured into a graph.
             fn run_copy_route(world: usize) {
-                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
-                $crate::testing::conformance::run_thread_suite(
-                    stringify!($backend),
+                $crate::conformance_tests!(
+                    @part $backend, $make, $skip, $cfg,
                     world,
-                    $skip(world),
-                    &$make,
                     |o| o.with_slot_bytes(128 << 10),
                     |comm, _, cfg| $crate::testing::copy_route::run_copy_route(comm, cfg),
-                    &cfg,
-                    1,
+                    1
                 );
             }
 
@@ -950,16 +954,12 @@ macro_rules! conformance_tests {
 
             /// The chunked all-gather and reduce-scatter (`comm::overlap`).
             fn run_overlap(world: usize) {
-                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
-                $crate::testing::conformance::run_thread_suite(
-                    stringify!($backend),
+                $crate::conformance_tests!(
+                    @part $backend, $make, $skip, $cfg,
                     world,
-                    $skip(world),
-                    &$make,
                     |o| o,
                     |comm, store, cfg| $crate::testing::overlap::run_overlap(comm, store, cfg),
-                    &cfg,
-                    1,
+                    1
                 );
             }
 
@@ -976,31 +976,23 @@ macro_rules! conformance_tests {
             #[test]
             $(#[$attr])*
             fn overlap_timeout_world_2() {
-                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
-                $crate::testing::conformance::run_thread_suite(
-                    stringify!($backend),
+                $crate::conformance_tests!(
+                    @part $backend, $make, $skip, $cfg,
                     2,
-                    $skip(2),
-                    &$make,
                     |o| o,
                     |comm, store, cfg| $crate::testing::overlap::run_overlap_timeout(comm, store, cfg),
-                    &cfg,
-                    1,
+                    1
                 );
             }
 
             /// NVFP4's fused cases alone (also part of the whole suite).
             fn run_fused_nvfp4(world: usize) {
-                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
-                $crate::testing::conformance::run_thread_suite(
-                    stringify!($backend),
+                $crate::conformance_tests!(
+                    @part $backend, $make, $skip, $cfg,
                     world,
-                    $skip(world),
-                    &$make,
                     |o| o,
                     |comm, _, cfg| $crate::testing::fused_nvfp4::run_fused_nvfp4(comm, cfg),
-                    &cfg,
-                    1,
+                    1
                 );
             }
 
@@ -1017,16 +1009,12 @@ macro_rules! conformance_tests {
 
             /// The sequence-parallel fused form alone (also part of the whole suite).
             fn run_fused_sp(world: usize) {
-                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
-                $crate::testing::conformance::run_thread_suite(
-                    stringify!($backend),
+                $crate::conformance_tests!(
+                    @part $backend, $make, $skip, $cfg,
                     world,
-                    $skip(world),
-                    &$make,
                     |o| o,
                     |comm, _, cfg| $crate::testing::fused_sp::run_fused_sp(comm, cfg),
-                    &cfg,
-                    1,
+                    1
                 );
             }
 
@@ -1044,16 +1032,12 @@ macro_rules! conformance_tests {
             #[test]
             $(#[$attr])*
             fn collectives_without_ll_world_2() {
-                let cfg: $crate::testing::conformance::SuiteConfig = $cfg;
-                $crate::testing::conformance::run_thread_suite(
-                    stringify!($backend),
+                $crate::conformance_tests!(
+                    @part $backend, $make, $skip, $cfg,
                     2,
-                    $skip(2),
-                    &$make,
                     |o| o.with_coll_ll_bytes(0),
                     |comm, _, cfg| $crate::testing::conformance::run_collectives(comm, cfg),
-                    &cfg,
-                    1,
+                    1
                 );
             }
 
