@@ -536,6 +536,22 @@ impl<D: Device> Suite<'_, D> {
         self.fused_moe_validation()
     }
 
+    /// Buffers `(slot, bytes)` still hold only poison (a refused call wrote
+    /// nothing).
+    pub(super) fn check_poisoned(&mut self, what: &str, slots: &[(usize, usize)]) -> Result<()> {
+        let rank = self.comm.rank();
+        for &(slot, len) in slots {
+            let got = self.get(slot, 0, len)?;
+            self.check_bytes(
+                &format!("{what}: slot {slot} untouched rank={rank}"),
+                &got,
+                &vec![POISON; len],
+                true,
+            );
+        }
+        Ok(())
+    }
+
     /// One small, checked call of each fused kernel (every pattern, every
     /// kind, both sequence-parallel forms, bf16): the sanitizers' smoke run
     /// (`run_smoke`).
@@ -1044,15 +1060,7 @@ impl<D: Device> Suite<'_, D> {
             }
         }
         // Nothing ran: the outputs are still poison.
-        for (slot, len) in [(2, n * 2), (4, n * 2), (5, n), (7, n * 2)] {
-            let got = self.get(slot, 0, len)?;
-            self.check_bytes(
-                &format!("fused validation: slot {slot} untouched rank={rank}"),
-                &got,
-                &vec![POISON; len],
-                true,
-            );
-        }
+        self.check_poisoned("fused validation", &[(2, n * 2), (4, n * 2), (5, n), (7, n * 2)])?;
         Ok(())
     }
 }
@@ -1303,15 +1311,7 @@ impl<D: Device> Suite<'_, D> {
             }
         }
         // Nothing ran: the outputs are still poison.
-        for (slot, len) in [(2, n * 2), (4, n * 2), (7, n * 2)] {
-            let got = self.get(slot, 0, len)?;
-            self.check_bytes(
-                &format!("fused moe validation: slot {slot} untouched rank={rank}"),
-                &got,
-                &vec![POISON; len],
-                true,
-            );
-        }
+        self.check_poisoned("fused moe validation", &[(2, n * 2), (4, n * 2), (7, n * 2)])?;
         Ok(())
     }
 }

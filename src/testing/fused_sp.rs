@@ -541,15 +541,7 @@ impl<D: Device> Suite<'_, D> {
             }
         }
         // Nothing ran: the outputs are still poison.
-        for (slot, len) in [(2, n * 2), (4, n * 2), (5, n), (7, n * 2)] {
-            let got = self.get(slot, 0, len)?;
-            self.check_bytes(
-                &format!("fused sp validation: slot {slot} untouched rank={rank}"),
-                &got,
-                &vec![POISON; len],
-                true,
-            );
-        }
+        self.check_poisoned("fused sp validation", &[(2, n * 2), (4, n * 2), (5, n), (7, n * 2)])?;
         Ok(())
     }
 }
