@@ -8,7 +8,7 @@ use std::time::Duration;
 use ferrocomm::algo::kernels::QR_DTYPES;
 use ferrocomm::codec::Quantization;
 use ferrocomm::device::BackendKind;
-use ferrocomm::{DType, Error, FusionPattern, ReduceOp, Result, SpOutput};
+use ferrocomm::{DType, Error, FusionPattern, ReduceOp, Result, SfLayout, SpOutput};
 
 use crate::colls::Coll;
 
@@ -21,7 +21,7 @@ pub const USAGE: &str =
                         side by side; heap operands take the direct kinds from FERROCOMM_DIRECT_MIN_BYTES a peer)
                        [--quantization int4,int6,int8,fp8,fp4]
                        [--fused res,rms,rms_fp8,rms_fp8tok,rms_i8tok,rms_nvfp4|all [--tokens 1,32,128,2048] [--hidden 4096]
-                        [--fused-moe TOPK,..] [--fused-sp gathered,shard|all]]
+                        [--fused-moe TOPK,..] [--fused-sp gathered,shard|all] [--sf-layout swizzled|linear]]
                        [--heap]  (device put vs copy engine, user all-gather vs all_gather)
                        [--broadcaster]  (the metadata broadcaster: msgs/s and latency at 64 B, 4 KiB, 1 MiB)
                        [--ep [--tokens 1,8,32,128,512,1024,4096] [--hidden 7168] [--experts 256] [--topk 8] [--eager-only]]
@@ -83,6 +83,9 @@ pub struct Args {
     /// `--fused-sp`: the sequence-parallel forms (`reduce_scatter_fused`)
     /// whose rows are added to the fused table, per pattern and size.
     pub fused_sp: Vec<SpOutput>,
+    /// `--sf-layout`: where NVFP4 rows write their scale factors
+    /// (FlashInfer's swizzled 128x4 tiles by default, or row-major).
+    pub sf_layout: SfLayout,
     pub tokens: Vec<usize>,
     pub hidden: usize,
     /// `--heap`: the symmetric heap's rows (`heap.rs`) instead of the collectives.
@@ -127,6 +130,7 @@ impl Default for Args {
             operands: vec![Operands::Plain],
             fused_moe: Vec::new(),
             fused_sp: Vec::new(),
+            sf_layout: SfLayout::Swizzled128x4,
             tokens: vec![1, 32, 128, 2048],
             hidden: 4096,
             ep: false,
@@ -194,6 +198,7 @@ impl Args {
             "--operands" => self.operands = parse_operands(&value()?)?,
             "--fused-moe" => self.fused_moe = parse_topks(&value()?)?,
             "--fused-sp" => self.fused_sp = parse_sp(&value()?)?,
+            "--sf-layout" => self.sf_layout = parse_sf_layout(&value()?)?,
             "--ep" => self.ep = true,
             "--experts" => self.experts = Some(number(flag, &value()?)?),
             "--topk" => self.topk = Some(number(flag, &value()?)?),
@@ -337,6 +342,14 @@ fn parse_sp(s: &str) -> Result<Vec<SpOutput>> {
     pick(s, &SpOutput::ALL, SpOutput::name, |x| {
         Error::invalid(format!("unknown --fused-sp form {x:?} (gathered, shard, all)"))
     })
+}
+
+/// `--sf-layout`: one of NVFP4's scale-factor layouts.
+fn parse_sf_layout(s: &str) -> Result<SfLayout> {
+    SfLayout::ALL
+        .into_iter()
+        .find(|l| l.name() == s.trim())
+        .ok_or_else(|| Error::invalid(format!("unknown --sf-layout {s:?} (swizzled, linear)")))
 }
 
 /// `--fused-moe`: top-k values, each 1 to `MOE_MAX_TOPK`.

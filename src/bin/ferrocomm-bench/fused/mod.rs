@@ -114,6 +114,7 @@ impl<D: Device> Table<'_, D> {
                     tokens,
                     choice,
                     mode,
+                    sf_layout: a.sf_layout,
                 };
                 // A kind whose workspace cannot hold the call (the LL
                 // one-shot's lines at many tokens) refuses it on every rank
@@ -158,6 +159,7 @@ impl<D: Device> Table<'_, D> {
                     tokens,
                     choice: None,
                     mode,
+                    sf_layout: a.sf_layout,
                 };
                 let sample = u.time(a, &MoeRow::<D, S>::new(comm, a, spec, topk)?)?;
                 wrong += sample.wrong;
@@ -193,6 +195,7 @@ impl<D: Device> Table<'_, D> {
                     tokens,
                     choice: None,
                     mode,
+                    sf_layout: a.sf_layout,
                 };
                 let sample = sp::one::<D, S>(comm, a, &spec, out)?;
                 wrong += sample.wrong;
@@ -208,11 +211,12 @@ impl<D: Device> Table<'_, D> {
 fn print_header<D: Device>(comm: &Communicator<D>, a: &Args) {
     let backend = comm.device().facts().backend;
     println!(
-        "# ferrocomm-bench fused backend={} world={} iters={} warmup={} ({})",
+        "# ferrocomm-bench fused backend={} world={} iters={} warmup={} nvfp4 scale factors {} ({})",
         a.backend,
         comm.size(),
         a.iters_for(backend),
         a.warmup_for(backend),
+        a.sf_layout,
         comm.device().facts().name
     );
     println!(

@@ -17,9 +17,10 @@ use crate::timing::{median, time_samples, OPS_PER_SAMPLE};
 pub const STATIC_SCALE: f32 = 0.01;
 
 /// The global scale of `rms_nvfp4` rows (FlashInfer's `448 * 6 / amax` for
-/// an amax of 8), and where their scale factors go: the layout Blackwell's
-/// GEMMs read.
+/// an amax of 8).
 pub const NVFP4_GLOBAL_SCALE: f32 = 336.0;
+/// The layout buffers are sized for: the swizzled one, whose padded tiles
+/// take at least the linear layout's bytes, so either fits.
 pub const NVFP4_LAYOUT: SfLayout = SfLayout::Swizzled128x4;
 
 /// The scale a pattern's buffer 6 starts with (static FP8: the scale;
@@ -48,6 +49,8 @@ pub struct RowSpec<'a> {
     pub tokens: usize,
     pub choice: Option<Algorithm>,
     pub mode: &'a str,
+    /// Where NVFP4 rows write their scale factors (`--sf-layout`).
+    pub sf_layout: SfLayout,
 }
 
 /// A row's figures: median us per call, median CPU us per call, wrong outputs.
@@ -179,7 +182,8 @@ impl<'c, D: Device> Buffers<'c, D> {
 
     /// The epilogue of `pattern` on buffers 1 to 6, out of place (so
     /// repeated calls see the same residual).
-    pub fn fusion(&self, pattern: FusionPattern, dtype: DType, tokens: usize, hidden: usize) -> Result<Fusion> {
+    pub fn fusion(&self, spec: &RowSpec<'_>, dtype: DType, hidden: usize) -> Result<Fusion> {
+        let (pattern, tokens) = (spec.pattern, spec.tokens);
         let n = tokens * hidden;
         let mut f = Fusion::new(pattern, hidden, self.t(1, dtype, n)?, self.t(2, dtype, n)?);
         if pattern.norms() {
@@ -192,13 +196,13 @@ impl<'c, D: Device> Buffers<'c, D> {
             f = f.with_quant(self.t(5, qdt, n)?, self.t(6, DType::F32, scales)?);
         }
         if pattern.nvfp4() {
-            let sf = NVFP4_LAYOUT.sf_bytes(tokens, hidden);
+            let sf = spec.sf_layout.sf_bytes(tokens, hidden);
             let sf = Tensor::view(&self.bufs[5], DType::U8, sf_offset(n), sf)?;
             f = f.with_nvfp4(
                 self.t(5, DType::U8, n / 2)?,
                 self.t(6, DType::F32, 1)?,
                 sf,
-                NVFP4_LAYOUT,
+                spec.sf_layout,
             );
         }
         Ok(f)
@@ -221,11 +225,11 @@ impl<'c, D: Device> Buffers<'c, D> {
             wrong += usize::from(self.read(6, tokens * 4)? != data::to_bytes(&want.scales));
         }
         if pattern.nvfp4() {
-            let got = self.read(5, sf_offset(n) + NVFP4_LAYOUT.sf_bytes(tokens, hidden))?;
+            let got = self.read(5, sf_offset(n) + spec.sf_layout.sf_bytes(tokens, hidden))?;
             wrong += usize::from(got[..n / 2] != want.quant[..]);
             // The scale factors rows own (the swizzled padding is not written).
             let (sfs, cols) = (&got[sf_offset(n)..], hidden / 16);
-            let sf_ok = (0..tokens * cols).all(|i| sfs[NVFP4_LAYOUT.offset(i / cols, i % cols, cols)] == want.sf[i]);
+            let sf_ok = (0..tokens * cols).all(|i| sfs[spec.sf_layout.offset(i / cols, i % cols, cols)] == want.sf[i]);
             wrong += usize::from(!sf_ok);
         }
         Ok(wrong)
@@ -244,7 +248,7 @@ pub fn one<D: Device, S: FromF64 + Half16>(comm: &Communicator<D>, a: &Args, spe
     let mut fill = vec![(0, data::to_bytes(&inputs[rank]))];
     fill.extend(epilogue.fill(spec.pattern));
     let bufs = Buffers::new(comm, &sizes, &fill)?;
-    let f = bufs.fusion(spec.pattern, dtype, spec.tokens, hidden)?;
+    let f = bufs.fusion(spec, dtype, hidden)?;
     let times = bufs.time_fused(a, spec, bufs.t(0, dtype, n)?, &f)?;
     // The outputs of the last call against the unfused reference.
     let want = epilogue.want(spec.pattern, hidden, &inputs);

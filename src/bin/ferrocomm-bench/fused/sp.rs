@@ -87,12 +87,12 @@ fn fusion<D: Device>(bufs: &Buffers<'_, D>, spec: &RowSpec<'_>, dtype: DType, ro
         f = f.with_quant(bufs.t(5, qdt, no)?, bufs.t(6, DType::F32, scales)?);
     }
     if pattern.nvfp4() {
-        let sf = bufs.view(5, DType::U8, sf_offset(no), NVFP4_LAYOUT.sf_bytes(rows.out, hidden))?;
+        let sf = bufs.view(5, DType::U8, sf_offset(no), spec.sf_layout.sf_bytes(rows.out, hidden))?;
         f = f.with_nvfp4(
             bufs.t(5, DType::U8, no / 2)?,
             bufs.t(6, DType::F32, 1)?,
             sf,
-            NVFP4_LAYOUT,
+            spec.sf_layout,
         );
     }
     Ok(f)
@@ -125,13 +125,13 @@ fn wrong_bits<D: Device, S: Half16>(
         wrong += usize::from(bufs.read(6, rows.out * 4)? != data::to_bytes(scales));
     }
     if pattern.nvfp4() {
-        let got = bufs.read(5, sf_offset(no) + NVFP4_LAYOUT.sf_bytes(rows.out, hidden))?;
+        let got = bufs.read(5, sf_offset(no) + spec.sf_layout.sf_bytes(rows.out, hidden))?;
         let codes = &want.quant[first * hidden / 2..(first * hidden + no) / 2];
         wrong += usize::from(got[..no / 2] != *codes);
         // The scale factors the rows own (the swizzled padding is not written).
         let (sfs, cols) = (&got[sf_offset(no)..], hidden / 16);
         let sf_ok = (0..rows.out * cols)
-            .all(|i| sfs[NVFP4_LAYOUT.offset(i / cols, i % cols, cols)] == want.sf[first * cols + i]);
+            .all(|i| sfs[spec.sf_layout.offset(i / cols, i % cols, cols)] == want.sf[first * cols + i]);
         wrong += usize::from(!sf_ok);
     }
     Ok(wrong)
