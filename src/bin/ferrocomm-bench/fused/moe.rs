@@ -115,7 +115,7 @@ pub fn fused<D: Device, S: Half16>(a: &Args, row: &MoeRow<'_, '_, D, S>) -> Resu
     let (n, pairs) = (spec.tokens * hidden, spec.tokens * topk);
     let moe = MoeFinalize::new(bufs.t(7, DType::I32, pairs)?, bufs.t(8, DType::F32, pairs)?, *topk)
         .with_shared_expert_output(bufs.t(9, dtype, n)?);
-    let f = bufs.fusion(&spec, dtype, hidden)?.with_moe_finalize(moe);
+    let f = bufs.fusion(spec, dtype, hidden)?.with_moe_finalize(moe);
     let times = bufs.time_fused(a, spec, bufs.t(0, dtype, pairs * hidden)?, &f)?;
     Ok(Sample::new(times, bufs.wrong_bits(spec, hidden, want)?))
 }
