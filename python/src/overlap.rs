@@ -138,13 +138,7 @@ impl PyChunkedAllGather {
         what: &str,
         f: impl FnOnce(&AnyComm, &mut AnyAg) -> ferrocomm::Result<T> + Send,
     ) -> PyResult<T> {
-        let (comm, _) = self.parent.get().parts();
-        let comm = &**comm;
-        let obj = &self.obj;
-        run(py, || match lock(obj).as_mut() {
-            Some(o) => f(comm, o),
-            None => Err(Error::invalid(format!("chunked all-gather {what}: it was freed"))),
-        })
+        with_live(py, &self.parent, &self.obj, "chunked all-gather", what, f)
     }
 }
 
@@ -253,14 +247,26 @@ impl PyChunkedReduceScatter {
         what: &str,
         f: impl FnOnce(&AnyComm, &mut AnyRs) -> ferrocomm::Result<T> + Send,
     ) -> PyResult<T> {
-        let (comm, _) = self.parent.get().parts();
-        let comm = &**comm;
-        let obj = &self.obj;
-        run(py, || match lock(obj).as_mut() {
-            Some(o) => f(comm, o),
-            None => Err(Error::invalid(format!("chunked reduce-scatter {what}: it was freed"))),
-        })
+        with_live(py, &self.parent, &self.obj, "chunked reduce-scatter", what, f)
     }
+}
+
+/// Run `f` on the object in `slot` and its communicator, without the GIL;
+/// an error naming `kind` and `what` once the object was freed.
+fn with_live<O: Send, T: Send>(
+    py: Python<'_>,
+    parent: &Py<PyComm>,
+    slot: &Mutex<Option<O>>,
+    kind: &str,
+    what: &str,
+    f: impl FnOnce(&AnyComm, &mut O) -> ferrocomm::Result<T> + Send,
+) -> PyResult<T> {
+    let (comm, _) = parent.get().parts();
+    let comm = &**comm;
+    run(py, || match lock(slot).as_mut() {
+        Some(o) => f(comm, o),
+        None => Err(Error::invalid(format!("{kind} {what}: it was freed"))),
+    })
 }
 
 #[pymethods]

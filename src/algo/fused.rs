@@ -208,6 +208,7 @@ pub enum SpOutput {
 }
 
 impl SpOutput {
+    /// Both forms.
     pub const ALL: [SpOutput; 2] = [SpOutput::Gathered, SpOutput::Shard];
 
     /// The short name (`gathered`, `shard`).
